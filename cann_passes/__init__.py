@@ -1,0 +1,15 @@
+"""cann_passes: compile whole training steps into graphs, rewrite them with passes, lower them.
+
+    model + optimizer --capture--> TrainGraph --passes--> TrainGraph --lower--> torchair | inductor | eager
+"""
+from graph_ir import TrainGraph
+
+from .api import backend, compile_for_npu
+from .pass_manager import (PassContext, PassFailure, PassManager, PassRecord, Pipeline, PipelineError,
+                           register_pass, registered_passes, spec)
+from .plan import Plan, PlanError
+from .runtime import CompiledStep
+
+__all__ = ["CompiledStep", "PassContext", "PassFailure", "PassManager", "PassRecord", "Pipeline",
+           "PipelineError", "Plan", "PlanError", "TrainGraph", "backend", "compile_for_npu",
+           "register_pass", "registered_passes", "spec"]

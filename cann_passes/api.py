@@ -1,0 +1,39 @@
+"""The public entry points: compile a whole training step, or serve as a torch.compile backend."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from .plan import Plan
+from .runtime import CompiledStep
+
+
+def _as_plan(plan: Plan | dict | str | None) -> Plan:
+    if plan is None:
+        return Plan()
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, dict):
+        return Plan.from_dict(plan)
+    return Plan.load(plan)
+
+
+def compile_for_npu(model: torch.nn.Module, plan: Plan | dict | str | None = None, *,
+                    optimizer: torch.optim.Optimizer,
+                    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]) -> CompiledStep:
+    """Compile one whole training step of ``model`` with ``optimizer``.
+
+    ``plan`` is a :class:`Plan`, a dict of plan fields, or the path of a YAML/JSON
+    plan file. ``loss_fn(model, batch)`` returns a scalar loss; a batch may be a
+    tensor, a tuple or a dict of tensors. The returned step runs forward, loss,
+    backward and the optimizer update in one graph per call and keeps ``model``
+    and ``optimizer`` up to date.
+    """
+    return CompiledStep(model, _as_plan(plan), optimizer=optimizer, loss_fn=loss_fn)
+
+
+def backend(plan: Plan | dict | str | None = None):
+    """A ``torch.compile`` backend that runs the plan's passes on forward and backward graphs."""
+    from .torch_compile_backend import make_backend
+    return make_backend(_as_plan(plan))

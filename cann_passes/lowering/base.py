@@ -1,0 +1,81 @@
+"""The lowering interface and the choice of backend.
+
+A lowering turns a final TrainGraph into a callable ``run(*flat_inputs) ->
+list of outputs`` in the graph's signature order. ``auto`` picks torchair
+where an Ascend NPU is usable, inductor where a C++ toolchain exists (its CPU
+code generator needs one), and eager otherwise.
+"""
+from __future__ import annotations
+
+import importlib.util
+import shutil
+from typing import Any, Callable, Protocol
+
+import torch
+
+from graph_ir import TrainGraph
+
+Runner = Callable[..., Any]
+
+
+class BackendUnavailable(RuntimeError):
+    pass
+
+
+class Lowering(Protocol):
+    name: str
+
+    def available(self) -> tuple[bool, str]:
+        """Whether this backend can run here, and if not, what is missing."""
+
+    def compile(self, graph: TrainGraph, example_inputs: list[torch.Tensor], plan: Any) -> Runner:
+        """A callable computing the graph's outputs from its flat inputs."""
+
+
+def npu_available() -> tuple[bool, str]:
+    # Looking for the module without importing it: importing torch_npu on a
+    # machine without CANN fails (and its autoload can break torch itself).
+    if importlib.util.find_spec("torch_npu") is None:
+        return False, "torch_npu is not installed (pip install 'cann-recipes-train[npu]' on a CANN machine)"
+    try:
+        import torch_npu  # noqa: F401
+    except Exception as exc:  # CANN missing or broken
+        return False, f"torch_npu is installed but cannot be imported: {exc}"
+    if not (hasattr(torch, "npu") and torch.npu.is_available()):
+        return False, "torch_npu imports but no NPU device is visible"
+    return True, ""
+
+
+def cxx_compiler_available() -> tuple[bool, str]:
+    for cc in ("g++", "c++", "clang++"):
+        if shutil.which(cc):
+            return True, ""
+    return False, "no C++ compiler (g++/clang++) on PATH; inductor's CPU backend needs one"
+
+
+def get_lowering(name: str) -> Lowering:
+    from .eager import EagerLowering
+    from .inductor import InductorLowering
+    from .torchair import TorchairLowering
+    table = {"eager": EagerLowering, "inductor": InductorLowering, "torchair": TorchairLowering}
+    if name not in table:
+        raise BackendUnavailable(f"unknown backend '{name}'; choose one of {', '.join(table)} or auto")
+    return table[name]()
+
+
+def resolve_backend(name: str) -> str:
+    """The concrete backend for ``name``; ``auto`` -> torchair on NPU, else inductor, else eager."""
+    if name != "auto":
+        ok, why = get_lowering(name).available()
+        if not ok:
+            raise BackendUnavailable(f"backend '{name}' is not usable here: {why}")
+        return name
+    for candidate in ("torchair", "inductor"):
+        if get_lowering(candidate).available()[0]:
+            return candidate
+    return "eager"
+
+
+def available_backends() -> dict[str, str]:
+    """Each backend -> '' if usable, else what is missing."""
+    return {n: get_lowering(n).available()[1] for n in ("eager", "inductor", "torchair")}

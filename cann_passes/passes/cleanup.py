@@ -1,0 +1,76 @@
+"""cleanup: remove dead nodes and merge duplicate pure computations.
+
+Capture leaves dead code (the unused half of a ``native_layer_norm`` triple,
+detached aliases) and duplicate work (``t(weight)`` traced separately for the
+forward and the backward use). Merging duplicates is safe only for pure,
+deterministic ops: random ops (``native_dropout``, ``rand_like``) carry the
+``nondeterministic_seeded`` tag and two of them are two draws, and
+collectives are impure; both are left alone.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from graph_ir import TrainGraph
+from graph_ir.meta import REGION, Region
+
+from ..pass_manager import PassContext, register_pass
+
+_REGION_ORDER = {Region.IO.value: -1, Region.FORWARD.value: 0, Region.BACKWARD.value: 1,
+                 Region.OPTIMIZER.value: 2}
+
+
+def _mergeable(node: torch.fx.Node) -> bool:
+    if node.op != "call_function" or node.is_impure():
+        return False
+    tags = getattr(node.target, "tags", ())
+    return torch.Tag.nondeterministic_seeded not in tags and torch.Tag.inplace_view not in tags
+
+
+def _key(node: torch.fx.Node):
+    def freeze(a):
+        if isinstance(a, (list, tuple)):
+            return (type(a).__name__, tuple(freeze(x) for x in a))
+        if isinstance(a, torch.fx.Node):
+            return ("node", a.name)
+        if isinstance(a, dict):
+            return tuple(sorted((k, freeze(v)) for k, v in a.items()))
+        return (type(a).__name__, a)
+    return (node.target, freeze(node.args), freeze(node.kwargs))
+
+
+def eliminate_common_subexpressions(graph: torch.fx.Graph) -> int:
+    seen: dict = {}
+    merged = 0
+    for node in list(graph.nodes):
+        if not _mergeable(node):
+            continue
+        try:
+            key = _key(node)
+            hash(key)
+        except TypeError:
+            continue
+        first = seen.get(key)
+        if first is None:
+            seen[key] = node
+            continue
+        # Keep the earlier node; it inherits the earlier region so that the
+        # region order of its users still holds.
+        if _REGION_ORDER.get(node.meta.get(REGION), 0) < _REGION_ORDER.get(first.meta.get(REGION), 0):
+            first.meta[REGION] = node.meta[REGION]
+        node.replace_all_uses_with(first)
+        graph.erase_node(node)
+        merged += 1
+    return merged
+
+
+@register_pass("cleanup", preserves=())
+def cleanup_pass(graph: TrainGraph, ctx: PassContext, *, cse: bool = True) -> TrainGraph:
+    """Dead-code elimination, then (with ``cse``) merging of duplicate pure nodes."""
+    before = graph.num_nodes()
+    merged = eliminate_common_subexpressions(graph.graph) if cse else 0
+    graph.graph.eliminate_dead_code()
+    ctx.stat("merged", merged)
+    ctx.stat("removed", before - graph.num_nodes())
+    return graph

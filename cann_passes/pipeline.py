@@ -1,0 +1,37 @@
+"""The pipeline a plan compiles with: every built-in pass, in order, in one place.
+
+    cleanup                      dead code, duplicate pure ops
+    autocast{dtype}              mixed precision             (plan.precision != fp32)
+    recompute{policy,budget}     activation recompute        (plan.recompute != none)
+    data_parallel{...}           gradient all-reduce         (plan.dp > 1)
+    optimizer_shard{stage}       ZeRO                        (plan.zero_stage > 0)
+    <plan.extra_passes>          the user's own passes
+    npu_legalize                 Ascend converter coverage   (backend torchair)
+    cleanup
+
+A plan's ``pipeline`` field replaces all of this with its own text.
+"""
+from __future__ import annotations
+
+from .pass_manager import Pipeline, is_registered
+from .plan import Plan
+
+
+def build_pipeline(plan: Plan, backend: str) -> Pipeline:
+    if plan.pipeline:
+        return Pipeline.parse(plan.pipeline)
+    steps: list[str] = ["cleanup"]
+    if plan.precision != "fp32":
+        steps.append(f"autocast{{dtype={plan.precision},policy={'npu' if backend == 'torchair' else 'cuda'}}}")
+    if plan.recompute != "none":
+        budget = "" if plan.recompute_budget is None else f",budget={plan.recompute_budget}"
+        steps.append(f"recompute{{policy={plan.recompute},every_n={plan.recompute_every_n}{budget}}}")
+    if plan.dp > 1 and plan.zero_stage == 0:
+        steps.append(f"data_parallel{{bucket_mb={plan.bucket_mb}}}")
+    if plan.zero_stage:
+        steps.append(f"optimizer_shard{{stage={plan.zero_stage}}}")
+    steps.extend(plan.extra_passes)
+    if backend == "torchair" and is_registered("npu_legalize"):
+        steps.append("npu_legalize")
+    steps.append("cleanup")
+    return Pipeline.of(*steps)

@@ -1,0 +1,146 @@
+"""The Plan: one typed, validated description of how to compile a training step.
+
+Every field is checked when the plan is made; an invalid value raises
+:class:`PlanError` naming the field and the rule. Fields for capabilities
+that need a pass which is not registered accept only their default and
+otherwise raise ``NotImplementedError`` naming the capability, so a plan never
+silently ignores what it asks for.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+RECOMPUTE_POLICIES = ("none", "full", "selective", "every_n_layers", "budget")
+BACKENDS = ("auto", "eager", "inductor", "torchair")
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zero_bubble")
+VERIFY_LEVELS = ("off", "shallow", "deep")
+ALLREDUCE_ALGOS = ("auto", "ring", "tree")
+
+
+class PlanError(ValueError):
+    """A plan field breaks a rule; the message names the field and the rule."""
+
+    def __init__(self, field_name: str, rule: str, value: Any = None):
+        self.field = field_name
+        super().__init__(f"plan field '{field_name}' = {value!r}: {rule}")
+
+
+@dataclass(frozen=True)
+class Plan:
+    precision: str = "fp32"
+    recompute: str = "none"
+    recompute_budget: float | None = None      # fraction (<= 1.0) or bytes (> 1) of saved activations
+    recompute_every_n: int = 1
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero_stage: int = 0
+    microbatches: int = 1
+    pipeline_schedule: str = "1f1b"
+    allreduce_algo: str = "auto"
+    bucket_mb: float = 25.0
+    backend: str = "auto"
+    device_profile: str = "auto"
+    pipeline: str | None = None               # full pipeline text; overrides the one built from fields
+    extra_passes: tuple[str, ...] = ()         # pipeline text appended before lowering passes
+    dump_dir: str | None = None
+    verify: str = "shallow"
+    torchair: dict = field(default_factory=dict)  # CompilerConfig options, see lowering/torchair_config
+
+    def __post_init__(self):
+        object.__setattr__(self, "extra_passes", tuple(self.extra_passes))
+        object.__setattr__(self, "torchair", dict(self.torchair))
+        self._check_values()
+        self._check_capabilities()
+
+    # -- validation -------------------------------------------------------------------------
+    def _one_of(self, name: str, choices: tuple) -> None:
+        value = getattr(self, name)
+        if value not in choices:
+            raise PlanError(name, f"must be one of {', '.join(map(repr, choices))}", value)
+
+    def _positive_int(self, name: str) -> None:
+        value = getattr(self, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise PlanError(name, "must be an integer >= 1", value)
+
+    def _check_values(self) -> None:
+        for name, choices in (("precision", PRECISIONS), ("recompute", RECOMPUTE_POLICIES),
+                              ("backend", BACKENDS), ("pipeline_schedule", PIPELINE_SCHEDULES),
+                              ("verify", VERIFY_LEVELS), ("allreduce_algo", ALLREDUCE_ALGOS)):
+            self._one_of(name, choices)
+        for name in ("dp", "tp", "pp", "microbatches", "recompute_every_n"):
+            self._positive_int(name)
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise PlanError("zero_stage", "must be 0, 1, 2 or 3", self.zero_stage)
+        if self.zero_stage and self.dp == 1:
+            raise PlanError("zero_stage", "ZeRO shards over data-parallel ranks and needs dp > 1",
+                            self.zero_stage)
+        if not (isinstance(self.bucket_mb, (int, float)) and self.bucket_mb > 0):
+            raise PlanError("bucket_mb", "must be a positive number of MiB", self.bucket_mb)
+        budget = self.recompute_budget
+        if budget is not None and (not isinstance(budget, (int, float)) or budget < 0):
+            raise PlanError("recompute_budget", "must be a fraction in [0, 1] or a byte count > 1",
+                            budget)
+        if self.recompute == "budget" and budget is None:
+            raise PlanError("recompute_budget", "is required when recompute is 'budget'", budget)
+        if self.recompute != "budget" and budget is not None:
+            raise PlanError("recompute_budget", "only applies when recompute is 'budget'", budget)
+        from .lowering.torchair_config import config_assignments
+        try:
+            config_assignments(self.torchair)
+        except ValueError as exc:
+            raise PlanError("torchair", str(exc), self.torchair) from None
+        if not all(isinstance(p, str) and p.strip() for p in self.extra_passes):
+            raise PlanError("extra_passes", "must be a list of non-empty pipeline texts",
+                            self.extra_passes)
+
+    def _check_capabilities(self) -> None:
+        from .pass_manager import is_registered
+
+        needs = [("precision", self.precision != "fp32", "autocast", "mixed precision"),
+                 ("recompute", self.recompute != "none", "recompute", "recompute selection"),
+                 ("dp", self.dp > 1, "data_parallel", "data parallelism"),
+                 ("zero_stage", self.zero_stage > 0, "optimizer_shard", "ZeRO optimizer sharding"),
+                 ("microbatches", self.microbatches > 1, "grad_accumulation", "gradient accumulation"),
+                 ("tp", self.tp > 1, "tensor_parallel", "tensor parallelism"),
+                 ("pp", self.pp > 1, "pipeline_parallel", "pipeline parallelism")]
+        for field_name, asked, pass_name, capability in needs:
+            if asked and not is_registered(pass_name):
+                raise NotImplementedError(
+                    f"plan field '{field_name}' = {getattr(self, field_name)!r} asks for {capability}, "
+                    f"which is not built yet (no '{pass_name}' pass is registered)")
+        if self.pipeline_schedule != "1f1b" and self.pp == 1:
+            raise PlanError("pipeline_schedule", "only applies when pp > 1", self.pipeline_schedule)
+
+    # -- loading ----------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict) -> "Plan":
+        if not isinstance(data, dict):
+            raise PlanError("<plan>", "a plan must be a mapping of field names to values", data)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise PlanError(unknown[0], f"is not a plan field; fields are: {', '.join(sorted(known))}",
+                            data[unknown[0]])
+        return cls(**data)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Plan":
+        """A plan from a .yaml/.yml or .json file."""
+        text = open(path, encoding="utf-8").read()
+        data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+        return cls.from_dict(data or {})
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes) -> "Plan":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,113 @@
+"""FLOPs and bytes per node.
+
+FLOPs come from ``torch.utils.flop_counter``'s registry (the formulas torch
+itself uses for matmul, convolution and attention, forward and backward);
+elementwise and reduction ops count one FLOP per output element, so a
+roofline model can tell vector-unit time from matrix-unit time. Bytes are the
+tensors read plus the tensors written; views read and write nothing.
+"""
+from __future__ import annotations
+
+import operator
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+from torch.utils.flop_counter import flop_registry
+
+from ..meta import Region, nbytes, region_of, tensors_of
+
+aten = torch.ops.aten
+
+# Ops that only move or re-describe data, costing no arithmetic.
+_DATA_MOVEMENT = {
+    aten.clone.default, aten._to_copy.default, aten.copy.default, aten.cat.default,
+    aten.stack.default, aten.index_select.default, aten.embedding.default, aten.where.self,
+    aten.zeros_like.default, aten.ones_like.default, aten.full.default, aten.zeros.default,
+    aten.empty.memory_format, aten.scalar_tensor.default, aten.arange.start, aten.arange.default,
+}
+
+
+def is_view_op(node: torch.fx.Node) -> bool:
+    """True for nodes whose output aliases an input: they allocate and compute nothing."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return True
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.returns:
+        return False
+    alias = schema.returns[0].alias_info
+    return alias is not None and not alias.is_write
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    flops: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    matmul: bool = False   # counted on the matrix unit (Cube on Ascend, tensor cores on GPU)
+
+    @property
+    def bytes(self) -> int:
+        return self.bytes_read + self.bytes_written
+
+
+def _val(arg):
+    return arg.meta.get("val") if isinstance(arg, torch.fx.Node) else arg
+
+
+def node_cost(node: torch.fx.Node) -> NodeCost:
+    if node.op != "call_function" or is_view_op(node):
+        return NodeCost()
+    out = node.meta.get("val")
+    read = sum(nbytes(a.meta.get("val")) for a in node.all_input_nodes)
+    written = nbytes(out)
+    packet = getattr(node.target, "overloadpacket", None)
+    if packet in flop_registry:
+        args = torch.fx.node.map_aggregate(node.args, _val)
+        kwargs = torch.fx.node.map_aggregate(node.kwargs, _val)
+        try:
+            flops = int(flop_registry[packet](*args, **kwargs, out_val=out))
+            return NodeCost(flops, read, written, matmul=True)
+        except Exception:  # a formula that does not accept this overload's arguments
+            pass
+    if node.target in _DATA_MOVEMENT or not tensors_of(out):
+        return NodeCost(0, read, written)
+    elements = max(sum(t.numel() for t in tensors_of(out)),
+                   max((t.numel() for a in node.all_input_nodes for t in tensors_of(a.meta.get("val"))),
+                       default=0))
+    return NodeCost(elements, read, written)
+
+
+@dataclass
+class GraphCost:
+    per_node: dict[str, NodeCost] = field(default_factory=dict)
+    flops_by_region: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    bytes_by_region: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    @property
+    def total_flops(self) -> int:
+        return sum(self.flops_by_region.values())
+
+    @property
+    def matmul_flops(self) -> int:
+        return sum(c.flops for c in self.per_node.values() if c.matmul)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_by_region.values())
+
+
+def graph_cost(graph: torch.fx.Graph) -> GraphCost:
+    result = GraphCost()
+    for node in graph.nodes:
+        cost = node_cost(node)
+        result.per_node[node.name] = cost
+        region = str(region_of(node) if node.op != "placeholder" else Region.IO)
+        result.flops_by_region[region] += cost.flops
+        result.bytes_by_region[region] += cost.bytes
+    result.flops_by_region = dict(result.flops_by_region)
+    result.bytes_by_region = dict(result.bytes_by_region)
+    return result

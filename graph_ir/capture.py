@@ -1,0 +1,280 @@
+"""Capture one whole training step as one functional aten graph.
+
+The step is ``loss_fn(model, batch)``, its gradient with respect to every
+trainable parameter, and the optimizer update, traced by ``make_fx`` over
+``torch.func.functionalize``:
+
+- ``torch.func.vjp`` rather than ``grad``: it splits the trace into a forward
+  and a backward call, so every node can be tagged with its region.
+- ``torch.autograd.grad`` does not work here: inside ``functionalize`` the
+  wrapped tensors do not require grad.
+- Module paths come from forward pre/post hooks that annotate the current
+  tracing context; backward nodes inherit the module of the forward node whose
+  autograd node produced them (matched by autograd sequence number, the same
+  mechanism AOTAutograd uses to copy forward metadata to backward nodes).
+- Tracing is always on fake tensors: nothing is computed, so a 7B-parameter
+  model built on the ``meta`` device is captured without allocating memory.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.fx
+import torch.fx.traceback as fx_traceback
+import torch.utils._pytree as pytree
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.nn.utils.stateless import _reparametrize_module
+
+from .meta import MODULE_PATH, REGION, Region
+from .optimizers import UpdateRule, rule_for
+from .signature import InputKind, OutputKind, Spec, StepSignature, state_name
+from .train_graph import TrainGraph
+
+LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+
+_PREFIX = {InputKind.PARAM: "param", InputKind.BUFFER: "buffer", InputKind.OPT_STATE: "state",
+           InputKind.HPARAM: "hparam", InputKind.BATCH: "batch"}
+
+
+class CaptureError(RuntimeError):
+    pass
+
+
+@dataclass
+class StepLayout:
+    """Where each input of a captured step comes from in the model and optimizer."""
+
+    trainable: list[str]            # parameters the optimizer updates, in input order
+    frozen: list[str]               # parameters read but not updated
+    buffers: list[str]
+    state_keys: dict[str, tuple[str, ...]]   # per trainable parameter
+    group_of: dict[str, int]        # trainable parameter -> param group index
+    batch_paths: list[str]
+    batch_spec: pytree.TreeSpec
+
+
+def optimizer_param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Parameter name -> param-group index, refusing parameters the model does not own."""
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    group_of: dict[str, int] = {}
+    for gi, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) not in name_of:
+                raise CaptureError(
+                    f"optimizer param group {gi} holds a tensor of shape {tuple(p.shape)} that is "
+                    "not a parameter of the model (rule: every optimized tensor must be a model parameter)")
+            group_of[name_of[id(p)]] = gi
+    return group_of
+
+
+def _batch_path(path) -> str:
+    return "batch" + "".join(f"[{k.key!r}]" if isinstance(k, pytree.MappingKey) else
+                             f"[{getattr(k, 'idx', k)}]" for k in path)
+
+
+def plan_layout(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
+                rule: UpdateRule) -> StepLayout:
+    group_of = optimizer_param_names(model, optimizer)
+    trainable, frozen = [], []
+    for name, p in model.named_parameters():
+        (trainable if name in group_of and p.requires_grad else frozen).append(name)
+    leaves, spec = pytree.tree_flatten_with_path(batch)
+    for path, leaf in leaves:
+        if not isinstance(leaf, torch.Tensor):
+            raise CaptureError(f"{_batch_path(path)} is a {type(leaf).__name__}; "
+                               "every leaf of a batch must be a tensor")
+    state_keys = {n: rule.state_keys(optimizer.param_groups[group_of[n]]) for n in trainable}
+    return StepLayout(trainable, frozen, [n for n, _ in model.named_buffers()], state_keys,
+                      {n: group_of[n] for n in trainable}, [_batch_path(p) for p, _ in leaves], spec)
+
+
+def build_signature(layout: StepLayout, num_groups: int) -> StepSignature:
+    ins = [Spec(InputKind.PARAM, n) for n in layout.trainable + layout.frozen]
+    ins += [Spec(InputKind.BUFFER, n) for n in layout.buffers]
+    ins += [Spec(InputKind.OPT_STATE, state_name(n, k)) for n in layout.trainable
+            for k in layout.state_keys[n]]
+    ins += [Spec(InputKind.HPARAM, f"lr:group{g}") for g in range(num_groups)]
+    ins += [Spec(InputKind.BATCH, p) for p in layout.batch_paths]
+    outs = [Spec(OutputKind.LOSS, "loss")]
+    outs += [Spec(OutputKind.PARAM, n) for n in layout.trainable]
+    outs += [Spec(OutputKind.OPT_STATE, state_name(n, k)) for n in layout.trainable
+             for k in layout.state_keys[n]]
+    return StepSignature(ins, outs)
+
+
+@contextlib.contextmanager
+def _module_path_annotations(model: torch.nn.Module):
+    """Tag every traced node with the path of the module running when it was made."""
+    stack: list[contextlib.AbstractContextManager] = []
+    handles = []
+
+    def enter(path):
+        def hook(module, args):
+            ctx = fx_traceback.annotate({MODULE_PATH: path})
+            ctx.__enter__()
+            stack.append(ctx)
+        return hook
+
+    def leave(module, args, output):
+        if stack:
+            stack.pop().__exit__(None, None, None)
+
+    for path, module in model.named_modules(remove_duplicate=False):
+        if path:
+            handles.append(module.register_forward_pre_hook(enter(path)))
+            handles.append(module.register_forward_hook(leave, always_call=True))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        while stack:
+            stack.pop().__exit__(None, None, None)
+
+
+def _tag_backward_with_forward_module(loss: torch.Tensor) -> None:
+    """Ask autograd to record, on each backward node, the sequence number of its forward op."""
+    try:
+        from torch._functorch._aot_autograd.logging_utils import setup_stacktrace_preservation_hooks
+    except ImportError:  # a torch without it: backward nodes keep no module path
+        return
+    if loss.grad_fn is not None:
+        setup_stacktrace_preservation_hooks([loss.grad_fn])
+
+
+def _make_step_fn(model, optimizer, loss_fn, layout: StepLayout, rule: UpdateRule):
+    n_train, n_frozen, n_buf = len(layout.trainable), len(layout.frozen), len(layout.buffers)
+    groups = optimizer.param_groups
+
+    def step(*flat):
+        it = iter(flat)
+        trainable = [next(it) for _ in range(n_train)]
+        frozen = [next(it) for _ in range(n_frozen)]
+        buffers = [next(it) for _ in range(n_buf)]
+        states = [{k: next(it) for k in layout.state_keys[n]} for n in layout.trainable]
+        lrs = [next(it) for _ in groups]
+        batch = pytree.tree_unflatten(list(it), layout.batch_spec)
+        fixed = dict(zip(layout.frozen, frozen)) | dict(zip(layout.buffers, buffers))
+
+        def loss_of(*params):
+            bound = dict(zip(layout.trainable, params)) | fixed
+            with _reparametrize_module(model, bound, tie_weights=True, strict=False):
+                with _module_path_annotations(model):
+                    loss = loss_fn(model, batch)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise CaptureError("loss_fn must return a scalar tensor "
+                                   f"(got {type(loss).__name__} of shape {getattr(loss, 'shape', None)})")
+            _tag_backward_with_forward_module(loss)
+            return loss.reshape(())
+
+        with fx_traceback.annotate({REGION: Region.FORWARD.value}):
+            loss, vjp_fn = torch.func.vjp(loss_of, *trainable)
+        with fx_traceback.annotate({REGION: Region.BACKWARD.value}):
+            grads = vjp_fn(torch.ones_like(loss))
+        new_params, new_states = [], []
+        with fx_traceback.annotate({REGION: Region.OPTIMIZER.value}):
+            for name, p, g, s in zip(layout.trainable, trainable, grads, states):
+                group = groups[layout.group_of[name]]
+                with fx_traceback.annotate({MODULE_PATH: name.rpartition(".")[0]}):
+                    new_p, new_s = rule.update(p, g, s, lrs[layout.group_of[name]], group)
+                new_params.append(new_p)
+                new_states.extend(new_s[k] for k in layout.state_keys[name])
+        return [loss, *new_params, *new_states]
+
+    return step
+
+
+def _finish_metadata(gm: torch.fx.GraphModule) -> None:
+    """Move annotations into the IR's vocabulary and give backward nodes their module path."""
+    module_by_seq: dict[int, str] = {}
+    for node in gm.graph.nodes:
+        custom = node.meta.pop("custom", {}) or {}
+        if node.op in ("placeholder", "output"):
+            node.meta[REGION] = Region.IO.value
+            continue
+        node.meta[REGION] = custom.get(REGION, Region.FORWARD.value)
+        path = custom.get(MODULE_PATH, "")
+        seq = node.meta.get("seq_nr")
+        if node.meta[REGION] == Region.FORWARD.value and path and seq is not None:
+            module_by_seq.setdefault(seq, path)
+        if node.meta[REGION] == Region.BACKWARD.value and node.meta.get("autograd_backward"):
+            path = module_by_seq.get(seq, "")
+        node.meta[MODULE_PATH] = path
+        # Stack traces point into this file and torch; they make dumps unreadable.
+        node.meta.pop("stack_trace", None)
+
+
+def _name_placeholders(gm: torch.fx.GraphModule, signature: StepSignature) -> None:
+    taken = {n.name for n in gm.graph.nodes}
+    for node, spec in zip([n for n in gm.graph.nodes if n.op == "placeholder"], signature.inputs):
+        kind = InputKind(spec.kind)
+        raw = spec.name if kind == InputKind.BATCH else f"{_PREFIX[kind]}_{spec.name}"
+        base = "".join(c if c.isalnum() else "_" for c in raw).strip("_")
+        name, i = base, 1
+        while name in taken and name != node.name:
+            name, i = f"{base}_{i}", i + 1
+        taken.discard(node.name)
+        node._rename(name)
+        node.target = name
+        taken.add(name)
+
+
+def initial_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                            layout: StepLayout, rule: UpdateRule) -> None:
+    """Create torch.optim-format state for parameters that have none yet (before the first step)."""
+    params = dict(model.named_parameters())
+    for name in layout.trainable:
+        p = params[name]
+        state = optimizer.state[p]
+        if not state:
+            state.update(rule.init_state(p.detach(), optimizer.param_groups[layout.group_of[name]]))
+        missing = [k for k in layout.state_keys[name] if k not in state]
+        if missing:
+            raise CaptureError(f"optimizer state of '{name}' lacks {missing}; "
+                               f"it has {sorted(state)}")
+
+
+def gather_inputs(model, optimizer, layout: StepLayout, batch: Any) -> list[torch.Tensor]:
+    """The flat input list of a captured step, read from the live model and optimizer."""
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    flat = [params[n].detach() for n in layout.trainable + layout.frozen]
+    flat += [buffers[n] for n in layout.buffers]
+    flat += [optimizer.state[params[n]][k] for n in layout.trainable for k in layout.state_keys[n]]
+    device = flat[0].device if flat else torch.device("cpu")
+    flat += [torch.tensor(float(g["lr"]), dtype=torch.float32, device=device)
+             for g in optimizer.param_groups]
+    leaves, spec = pytree.tree_flatten(batch)
+    if spec != layout.batch_spec:
+        raise CaptureError(f"batch structure changed: captured {layout.batch_spec}, got {spec}")
+    return flat + leaves
+
+
+def capture_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn,
+                       batch: Any, *, name: str = "step") -> tuple[TrainGraph, StepLayout]:
+    """Capture ``loss_fn(model, batch)`` + backward + ``optimizer`` update as one TrainGraph.
+
+    The optimizer's state is initialised in torch.optim's own format where it is
+    empty, so the same tensors can be fed to the graph and checkpointed.
+    """
+    rule = rule_for(optimizer)
+    layout = plan_layout(model, optimizer, batch, rule)
+    if not layout.trainable:
+        raise CaptureError("the optimizer updates no trainable parameter of the model")
+    initial_optimizer_state(model, optimizer, layout, rule)
+    signature = build_signature(layout, len(optimizer.param_groups))
+    flat = gather_inputs(model, optimizer, layout, batch)
+    step = _make_step_fn(model, optimizer, loss_fn, layout, rule)
+    with fx_traceback.preserve_node_meta():
+        gm = make_fx(torch.func.functionalize(step), tracing_mode="fake",
+                     _allow_non_fake_inputs=True)(*flat)
+    _finish_metadata(gm)
+    _name_placeholders(gm, signature)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    tg = TrainGraph(gm, signature, {"name": name, "optimizer": type(optimizer).__name__,
+                                    "model": type(model).__name__})
+    return tg, layout

@@ -1,0 +1,88 @@
+"""The one vocabulary of graph metadata, defined once and used everywhere.
+
+Every node of a training graph carries, in ``node.meta``:
+
+- ``REGION``: which part of the step it belongs to (:class:`Region`).
+- ``MODULE_PATH``: the dotted path of the ``nn.Module`` it came from
+  (``layers.3.attn.qkv``), or ``""`` where no module ran it (the loss, the
+  optimizer update).
+- ``"val"``: a fake tensor (or a tuple of them) giving shape and dtype; this is
+  torch's own key, kept so that torch's tools (FakeTensorProp, inductor) work.
+
+Passes add their own keys here rather than inventing new spellings.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import torch
+import torch.fx
+
+REGION = "region"
+MODULE_PATH = "module_path"
+COST = "cost"
+SHARDING = "sharding"
+RECOMPUTE = "recompute"
+ORIGIN_PASS = "origin_pass"
+
+
+class Region(str, enum.Enum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+    # Placeholders and the output node belong to no region of computation.
+    IO = "io"
+
+    def __str__(self) -> str:  # prints as "forward", not "Region.FORWARD"
+        return self.value
+
+
+def region_of(node: torch.fx.Node) -> Region:
+    value = node.meta.get(REGION)
+    if value is None:
+        return Region.IO if node.op in ("placeholder", "output") else Region.FORWARD
+    return Region(value)
+
+
+def module_path_of(node: torch.fx.Node) -> str:
+    return node.meta.get(MODULE_PATH, "")
+
+
+def tensor_meta(node: torch.fx.Node) -> Any:
+    """The fake value(s) of a node: a tensor, a tuple of them, or a Python scalar."""
+    return node.meta.get("val")
+
+
+def tensors_of(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in tensors_of(v)]
+    return []
+
+
+def nbytes(value: Any) -> int:
+    """Bytes of the tensor(s) in a node's value; symbolic sizes are not expected here."""
+    return sum(t.numel() * t.element_size() for t in tensors_of(value))
+
+
+_DTYPE_ABBR = {
+    torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
+    torch.int64: "i64", torch.int32: "i32", torch.int8: "i8", torch.uint8: "u8", torch.bool: "b8",
+}
+
+
+def dtype_abbr(dtype: torch.dtype) -> str:
+    return _DTYPE_ABBR.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def describe_value(value: Any) -> str:
+    """``f32[4, 8]``-style text for a value, as in torch's print_readable."""
+    if isinstance(value, torch.Tensor):
+        return f"{dtype_abbr(value.dtype)}[{', '.join(str(s) for s in value.shape)}]"
+    if isinstance(value, (list, tuple)):
+        return "(" + ", ".join(describe_value(v) for v in value) + ")"
+    if value is None:
+        return "none"
+    return type(value).__name__

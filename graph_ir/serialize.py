@@ -1,0 +1,165 @@
+"""JSON form of a TrainGraph: every node with its op, inputs, value, region and module path.
+
+The JSON is loadable: ``from_json`` rebuilds a runnable TrainGraph (targets
+resolved by name in ``torch.ops``, fake values recomputed by FakeTensorProp),
+so a dump from one machine can be inspected or re-run on another. Tensor
+constants are not embedded; graphs that hold them record their names and
+shapes, and loading asks for them.
+"""
+from __future__ import annotations
+
+import builtins
+import math
+import operator
+from typing import Any
+
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from .meta import MODULE_PATH, REGION, describe_value, tensors_of
+from .signature import StepSignature
+from .train_graph import TrainGraph
+
+FORMAT_VERSION = 1
+_DTYPES = {str(d).replace("torch.", ""): d for d in (
+    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64)}
+
+
+def target_name(target: Any) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}.{target._schema.name.split('::')[-1]}.{target._overloadname}"
+    if isinstance(target, str):
+        return target
+    return f"{target.__module__}.{target.__qualname__}"
+
+
+def resolve_target(name: str) -> Any:
+    module, _, attr = name.rpartition(".")
+    if module in ("_operator", "operator"):
+        return getattr(operator, attr)
+    if module == "builtins":
+        return getattr(builtins, attr)
+    namespace, op, overload = name.split(".")
+    return getattr(getattr(getattr(torch.ops, namespace), op), overload)
+
+
+def _encode(arg: Any) -> Any:
+    if isinstance(arg, torch.fx.Node):
+        return {"node": arg.name}
+    if isinstance(arg, (list, tuple)):
+        return {"tuple" if isinstance(arg, tuple) else "list": [_encode(a) for a in arg]}
+    if isinstance(arg, torch.dtype):
+        return {"dtype": str(arg).replace("torch.", "")}
+    if isinstance(arg, torch.device):
+        return {"device": str(arg)}
+    if isinstance(arg, (torch.memory_format, torch.layout)):
+        return {"torch": str(arg).replace("torch.", "")}
+    if isinstance(arg, float) and not math.isfinite(arg):
+        return {"float": repr(arg)}
+    if arg is None or isinstance(arg, (bool, int, float, str)):
+        return arg
+    raise TypeError(f"cannot serialize argument {arg!r} of type {type(arg).__name__}")
+
+
+def _decode(obj: Any, nodes: dict[str, torch.fx.Node]) -> Any:
+    if not isinstance(obj, dict):
+        return obj
+    (kind, value), = obj.items()
+    if kind == "node":
+        return nodes[value]
+    if kind in ("list", "tuple"):
+        items = [_decode(v, nodes) for v in value]
+        return tuple(items) if kind == "tuple" else items
+    if kind == "dtype":
+        return _DTYPES[value]
+    if kind == "device":
+        return torch.device(value)
+    if kind == "torch":
+        return getattr(torch, value)
+    if kind == "float":
+        return float(value)
+    raise ValueError(f"unknown encoded argument kind {kind!r}")
+
+
+def _value_json(val: Any) -> Any:
+    if isinstance(val, torch.Tensor):
+        return {"shape": list(val.shape), "dtype": str(val.dtype).replace("torch.", "")}
+    if isinstance(val, (list, tuple)):
+        return [_value_json(v) for v in val]
+    return None
+
+
+def node_json(node: torch.fx.Node, cost=None) -> dict:
+    data = {"name": node.name, "op": node.op, "target": target_name(node.target),
+            "args": _encode(node.args), "kwargs": {k: _encode(v) for k, v in node.kwargs.items()},
+            "value": _value_json(node.meta.get("val")), "type": describe_value(node.meta.get("val")),
+            "region": node.meta.get(REGION), "module_path": node.meta.get(MODULE_PATH, ""),
+            "users": [u.name for u in node.users]}
+    for key in ("recompute", "sharding", "origin_pass"):
+        if key in node.meta:
+            data[key] = node.meta[key]
+    if cost is not None:
+        data["cost"] = {"flops": cost.flops, "bytes": cost.bytes, "matmul": cost.matmul}
+    return data
+
+
+def to_json(tg: TrainGraph, *, with_cost: bool = True) -> dict:
+    costs = None
+    if with_cost:
+        from .analysis.cost import node_cost
+        costs = {n: node_cost(n) for n in tg.graph.nodes}
+    constants = {n.target: _value_json(getattr(tg.gm, n.target, None))
+                 for n in tg.graph.nodes if n.op == "get_attr"}
+    return {"format_version": FORMAT_VERSION, "name": tg.name, "attrs": tg.attrs,
+            "signature": tg.signature.to_json(), "constants": constants,
+            "nodes": [node_json(n, costs[n] if costs else None) for n in tg.graph.nodes]}
+
+
+def from_json(data: dict, constants: dict[str, torch.Tensor] | None = None) -> TrainGraph:
+    """Rebuild a TrainGraph; ``constants`` supplies tensors for get_attr nodes."""
+    if data.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"graph JSON format_version {data.get('format_version')} is not {FORMAT_VERSION}")
+    graph = torch.fx.Graph()
+    root = torch.nn.Module()
+    nodes: dict[str, torch.fx.Node] = {}
+    for item in data["nodes"]:
+        op = item["op"]
+        if op == "placeholder":
+            node = graph.placeholder(item["name"])
+        elif op == "output":
+            node = graph.output(_decode(item["args"], nodes)[0])
+        elif op == "get_attr":
+            if not constants or item["target"] not in constants:
+                raise ValueError(f"graph constant {item['target']!r} is needed to load this graph")
+            root.register_buffer(item["target"], constants[item["target"]])
+            node = graph.get_attr(item["target"])
+        else:
+            node = graph.call_function(resolve_target(item["target"]), _decode(item["args"], nodes),
+                                       {k: _decode(v, nodes) for k, v in item["kwargs"].items()})
+        node.name = item["name"]
+        for key in (REGION, MODULE_PATH, "recompute", "sharding", "origin_pass"):
+            if item.get(key) is not None:
+                node.meta[key] = item[key]
+        nodes[item["name"]] = node
+    gm = torch.fx.GraphModule(root, graph)
+    _propagate_fake_values(gm, [n for n in data["nodes"] if n["op"] == "placeholder"])
+    return TrainGraph(gm, StepSignature.from_json(data["signature"]), data.get("attrs", {}))
+
+
+def _propagate_fake_values(gm: torch.fx.GraphModule, placeholders: list[dict]) -> None:
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    inputs = []
+    for item in placeholders:
+        value = item["value"]
+        with mode:
+            inputs.append(torch.empty(value["shape"], dtype=_DTYPES[value["dtype"]]))
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
+
+
+def value_matches(a: Any, b: Any) -> bool:
+    ta, tb = tensors_of(a), tensors_of(b)
+    return len(ta) == len(tb) and all(
+        x.shape == y.shape and x.dtype == y.dtype for x, y in zip(ta, tb))

@@ -1,0 +1,103 @@
+"""The training-graph IR: one aten-level FX graph of a whole step, plus its signature.
+
+A :class:`TrainGraph` is deliberately thin: the graph is a plain
+``torch.fx.GraphModule`` (so torch's own tools — FakeTensorProp, the
+partitioner, inductor — work on it unchanged) and everything specific to
+training lives in the signature and in ``node.meta`` keys from
+:mod:`graph_ir.meta`. A compiled step may hold several of these (one per
+pipeline stage or per rank); ``attrs`` says which one this is.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+from typing import Any, Iterator
+
+import torch
+import torch.fx
+
+from .meta import MODULE_PATH, REGION, Region, region_of
+from .signature import StepSignature
+
+
+class TrainGraph:
+    def __init__(self, gm: torch.fx.GraphModule, signature: StepSignature,
+                 attrs: dict[str, Any] | None = None):
+        self.gm = gm
+        self.signature = signature
+        # Free-form facts about this graph: its name, the tracing mode, and for
+        # per-rank or per-stage graphs their rank/stage. JSON-serializable values only.
+        self.attrs: dict[str, Any] = dict(attrs or {})
+        # Bumped by the pass manager whenever a pass changes the graph; analyses
+        # are cached against it.
+        self.version = 0
+
+    @property
+    def graph(self) -> torch.fx.Graph:
+        return self.gm.graph
+
+    @property
+    def name(self) -> str:
+        return self.attrs.get("name", "step")
+
+    def placeholders(self) -> list[torch.fx.Node]:
+        return [n for n in self.graph.nodes if n.op == "placeholder"]
+
+    def output_node(self) -> torch.fx.Node:
+        return self.graph.output_node()
+
+    def output_values(self) -> list[torch.fx.Node]:
+        return list(self.output_node().args[0])
+
+    def input_node(self, kind: str, name: str) -> torch.fx.Node:
+        return self.placeholders()[self.signature.input_index(kind, name)]
+
+    def output_value(self, kind: str, name: str) -> torch.fx.Node:
+        return self.output_values()[self.signature.output_index(kind, name)]
+
+    def set_outputs(self, values: list[torch.fx.Node]) -> None:
+        out = self.output_node()
+        out.args = (list(values),)
+
+    def compute_nodes(self, region: Region | None = None) -> Iterator[torch.fx.Node]:
+        for node in self.graph.nodes:
+            if node.op in ("placeholder", "output", "get_attr"):
+                continue
+            if region is None or region_of(node) == region:
+                yield node
+
+    def recompile(self) -> None:
+        self.gm.recompile()
+
+    def copy(self) -> "TrainGraph":
+        """A structural copy: new graph and nodes, shared constants and fake values."""
+        new_graph = torch.fx.Graph(tracer_cls=self.graph._tracer_cls)
+        output_value, old_output = new_graph.graph_copy(self.graph, {}, return_output_node=True)
+        new_graph._codegen = copy.deepcopy(self.graph._codegen)
+        new_graph.output(output_value).meta = copy.copy(old_output.meta)
+        gm = torch.fx.GraphModule(self.gm, new_graph)
+        clone = TrainGraph(gm, copy.deepcopy(self.signature), copy.deepcopy(self.attrs))
+        clone.version = self.version
+        return clone
+
+    def fingerprint(self) -> str:
+        """A hash of the graph's structure, its region/module tags and its node values' shapes."""
+        h = hashlib.sha1()
+        for node in self.graph.nodes:
+            h.update(node.format_node().encode())
+            h.update(f"|{node.meta.get(REGION)}|{node.meta.get(MODULE_PATH)}".encode())
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                h.update(f"|{val.dtype}{tuple(val.shape)}".encode())
+        return h.hexdigest()
+
+    def num_nodes(self) -> int:
+        return len(self.graph.nodes)
+
+    def __repr__(self) -> str:
+        return (f"TrainGraph({self.name!r}, nodes={self.num_nodes()}, "
+                f"inputs={len(self.signature.inputs)}, outputs={len(self.signature.outputs)})")
+
+    def __str__(self) -> str:
+        from .printer import format_graph
+        return format_graph(self)

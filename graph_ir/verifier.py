@@ -1,0 +1,126 @@
+"""The verifier: what every TrainGraph must satisfy after every pass.
+
+Rules (each failure names the node and the rule):
+- FX well-formedness (``Graph.lint``: defined-before-use, one output).
+- The signature has one position per placeholder and per output value, and
+  an updated parameter or optimizer state keeps its input's shape and dtype.
+- Every computing node has a fake value, a known region and a module path.
+- Regions flow forward: a forward node reads no backward or optimizer value,
+  and a backward node reads no optimizer value.
+- With ``deep=True``: fake-tensor propagation from the inputs reproduces every
+  node's recorded shape and dtype (catches a pass that edited a node but not
+  its metadata). It costs about a millisecond per node.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from .meta import MODULE_PATH, REGION, Region, describe_value
+from .serialize import value_matches
+from .signature import InputKind, OutputKind
+from .train_graph import TrainGraph
+
+_ORDER = {Region.IO: -1, Region.FORWARD: 0, Region.BACKWARD: 1, Region.OPTIMIZER: 2}
+
+
+class VerificationError(ValueError):
+    def __init__(self, graph_name: str, problems: list[str]):
+        self.problems = problems
+        shown = "\n  - ".join(problems[:20])
+        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+        super().__init__(f"graph {graph_name!r} fails verification:\n  - {shown}{more}")
+
+
+def _check_signature(tg: TrainGraph) -> list[str]:
+    problems = list(tg.signature.check())
+    placeholders, outputs = tg.placeholders(), tg.output_values()
+    if len(placeholders) != len(tg.signature.inputs):
+        problems.append(f"{len(placeholders)} placeholders but the signature names "
+                        f"{len(tg.signature.inputs)} inputs")
+    if len(outputs) != len(tg.signature.outputs):
+        problems.append(f"{len(outputs)} outputs but the signature names {len(tg.signature.outputs)}")
+    if problems:
+        return problems
+    pairs = [(OutputKind.PARAM, InputKind.PARAM), (OutputKind.OPT_STATE, InputKind.OPT_STATE),
+             (OutputKind.BUFFER, InputKind.BUFFER)]
+    for out_kind, in_kind in pairs:
+        for i, spec in tg.signature.outputs_of(out_kind):
+            try:
+                j = tg.signature.input_index(in_kind, spec.name)
+            except ValueError:
+                continue  # per-rank graphs may output state they were not given (sharded)
+            if tg.attrs.get("sharded_state"):
+                continue
+            out_val = outputs[i].meta.get("val") if isinstance(outputs[i], torch.fx.Node) else None
+            in_val = placeholders[j].meta.get("val")
+            if out_val is not None and in_val is not None and not value_matches(out_val, in_val):
+                problems.append(f"output {spec.kind} '{spec.name}' is {describe_value(out_val)} but "
+                                f"its input is {describe_value(in_val)} (rule: updates keep shape and dtype)")
+    return problems
+
+
+def _check_nodes(tg: TrainGraph) -> list[str]:
+    problems = []
+    for node in tg.graph.nodes:
+        if node.op in ("output",):
+            continue
+        if "val" not in node.meta:
+            problems.append(f"node {node.name} ({node.target}) has no fake value (meta['val'])")
+        if node.op != "call_function":
+            continue
+        try:
+            region = Region(node.meta.get(REGION))
+        except ValueError:
+            problems.append(f"node {node.name} has region {node.meta.get(REGION)!r}; "
+                            f"expected one of {[r.value for r in Region]}")
+            continue
+        if not isinstance(node.meta.get(MODULE_PATH, ""), str):
+            problems.append(f"node {node.name} has a non-string module path")
+        for arg in node.all_input_nodes:
+            arg_region = Region(arg.meta.get(REGION, Region.IO.value))
+            if _ORDER[arg_region] > _ORDER[region]:
+                problems.append(f"node {node.name} ({region.value}) reads {arg.name} "
+                                f"({arg_region.value}): regions must flow forward -> backward -> optimizer")
+    return problems
+
+
+def _check_values(tg: TrainGraph) -> list[str]:
+    gm = torch.fx.GraphModule(tg.gm, copy.deepcopy(tg.graph))
+    recorded = {n.name: n.meta.get("val") for n in tg.graph.nodes}
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    inputs = []
+    for node in tg.placeholders():
+        val = node.meta["val"]
+        inputs.append(mode.from_tensor(val) if isinstance(val, torch.Tensor) else val)
+    try:
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
+    except Exception as exc:  # the graph cannot even run on fake tensors
+        return [f"fake-tensor propagation fails: {type(exc).__name__}: {exc}"]
+    problems = []
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output") or recorded.get(node.name) is None:
+            continue
+        if not value_matches(node.meta.get("val"), recorded[node.name]):
+            problems.append(f"node {node.name} ({node.target}) records {describe_value(recorded[node.name])} "
+                            f"but computes {describe_value(node.meta.get('val'))}")
+    return problems
+
+
+def verify(tg: TrainGraph, *, deep: bool = False) -> None:
+    """Raise VerificationError listing every rule the graph breaks."""
+    problems = []
+    try:
+        tg.graph.lint()
+    except Exception as exc:
+        problems.append(f"FX lint: {exc}")
+    problems += _check_signature(tg)
+    problems += _check_nodes(tg)
+    if deep and not problems:
+        problems += _check_values(tg)
+    if problems:
+        raise VerificationError(tg.name, problems)

@@ -1,0 +1,1 @@
+"""Reference models, data and training recipes used to exercise the compiler."""
