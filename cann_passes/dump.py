@@ -4,7 +4,7 @@ Layout (``NNN`` is the pass's position; ``000`` is the captured graph)::
 
     DIR/pipeline.txt            the pipeline text: re-run it with --pipeline
     DIR/passes.json             one record per pass (time, changed, node/op deltas, stats)
-    DIR/inputs.pt               the step's inputs (first step), so dumps run
+    DIR/inputs.pt               the step's inputs at the first step, keyed "kind:name", so dumps run
     DIR/NNN_<pass>.py           readable, runnable code of the graph after the pass
     DIR/NNN_<pass>.json         every node: op, inputs, value, region, module path, cost
     DIR/NNN_<pass>.constants.pt graph constants, where the graph has any
@@ -93,7 +93,10 @@ class DumpWriter:
     def write_capture(self, tg, analyses, inputs: list[torch.Tensor] | None = None) -> None:
         write_graph(self.directory, self._stem(0, "capture"), tg, extra=self._extra(analyses, tg))
         if inputs is not None and not any(t.is_meta or _is_fake(t) for t in inputs):
-            torch.save([t.detach().clone() for t in inputs], os.path.join(self.directory, "inputs.pt"))
+            # Keyed by "kind:name" so that graphs whose passes reordered or added
+            # inputs still find theirs.
+            named = {f"{s.kind}:{s.name}": t.detach().clone() for s, t in zip(tg.signature.inputs, inputs)}
+            torch.save(named, os.path.join(self.directory, "inputs.pt"))
         self.records.append({"index": 0, "name": "capture", "spec": "capture", "seconds": 0.0,
                              "changed": True, "nodes_before": 0, "nodes_after": tg.num_nodes(),
                              "ops_added": {}, "ops_removed": {}, "stats": {}})

@@ -36,7 +36,7 @@ from .train_graph import TrainGraph
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 
 _PREFIX = {InputKind.PARAM: "param", InputKind.BUFFER: "buffer", InputKind.OPT_STATE: "state",
-           InputKind.HPARAM: "hparam", InputKind.BATCH: "batch"}
+           InputKind.HPARAM: "hparam", InputKind.BATCH: "batch", InputKind.STEP_STATE: "step"}
 
 
 class CaptureError(RuntimeError):

@@ -78,7 +78,17 @@ def main(argv=None):
     inputs_file = os.path.join(here, {inputs!r})
     if not os.path.exists(inputs_file):
         raise SystemExit(f"no inputs at {{inputs_file}}: dump with inputs to run this graph")
-    inputs = torch.load(inputs_file, weights_only=True)
+    saved = torch.load(inputs_file, weights_only=True)
+    inputs = []
+    for kind, name in INPUT_SPECS:
+        key = f"{{kind}}:{{name}}"
+        if key in saved:
+            inputs.append(saved[key])
+        elif name in STEP_STATE:  # state a pass added: starts from its declared value
+            inputs.append(torch.full(STEP_STATE[name].get("shape", []), STEP_STATE[name]["value"],
+                                     dtype=getattr(torch, STEP_STATE[name].get("dtype", "float32"))))
+        else:
+            raise SystemExit(f"{{inputs_file}} has no value for input {{key}}")
     outputs = Step()(*inputs)
     print("loss", float(outputs[0]))
     return outputs
@@ -98,6 +108,8 @@ def to_python_module(tg, *, inputs_file: str = "inputs.pt", constants_file: str 
             "from torch import device, inf, nan  # noqa: F401  (used by generated code)",
             "import torch.fx._pytree as fx_pytree  # noqa: F401",
             "import torch.utils._pytree as pytree  # noqa: F401",
-            "import operator  # noqa: F401"]
+            "import operator  # noqa: F401", "",
+            f"INPUT_SPECS = {[(s.kind, s.name) for s in tg.signature.inputs]!r}",
+            f"STEP_STATE = {tg.attrs.get('step_state', {})!r}"]
     body = _RUNNER.format(forward=forward, inputs=inputs_file, constants=constants_file)
     return "\n".join(head) + "\n" + body

@@ -21,6 +21,9 @@ class InputKind(str, enum.Enum):
     OPT_STATE = "opt_state"
     HPARAM = "hparam"
     BATCH = "batch"
+    # State that passes add and the runtime carries from step to step
+    # (a loss scale, a step counter): named ``<pass>:<key>``.
+    STEP_STATE = "step_state"
 
 
 class OutputKind(str, enum.Enum):
@@ -28,6 +31,9 @@ class OutputKind(str, enum.Enum):
     PARAM = "param"
     BUFFER = "buffer"
     OPT_STATE = "opt_state"
+    STEP_STATE = "step_state"
+    # Values a pass exposes for the runtime to read (e.g. ``autocast:found_inf``).
+    METRIC = "metric"
 
 
 @dataclass(frozen=True)

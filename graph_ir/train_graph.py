@@ -17,7 +17,12 @@ import torch
 import torch.fx
 
 from .meta import MODULE_PATH, REGION, Region, region_of
-from .signature import StepSignature
+from .signature import Spec, StepSignature
+
+
+def _is_fake(t) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+    return isinstance(t, FakeTensor)
 
 
 class TrainGraph:
@@ -58,6 +63,28 @@ class TrainGraph:
     def set_outputs(self, values: list[torch.fx.Node]) -> None:
         out = self.output_node()
         out.args = (list(values),)
+
+    def fake_mode(self):
+        """The FakeTensorMode the graph's values live in (to make values for new nodes)."""
+        from torch._guards import detect_fake_mode
+        return detect_fake_mode([n.meta.get("val") for n in self.placeholders()])
+
+    def add_input(self, spec: Spec, value: torch.Tensor, name: str | None = None) -> torch.fx.Node:
+        """Append an input (placeholder + signature position) whose value looks like ``value``."""
+        last = self.placeholders()[-1] if self.placeholders() else None
+        ctx = self.graph.inserting_after(last) if last is not None else self.graph.inserting_before()
+        with ctx:
+            node = self.graph.placeholder(name or "".join(c if c.isalnum() else "_" for c in
+                                                           f"{spec.kind}_{spec.name}"))
+        mode = self.fake_mode()
+        node.meta["val"] = mode.from_tensor(value) if mode is not None and not _is_fake(value) else value
+        node.meta[REGION] = Region.IO.value
+        self.signature.inputs.append(spec)
+        return node
+
+    def add_output(self, spec: Spec, value: torch.fx.Node) -> None:
+        self.set_outputs(self.output_values() + [value])
+        self.signature.outputs.append(spec)
 
     def compute_nodes(self, region: Region | None = None) -> Iterator[torch.fx.Node]:
         for node in self.graph.nodes:

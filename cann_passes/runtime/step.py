@@ -23,13 +23,14 @@ from graph_ir import TrainGraph, capture_train_step, gather_inputs
 from graph_ir.analysis import GraphCost, MemoryProfile
 from graph_ir.capture import StepLayout
 from graph_ir.optimizers import rule_for
-from graph_ir.signature import OutputKind, split_state_name
+from graph_ir.signature import OutputKind
 
 from ..dump import DumpWriter, dump_dir_from
 from ..lowering import get_lowering, resolve_backend
 from ..pass_manager import PassContext, PassManager, PassRecord, Pipeline
 from ..pipeline import build_pipeline
 from ..plan import Plan
+from .binding import StepState, bind_inputs, write_back
 
 log = logging.getLogger("cann_passes")
 
@@ -67,6 +68,8 @@ class CompiledStep:
         self.rule = rule_for(optimizer)  # refuses unsupported optimizers before any work
         self.backend = resolve_backend(plan.backend)
         self._compiled: dict[tuple, Compilation] = {}
+        self.step_state = StepState()
+        self.metrics: dict[str, torch.Tensor] = {}
         self.steps_run = 0
 
     # -- compilation --------------------------------------------------------------------------
@@ -86,13 +89,14 @@ class CompiledStep:
         capture_seconds = time.perf_counter() - t0
         pipeline = build_pipeline(self.plan, self.backend)
         ctx = PassContext(plan=self.plan)
-        inputs = gather_inputs(self.model, self.optimizer, layout, batch)
         directory = dump_dir_from(self.plan.dump_dir)
         dump = DumpWriter(directory, str(pipeline)) if directory else None
         if dump:
-            dump.write_capture(captured, ctx.analyses, inputs)
+            dump.write_capture(captured, ctx.analyses,
+                               gather_inputs(self.model, self.optimizer, layout, batch))
         manager = PassManager(pipeline, verify_level=self.plan.verify, dump=dump)
         graph = manager.run(captured.copy(), ctx)
+        inputs = bind_inputs(graph, self.model, self.optimizer, batch, self.step_state)
         t1 = time.perf_counter()
         runner = get_lowering(self.backend).compile(graph, inputs, self.plan)
         compile_seconds = time.perf_counter() - t1
@@ -106,26 +110,11 @@ class CompiledStep:
     # -- running ------------------------------------------------------------------------------
     def __call__(self, batch: Any) -> torch.Tensor:
         comp = self.compile(batch)
-        inputs = gather_inputs(self.model, self.optimizer, comp.layout, batch)
+        inputs = bind_inputs(comp.graph, self.model, self.optimizer, batch, self.step_state)
         outputs = comp.runner(*inputs)
-        self._write_back(comp, outputs)
+        self.metrics = write_back(comp.graph, outputs, self.model, self.optimizer, self.step_state)
         self.steps_run += 1
-        return outputs[0].detach()
-
-    def _write_back(self, comp: Compilation, outputs) -> None:
-        signature = comp.graph.signature
-        params = dict(self.model.named_parameters())
-        buffers = dict(self.model.named_buffers())
-        with torch.no_grad():
-            for i, spec in enumerate(signature.outputs):
-                value = outputs[i]
-                if spec.kind == OutputKind.PARAM:
-                    params[spec.name].data = value
-                elif spec.kind == OutputKind.OPT_STATE:
-                    name, key = split_state_name(spec.name)
-                    self.optimizer.state[params[name]][key] = value
-                elif spec.kind == OutputKind.BUFFER:
-                    buffers[spec.name].copy_(value)
+        return outputs[comp.graph.signature.output_index(OutputKind.LOSS, "loss")].detach()
 
     # -- what compilation did -----------------------------------------------------------------
     @property

@@ -1,0 +1,91 @@
+"""Feeding a graph from the live model, optimizer and batch, and writing its results back.
+
+Binding goes by the graph's signature, not by capture order, so a pass may
+add inputs (a loss scale, a shard of optimizer state) or outputs (metrics)
+and the runtime still knows what each position is.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from graph_ir import TrainGraph
+from graph_ir.capture import _batch_path
+from graph_ir.signature import InputKind, OutputKind, split_state_name
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64,
+           "int32": torch.int32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class StepState:
+    """Runtime-owned state that passes declare in ``graph.attrs['step_state']``."""
+
+    def __init__(self):
+        self.values: dict[str, torch.Tensor] = {}
+
+    def get(self, graph: TrainGraph, name: str, device: torch.device) -> torch.Tensor:
+        if name not in self.values:
+            declared = graph.attrs.get("step_state", {}).get(name)
+            if declared is None:
+                raise KeyError(f"graph input step_state '{name}' is not declared in graph.attrs['step_state']")
+            self.values[name] = torch.full(declared.get("shape", []), declared["value"],
+                                           dtype=_DTYPES[declared.get("dtype", "float32")], device=device)
+        return self.values[name]
+
+
+def bind_inputs(graph: TrainGraph, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                batch: Any, step_state: StepState) -> list[torch.Tensor]:
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    leaves = {_batch_path(path): leaf for path, leaf in pytree.tree_flatten_with_path(batch)[0]}
+    device = next(iter(params.values())).device
+    flat = []
+    for spec in graph.signature.inputs:
+        kind = spec.kind
+        if kind == InputKind.PARAM:
+            flat.append(params[spec.name].detach())
+        elif kind == InputKind.BUFFER:
+            flat.append(buffers[spec.name])
+        elif kind == InputKind.OPT_STATE:
+            name, key = split_state_name(spec.name)
+            flat.append(optimizer.state[params[name]][key])
+        elif kind == InputKind.HPARAM:
+            key, _, group = spec.name.partition(":group")
+            flat.append(torch.tensor(float(optimizer.param_groups[int(group)][key]),
+                                     dtype=torch.float32, device=device))
+        elif kind == InputKind.BATCH:
+            if spec.name not in leaves:
+                raise KeyError(f"the batch has no {spec.name}; it has {sorted(leaves)}")
+            flat.append(leaves[spec.name])
+        elif kind == InputKind.STEP_STATE:
+            flat.append(step_state.get(graph, spec.name, device))
+        else:
+            raise ValueError(f"input kind {kind!r} has no binding")
+    return flat
+
+
+def write_back(graph: TrainGraph, outputs, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               step_state: StepState) -> dict[str, torch.Tensor]:
+    """Store new parameters, buffers, optimizer and step state; return the metrics."""
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    metrics = {}
+    with torch.no_grad():
+        for spec, value in zip(graph.signature.outputs, outputs):
+            kind = spec.kind
+            if kind == OutputKind.PARAM:
+                # Rebinding .data keeps the Parameter object (and so the optimizer's
+                # references and any tied modules) while taking the new storage.
+                params[spec.name].data = value
+            elif kind == OutputKind.OPT_STATE:
+                name, key = split_state_name(spec.name)
+                optimizer.state[params[name]][key] = value
+            elif kind == OutputKind.BUFFER:
+                buffers[spec.name].copy_(value)
+            elif kind == OutputKind.STEP_STATE:
+                step_state.values[spec.name] = value
+            elif kind == OutputKind.METRIC:
+                metrics[spec.name] = value.detach()
+    return metrics

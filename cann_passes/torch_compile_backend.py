@@ -1,0 +1,73 @@
+"""A ``torch.compile`` backend: the plan's passes on AOTAutograd's forward and backward graphs.
+
+For users who keep their own training loop and optimizer: Dynamo captures
+the model, AOTAutograd splits forward and backward, and each half becomes a
+TrainGraph (every node tagged with its region) that runs through the same
+pass manager and lowering as a whole step. Passes that need the whole step
+(optimizer sharding, gradient all-reduce placement) do not apply here; the
+pipeline is the plan's ``pipeline`` text, else ``cleanup`` plus the plan's
+extra passes.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from graph_ir import TrainGraph
+from graph_ir.meta import MODULE_PATH, REGION, Region
+from graph_ir.signature import InputKind, OutputKind, Spec, StepSignature
+
+from .lowering import get_lowering, resolve_backend
+from .pass_manager import PassContext, PassManager, Pipeline
+from .plan import Plan
+
+
+def _as_train_graph(gm: torch.fx.GraphModule, region: Region, name: str) -> TrainGraph:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    outputs = list(gm.graph.output_node().args[0])
+    for node in gm.graph.nodes:
+        node.meta[REGION] = Region.IO.value if node.op in ("placeholder", "output") else region.value
+        stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+        node.meta[MODULE_PATH] = _module_path(stack)
+    # Forward/backward graphs have no loss position of their own: name it as an output
+    # like the others and mark the graph's kind so the verifier does not ask for one.
+    signature = StepSignature([Spec(InputKind.BATCH, p.name) for p in placeholders],
+                              [Spec(OutputKind.LOSS, "loss")] +
+                              [Spec(OutputKind.METRIC, f"out{i}") for i in range(1, len(outputs))])
+    return TrainGraph(gm, signature, {"name": name, "kind": region.value})
+
+
+def _module_path(stack: dict) -> str:
+    if not stack:
+        return ""
+    _, (path, _) = list(stack.items())[-1]
+    # Dynamo spells paths as L['self'].layers[0].attn; keep the dotted tail.
+    path = path.replace("L['self'].", "").replace("L['self']", "")
+    return path.replace("[", ".").replace("]", "").replace("'", "")
+
+
+def make_backend(plan: Plan):
+    from torch._dynamo.backends.common import aot_autograd
+
+    lowering_name = resolve_backend(plan.backend)
+    pipeline = Pipeline.parse(plan.pipeline) if plan.pipeline else Pipeline.of("cleanup", *plan.extra_passes)
+    records: list = []
+
+    def compiler(region: Region):
+        def compile_graph(gm: torch.fx.GraphModule, example_inputs):
+            if not gm.graph.output_node().args[0]:
+                return gm
+            graph = _as_train_graph(gm, region, f"{region.value}{len(records)}")
+            manager = PassManager(pipeline, verify_level=plan.verify)
+            graph = manager.run(graph, PassContext(plan=plan))
+            records.append((graph.name, manager.records))
+            if lowering_name == "inductor":
+                from torch._inductor.compile_fx import compile_fx_inner
+                return compile_fx_inner(graph.gm, example_inputs)
+            from functorch.compile import make_boxed_func
+            return make_boxed_func(get_lowering(lowering_name).compile(graph, example_inputs, plan))
+        return compile_graph
+
+    backend_fn = aot_autograd(fw_compiler=compiler(Region.FORWARD), bw_compiler=compiler(Region.BACKWARD))
+    backend_fn.records = records  # what each compiled graph went through
+    return backend_fn
