@@ -1,7 +1,8 @@
 """The pipeline a plan compiles with: every built-in pass, in order, in one place.
 
     cleanup                      dead code, duplicate pure ops
-    autocast{dtype}              mixed precision             (plan.precision != fp32)
+    autocast{dtype,policy}       mixed precision             (plan.precision != fp32)
+    loss_scale{mode,...}         fp16 loss scaling           (plan.effective_loss_scale != none)
     recompute{policy,budget}     activation recompute        (plan.recompute != none)
     data_parallel{...}           gradient all-reduce         (plan.dp > 1)
     optimizer_shard{stage}       ZeRO                        (plan.zero_stage > 0)
@@ -23,6 +24,9 @@ def build_pipeline(plan: Plan, backend: str) -> Pipeline:
     steps: list[str] = ["cleanup"]
     if plan.precision != "fp32":
         steps.append(f"autocast{{dtype={plan.precision},policy={'npu' if backend == 'torchair' else 'cuda'}}}")
+    if plan.effective_loss_scale != "none":
+        steps.append(f"loss_scale{{mode={plan.effective_loss_scale},init={plan.loss_scale_init},"
+                     f"growth_interval={plan.loss_scale_growth_interval}}}")
     if plan.recompute != "none":
         budget = "" if plan.recompute_budget is None else f",budget={plan.recompute_budget}"
         steps.append(f"recompute{{policy={plan.recompute},every_n={plan.recompute_every_n}{budget}}}")

@@ -21,6 +21,8 @@ RECOMPUTE_POLICIES = ("none", "full", "selective", "every_n_layers", "budget")
 BACKENDS = ("auto", "eager", "inductor", "torchair")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zero_bubble")
 VERIFY_LEVELS = ("off", "shallow", "deep")
+LOSS_SCALES = ("auto", "none", "static", "dynamic", "adaptive")
+DEVICE_PROFILES = ("auto", "cpu", "ascend_910b", "ascend_a3", "a100", "h100", "h200")
 ALLREDUCE_ALGOS = ("auto", "ring", "tree")
 
 
@@ -35,14 +37,21 @@ class PlanError(ValueError):
 @dataclass(frozen=True)
 class Plan:
     precision: str = "fp32"
+    loss_scale: str = "auto"                   # auto: dynamic for fp16, none otherwise
+    loss_scale_init: float = 65536.0
+    loss_scale_growth_interval: int = 2000
+    autocast_overrides: dict = field(default_factory=dict)  # op name or module path -> fp32/bf16/fp16
+    grad_reduce_dtype: str = "fp32"            # dtype gradients are reduced in across ranks
     recompute: str = "none"
     recompute_budget: float | None = None      # fraction (<= 1.0) or bytes (> 1) of saved activations
     recompute_every_n: int = 1
+    recompute_bans: tuple[str, ...] = ()       # op names or module paths never recomputed
     dp: int = 1
     tp: int = 1
     pp: int = 1
     zero_stage: int = 0
     microbatches: int = 1
+    accumulate_target: int | None = None       # dynamic accumulation: samples per optimizer step
     pipeline_schedule: str = "1f1b"
     allreduce_algo: str = "auto"
     bucket_mb: float = 25.0
@@ -56,6 +65,8 @@ class Plan:
 
     def __post_init__(self):
         object.__setattr__(self, "extra_passes", tuple(self.extra_passes))
+        object.__setattr__(self, "recompute_bans", tuple(self.recompute_bans))
+        object.__setattr__(self, "autocast_overrides", dict(self.autocast_overrides))
         object.__setattr__(self, "torchair", dict(self.torchair))
         self._check_values()
         self._check_capabilities()
@@ -74,15 +85,28 @@ class Plan:
     def _check_values(self) -> None:
         for name, choices in (("precision", PRECISIONS), ("recompute", RECOMPUTE_POLICIES),
                               ("backend", BACKENDS), ("pipeline_schedule", PIPELINE_SCHEDULES),
-                              ("verify", VERIFY_LEVELS), ("allreduce_algo", ALLREDUCE_ALGOS)):
+                              ("verify", VERIFY_LEVELS), ("allreduce_algo", ALLREDUCE_ALGOS),
+                              ("loss_scale", LOSS_SCALES), ("device_profile", DEVICE_PROFILES),
+                              ("grad_reduce_dtype", ("fp32", "bf16"))):
             self._one_of(name, choices)
-        for name in ("dp", "tp", "pp", "microbatches", "recompute_every_n"):
+        for name in ("dp", "tp", "pp", "microbatches", "recompute_every_n", "loss_scale_growth_interval"):
             self._positive_int(name)
         if self.zero_stage not in (0, 1, 2, 3):
             raise PlanError("zero_stage", "must be 0, 1, 2 or 3", self.zero_stage)
         if self.zero_stage and self.dp == 1:
             raise PlanError("zero_stage", "ZeRO shards over data-parallel ranks and needs dp > 1",
                             self.zero_stage)
+        if not (isinstance(self.loss_scale_init, (int, float)) and self.loss_scale_init > 0):
+            raise PlanError("loss_scale_init", "must be a positive number", self.loss_scale_init)
+        if self.loss_scale not in ("auto", "none") and self.precision == "fp32":
+            raise PlanError("loss_scale", "applies only to precision bf16 or fp16", self.loss_scale)
+        for key, value in self.autocast_overrides.items():
+            if value not in PRECISIONS:
+                raise PlanError(f"autocast_overrides.{key}", f"must be one of {PRECISIONS}", value)
+        if self.accumulate_target is not None and (not isinstance(self.accumulate_target, int)
+                                                   or self.accumulate_target < 1):
+            raise PlanError("accumulate_target", "must be a positive integer (samples per step)",
+                            self.accumulate_target)
         if not (isinstance(self.bucket_mb, (int, float)) and self.bucket_mb > 0):
             raise PlanError("bucket_mb", "must be a positive number of MiB", self.bucket_mb)
         budget = self.recompute_budget
@@ -110,6 +134,8 @@ class Plan:
                  ("dp", self.dp > 1, "data_parallel", "data parallelism"),
                  ("zero_stage", self.zero_stage > 0, "optimizer_shard", "ZeRO optimizer sharding"),
                  ("microbatches", self.microbatches > 1, "grad_accumulation", "gradient accumulation"),
+                 ("accumulate_target", self.accumulate_target is not None, "grad_accumulation",
+                  "dynamic gradient accumulation"),
                  ("tp", self.tp > 1, "tensor_parallel", "tensor parallelism"),
                  ("pp", self.pp > 1, "pipeline_parallel", "pipeline parallelism")]
         for field_name, asked, pass_name, capability in needs:
@@ -138,6 +164,12 @@ class Plan:
         text = open(path, encoding="utf-8").read()
         data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
         return cls.from_dict(data or {})
+
+    @property
+    def effective_loss_scale(self) -> str:
+        if self.loss_scale == "auto":
+            return "dynamic" if self.precision == "fp16" else "none"
+        return self.loss_scale
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
