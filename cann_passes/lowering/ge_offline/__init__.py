@@ -1,0 +1,14 @@
+"""Offline FX -> GE GraphDef lowering with torchair's own converters (no NPU, no torch_npu import).
+
+See ``_loader.py`` for how torchair is obtained (extracted from the torch_npu wheel into a cache,
+imported without executing torch_npu or torchair's top-level ``__init__``) and
+``_standin_torchair.py`` for the graph-construction-only stand-in of the native
+``torchair.core._torchair`` module (used only when the real one cannot load).
+"""
+
+from ._loader import TorchairUnavailable, load_torchair, loader_info
+from ._lower import GeLoweringReport, UnsupportedOp, lower_to_ge, supported_ops
+
+__all__ = [
+    "TorchairUnavailable",
+    "load_torchair", "loader_info", "lower_to_ge", "supported_ops", "GeLoweringReport", "UnsupportedOp"]
