@@ -245,7 +245,8 @@ def gather_inputs(model, optimizer, layout: StepLayout, batch: Any) -> list[torc
     flat += [buffers[n] for n in layout.buffers]
     flat += [optimizer.state[params[n]][k] for n in layout.trainable for k in layout.state_keys[n]]
     device = flat[0].device if flat else torch.device("cpu")
-    flat += [torch.tensor(float(g["lr"]), dtype=torch.float32, device=device)
+    # float64, like the Python float torch.optim computes with.
+    flat += [torch.tensor(float(g["lr"]), dtype=torch.float64, device=device)
              for g in optimizer.param_groups]
     leaves, spec = pytree.tree_flatten(batch)
     if spec != layout.batch_spec:

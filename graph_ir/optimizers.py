@@ -81,6 +81,10 @@ def _adam_init(param: Tensor, group: dict) -> State:
 
 def _adam_update(param: Tensor, grad: Tensor, state: State, lr: Tensor, group: dict,
                  decoupled: bool):
+    # Scalars (bias corrections, step size) are computed in float64 0-dim tensors
+    # and meet float32 tensors only inside an op, exactly where torch.optim's
+    # Python floats do; together with torch.optim's op order this makes the
+    # update bitwise equal to the eager optimizer on CPU.
     beta1, beta2 = group["betas"]
     weight_decay, eps = group["weight_decay"], group["eps"]
     if group.get("maximize", False):
@@ -93,16 +97,17 @@ def _adam_update(param: Tensor, grad: Tensor, state: State, lr: Tensor, group: d
             grad = grad.add(param, alpha=weight_decay)
     exp_avg = state["exp_avg"].lerp(grad, 1 - beta1)
     exp_avg_sq = state["exp_avg_sq"].mul(beta2).addcmul(grad, grad, value=1 - beta2)
-    bias_correction1 = 1 - torch.pow(beta1, step)
-    bias_correction2_sqrt = (1 - torch.pow(beta2, step)).sqrt()
-    step_size = lr / bias_correction1
+    step64 = step.to(torch.float64)
+    bias_correction1 = 1 - torch.pow(beta1, step64)
+    bias_correction2_sqrt = torch.pow(1 - torch.pow(beta2, step64), 0.5)
+    neg_step_size = -(lr / bias_correction1)
     new_state = {"step": step, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     second_moment = exp_avg_sq
     if group["amsgrad"]:
         second_moment = torch.maximum(state["max_exp_avg_sq"], exp_avg_sq)
         new_state["max_exp_avg_sq"] = second_moment
     denom = second_moment.sqrt() / bias_correction2_sqrt + eps
-    return param - step_size * (exp_avg / denom), new_state
+    return param + (neg_step_size * exp_avg) / denom, new_state
 
 
 def _check_group(name: str, group: dict, refused: dict[str, object]) -> None:

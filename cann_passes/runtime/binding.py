@@ -54,7 +54,7 @@ def bind_inputs(graph: TrainGraph, model: torch.nn.Module, optimizer: torch.opti
         elif kind == InputKind.HPARAM:
             key, _, group = spec.name.partition(":group")
             flat.append(torch.tensor(float(optimizer.param_groups[int(group)][key]),
-                                     dtype=torch.float32, device=device))
+                                     dtype=torch.float64, device=device))
         elif kind == InputKind.BATCH:
             if spec.name not in leaves:
                 raise KeyError(f"the batch has no {spec.name}; it has {sorted(leaves)}")

@@ -1,0 +1,65 @@
+"""Shared fixtures: small models, batches and an eager reference trainer."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from recipes.models.gpt import GPT, gpt_loss, gpt_tiny
+from recipes.models.mlp import MLP, mlp_loss
+
+
+def make_optimizer(kind: str, params):
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-4)
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=1e-2, weight_decay=1e-3)
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    raise ValueError(kind)
+
+
+def tiny_gpt(seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    return GPT(gpt_tiny(**overrides)), gpt_loss
+
+
+def tiny_mlp(seed: int = 0):
+    torch.manual_seed(seed)
+    return MLP([12, 32, 32, 5]), mlp_loss
+
+
+def gpt_batches(n: int, batch: int = 4, seq: int = 16, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        idx = torch.randint(0, 256, (batch, seq + 1), generator=g)
+        out.append((idx[:, :-1].contiguous(), idx[:, 1:].contiguous()))
+    return out
+
+
+def mlp_batches(n: int, batch: int = 8, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 12, generator=g), torch.randint(0, 5, (batch,), generator=g))
+            for _ in range(n)]
+
+
+def eager_losses(model, loss_fn, optimizer, batches):
+    losses = []
+    for b in batches:
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model, b)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.fixture
+def twin():
+    """Two identical copies of a model: one for the compiled step, one for eager reference."""
+    def make(factory, **kw):
+        model, loss_fn = factory(**kw)
+        return model, copy.deepcopy(model), loss_fn
+    return make
