@@ -1,0 +1,69 @@
+"""Plan validation: every bad value names its field and rule; unbuilt capabilities say so."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cann_passes import Plan, PlanError
+from cann_passes.lowering import BackendUnavailable, resolve_backend
+from cann_passes.pass_manager import is_registered
+from cann_passes.pipeline import build_pipeline
+
+
+@pytest.mark.parametrize("fields, name, rule", [
+    ({"dp": 0}, "dp", "integer >= 1"),
+    ({"precision": "fp8"}, "precision", "must be one of"),
+    ({"backend": "tpu"}, "backend", "must be one of"),
+    ({"zero_stage": 4}, "zero_stage", "0, 1, 2 or 3"),
+    ({"recompute": "budget"}, "recompute_budget", "required"),
+    ({"recompute_budget": 0.5}, "recompute_budget", "only applies"),
+    ({"bucket_mb": -1}, "bucket_mb", "positive"),
+    ({"torchair": {"mode": "fast"}}, "torchair", "not one of"),
+    ({"extra_passes": [""]}, "extra_passes", "non-empty"),
+])
+def test_invalid_field_raises_naming_field_and_rule(fields, name, rule):
+    with pytest.raises(PlanError, match=rule) as info:
+        Plan(**fields)
+    assert info.value.field == name
+
+
+def test_zero_needs_data_parallelism():
+    with pytest.raises(PlanError, match="needs dp > 1"):
+        Plan(zero_stage=1)
+
+
+def test_unknown_field_in_a_file_is_refused(tmp_path):
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"precison": "bf16"}))
+    with pytest.raises(PlanError, match="'precison'.*is not a plan field"):
+        Plan.load(path)
+
+
+def test_yaml_plan_loads(tmp_path):
+    path = tmp_path / "plan.yaml"
+    path.write_text("backend: eager\nverify: deep\nextra_passes: ['cleanup{cse=false}']\n")
+    plan = Plan.load(path)
+    assert plan.backend == "eager" and plan.extra_passes == ("cleanup{cse=false}",)
+
+
+@pytest.mark.parametrize("fields, pass_name", [
+    ({"tp": 2}, "tensor_parallel"), ({"pp": 2}, "pipeline_parallel"),
+    ({"precision": "bf16"}, "autocast"), ({"dp": 2}, "data_parallel"),
+])
+def test_capability_not_built_raises_not_implemented_naming_it(fields, pass_name):
+    if is_registered(pass_name):
+        pytest.skip(f"'{pass_name}' is built")
+    with pytest.raises(NotImplementedError, match=pass_name):
+        Plan(**fields)
+
+
+def test_default_pipeline_is_cleanup_and_the_plan_pipeline_overrides_it():
+    assert str(build_pipeline(Plan(), "eager")) == "cleanup,cleanup"
+    assert str(build_pipeline(Plan(pipeline="cleanup{cse=false}"), "eager")) == "cleanup{cse=false}"
+
+
+def test_auto_backend_without_npu_picks_inductor_or_eager_and_torchair_explains():
+    assert resolve_backend("auto") in ("inductor", "eager")
+    with pytest.raises(BackendUnavailable, match="torch_npu"):
+        resolve_backend("torchair")
