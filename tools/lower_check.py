@@ -1,25 +1,26 @@
-"""Lower an FX graph to a GE GraphDef offline (torchair converters, no NPU) and report coverage.
+"""Lower training-step graphs to GE GraphDefs offline (torchair's converters, no NPU) and report coverage.
 
 Usage::
 
-    python -m tools.lower_check TARGET --out DIR [--name NAME]
+    cann-lower-check run TARGET --plan PLAN.yaml --out DIR [--batch-size B] [--seq-len T] [--attention A]
+    cann-lower-check DUMP_DIR
+    cann-lower-check GRAPH --out DIR [--name NAME]
 
-TARGET is one of
+``run`` compiles one training step of a recipe model (TARGET = ``pkg.module:factory`` returning a
+``GPTConfig`` or an ``nn.Module``; default loss ``recipes.models.gpt:gpt_loss``, AdamW, batches from
+``recipes.data.text``) with the plan's torchair pipeline (npu_legalize included) on CPU, dumps every
+pass into DIR and lowers the final graph. ``DUMP_DIR`` lowers the final graphs of an existing dump
+directory (the last ``NNN_*.json`` of DIR and of each per-rank/stage subdirectory). Both write
+``DIR/ge/<graph>.ge.txt`` and ``DIR/ge/report.json`` (GE-op histogram; every unsupported op with its
+FX node and module path).
 
-* ``pkg.module:factory`` -- ``factory()`` returns a ``torch.fx.GraphModule`` whose nodes
-  carry ``meta["val"]``, or a ``(fn, example_args)`` pair that is traced with
-  ``make_fx(fn, tracing_mode="fake")``;
-* ``FILE.pt`` -- ``torch.save`` of a GraphModule, or of ``{"gm": gm, "example_inputs": [...]}``
-  (pickled GraphModules lose ``node.meta``; with ``example_inputs`` the metadata is recomputed
-  with FakeTensorProp);
-* ``demo`` -- a small built-in MLP training step.
+GRAPH lowers a single FX graph: ``pkg.module:factory`` (a GraphModule with ``meta["val"]``, or an
+``(fn, example_args)`` pair traced with ``make_fx``), a ``FILE.pt`` (``torch.save`` of a GraphModule
+or of ``{"gm": gm, "example_inputs": [...]}``), or ``demo`` (a small MLP step); it writes
+``DIR/<name>.ge.txt`` and ``DIR/<name>.ge_ops.json``.
 
-Writes ``DIR/<name>.ge.txt`` (GraphDef, protobuf text format) and ``DIR/<name>.ge_ops.json``
-(op histogram, unsupported ops, notes), prints the histogram and the unsupported list.
 Exit status: 0 if every node lowered, 1 if some were unsupported, 2 on usage/load errors.
-
-How torchair is obtained without torch_npu / CANN: see ``cann_passes/lowering/ge_offline``
-(``_loader.py`` and the graph-construction-only ``_standin_torchair.py``).
+How torchair is obtained without torch_npu / CANN: ``cann_passes/lowering/ge_offline/_loader.py``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import importlib
 import json
 import sys
 from pathlib import Path
+
+from cann_passes.lowering.ge_offline._report import write_ge_report  # noqa: F401  (the dump tool's GE page)
 
 
 def _demo():
@@ -125,22 +128,118 @@ def lower_check(gm, *, name: str, out_dir) -> "object":
     return report
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.lower_check", description=__doc__.split("\n")[0])
-    ap.add_argument("target", help="pkg.module:factory | FILE.pt | demo")
-    ap.add_argument("--out", required=True, help="output directory")
+def _factory(spec: str):
+    if ":" not in spec:
+        raise SystemExit(f"lower_check: expected 'pkg.module:name', got {spec!r}")
+    mod_name, attr = spec.split(":", 1)
+    return getattr(importlib.import_module(mod_name), attr)
+
+
+def _recipe_model(target: str, attention: str | None):
+    import dataclasses
+
+    import torch
+
+    from recipes.models.gpt import GPT, GPTConfig
+
+    obj = _factory(target)()
+    if isinstance(obj, GPTConfig):
+        cfg = dataclasses.replace(obj, attention=attention) if attention else obj
+        return GPT(cfg), cfg.seq_len
+    if isinstance(obj, torch.nn.Module):
+        return obj, None
+    raise SystemExit(f"lower_check: {target} returned a {type(obj).__name__}, not a GPTConfig or nn.Module")
+
+
+def torchair_plan(plan):
+    """The plan as the torchair backend would compile it, run on CPU: same pipeline, eager lowering."""
+    from cann_passes.pipeline import build_pipeline
+
+    return plan.replace(pipeline=str(build_pipeline(plan, "torchair")), backend="eager")
+
+
+def compile_recipe(target: str, plan, out_dir, *, loss: str = "recipes.models.gpt:gpt_loss",
+                   batch_size: int = 4, seq_len: int | None = None, attention: str | None = None,
+                   seed: int = 0):
+    """Compile (not run) one training step of a recipe model with ``plan``, dumping into ``out_dir``."""
+    import torch
+
+    from cann_passes import compile_for_npu
+    from recipes.data.text import TextBatches, load_corpus
+
+    torch.manual_seed(seed)
+    model, max_len = _recipe_model(target, attention)
+    seq_len = seq_len or min(max_len or 64, 64)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    step = compile_for_npu(model, torchair_plan(plan).replace(dump_dir=str(out_dir)),
+                           optimizer=optimizer, loss_fn=_factory(loss))
+    batch = next(iter(TextBatches(load_corpus(), batch_size, seq_len, seed=seed)))
+    step.compile(batch)
+    return step
+
+
+def _print_report(path) -> bool:
+    data = json.loads(Path(path).read_text())
+    for name, entry in data["graphs"].items():
+        print(f"GE graph {name} (from {entry['source']}): {entry['ge_ops']} ops, ok={entry['ok']}")
+        for op, n in sorted(entry["op_histogram"].items(), key=lambda kv: (-kv[1], kv[0])):
+            print(f"  {n:5d}  {op}")
+        for u in entry["unsupported"]:
+            where = f" [{u['module_path']}]" if u["module_path"] else ""
+            print(f"  unsupported: {u['node']}: {u['target']}{where}: {u['reason']}")
+        for note in entry["notes"]:
+            print(f"  note: {note}")
+    print(f"wrote {path}")
+    return data["ok"]
+
+
+def _run_main(argv) -> int:
+    from cann_passes import Plan
+    from cann_passes.lowering.ge_offline import write_ge_report
+
+    ap = argparse.ArgumentParser(prog="cann-lower-check run", description="compile a recipe step, lower it")
+    ap.add_argument("target", help="pkg.module:factory returning a GPTConfig or nn.Module")
+    ap.add_argument("--plan", default=None, help="plan YAML/JSON (default: fp32 defaults)")
+    ap.add_argument("--out", required=True, help="dump directory")
+    ap.add_argument("--loss", default="recipes.models.gpt:gpt_loss")
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=None)
+    ap.add_argument("--attention", choices=("explicit", "sdpa"), default=None)
+    args = ap.parse_args(argv)
+    plan = Plan.load(args.plan) if args.plan else Plan()
+    compile_recipe(args.target, plan, args.out, loss=args.loss, batch_size=args.batch_size,
+                   seq_len=args.seq_len, attention=args.attention)
+    return 0 if _print_report(write_ge_report(args.out)) else 1
+
+
+def _graph_main(argv) -> int:
+    ap = argparse.ArgumentParser(prog="cann-lower-check", description=__doc__.split("\n")[0])
+    ap.add_argument("target", help="DUMP_DIR | pkg.module:factory | FILE.pt | demo (or: run TARGET ...)")
+    ap.add_argument("--out", default=None, help="output directory (graph targets)")
     ap.add_argument("--name", default=None, help="graph name (default: derived from TARGET)")
     args = ap.parse_args(argv)
+    if Path(args.target).is_dir():
+        from cann_passes.lowering.ge_offline import write_ge_report
+
+        return 0 if _print_report(write_ge_report(args.target)) else 1
+    if args.out is None:
+        ap.error("--out is required unless TARGET is a dump directory")
     name = args.name or Path(args.target.split(":")[-1]).stem or "graph"
-    try:
-        gm = load_graph(args.target)
-        report = lower_check(gm, name=name, out_dir=args.out)
-    except RuntimeError as e:  # load_torchair reports missing wheel/protobuf this way
-        print(f"lower_check: {e}", file=sys.stderr)
-        return 2
+    report = lower_check(load_graph(args.target), name=name, out_dir=args.out)
     print(report.summary())
     print(f"wrote {Path(args.out) / (name + '.ge.txt')} and {Path(args.out) / (name + '.ge_ops.json')}")
     return 0 if report.ok else 1
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv[:1] == ["run"]:
+            return _run_main(argv[1:])
+        return _graph_main(argv)
+    except (RuntimeError, FileNotFoundError) as e:  # torchair unavailable, no dumps, ...
+        print(f"lower_check: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

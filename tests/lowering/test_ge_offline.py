@@ -238,3 +238,31 @@ def test_failing_converter_is_reported_and_rolled_back(monkeypatch):
     assert "ValueError: boom" in u.reason
     assert "Relu" not in r.op_histogram
     assert r.op_histogram["aten.gelu.default"] == 1 and r.op_histogram["Add"] == 1
+
+
+_NO_TORCH_NPU_SCRIPT = r"""
+import sys, torch
+from cann_passes import Plan, compile_for_npu
+from recipes.models.gpt import GPT, gpt_loss, gpt_tiny
+idx = torch.randint(0, 256, (2, 8))
+for pipeline in (None, "cleanup,npu_legalize,cleanup"):  # default plan, then the torchair passes
+    model = GPT(gpt_tiny(attention="sdpa"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = compile_for_npu(model, Plan(backend="eager", pipeline=pipeline), optimizer=opt, loss_fn=gpt_loss)
+    assert torch.isfinite(step((idx, idx))), "loss"
+    assert "torch_npu" not in sys.modules, pipeline
+assert "torchair" in sys.modules and getattr(sys.modules["torchair"], "__cann_passes_offline__", False)
+print("OK")
+"""
+
+
+def test_fresh_process_never_imports_torch_npu():
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    proc = subprocess.run([sys.executable, "-c", _NO_TORCH_NPU_SCRIPT], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stderr[-2000:]

@@ -8,7 +8,9 @@ imported without executing torch_npu or torchair's top-level ``__init__``) and
 
 from ._loader import TorchairUnavailable, load_torchair, loader_info
 from ._lower import GeLoweringReport, UnsupportedOp, lower_to_ge, supported_ops
+from ._report import final_graph_dumps, load_dumped_graph, lower_graph_to_files, write_ge_report
 
 __all__ = [
     "TorchairUnavailable",
-    "load_torchair", "loader_info", "lower_to_ge", "supported_ops", "GeLoweringReport", "UnsupportedOp"]
+    "load_torchair", "loader_info", "lower_to_ge", "supported_ops", "GeLoweringReport", "UnsupportedOp",
+    "final_graph_dumps", "load_dumped_graph", "lower_graph_to_files", "write_ge_report"]

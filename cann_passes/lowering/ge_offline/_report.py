@@ -1,0 +1,120 @@
+"""GE lowering report of a dump directory: every final graph lowered offline, next to its FX dumps.
+
+A dump directory (see ``cann_passes/dump.py``) holds ``NNN_<pass>.json`` for every pass; the
+highest ``NNN`` is the graph that lowering receives. Graphs of one rank or pipeline stage live in
+a subdirectory with the same layout. For each final graph this writes::
+
+    DIR/ge/<graph>.ge.txt     the GE GraphDef (protobuf text format) torchair's converters build
+    DIR/ge/report.json        per graph: source dump, GE-op histogram, unsupported ops
+                              (FX node, aten op, module path, reason), notes
+
+``write_ge_report`` is what the dump tool calls to add its GE page.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import torch
+
+_DUMP = re.compile(r"^(\d{3})_(.+)\.json$")
+
+
+def final_graph_dumps(dump_dir) -> dict[str, Path]:
+    """``{graph name: last NNN_*.json}`` of the top-level graph ("step") and of each subdirectory."""
+    root = Path(dump_dir)
+    found: dict[str, Path] = {}
+    for directory in [root, *sorted(p for p in root.iterdir() if p.is_dir() and p.name != "ge")]:
+        dumps = sorted((int(m.group(1)), p) for p in directory.glob("*.json") if (m := _DUMP.match(p.name)))
+        if dumps:
+            found["step" if directory == root else directory.name] = dumps[-1][1]
+    return found
+
+
+def load_dumped_graph(path):
+    """The TrainGraph of one ``NNN_*.json`` dump (fake values recomputed)."""
+    from graph_ir.serialize import from_json
+
+    return from_json(json.loads(Path(path).read_text()))
+
+
+@contextlib.contextmanager
+def _process_group_for(gm: torch.fx.GraphModule, notes: list[str]):
+    """torchair's collective converters look the group up: give a dumped graph a 1-rank one."""
+    import torch.distributed as dist
+
+    uses_collectives = any(getattr(n.target, "namespace", None) in ("_c10d_functional", "c10d_functional")
+                           for n in gm.graph.nodes if n.op == "call_function")
+    if not uses_collectives or not dist.is_available() or dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    notes.append("collectives lowered against a 1-rank gloo group (rank lists are not the run's)")
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _group_names_resolve(gm: torch.fx.GraphModule) -> None:
+    """Rename dumped group names to the live default group's (dumps come from other processes)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    live = dist.group.WORLD.group_name
+    for n in gm.graph.nodes:
+        if getattr(n.target, "namespace", None) == "_c10d_functional":
+            n.args = tuple(live if isinstance(a, str) and i == len(n.args) - 1 else a
+                           for i, a in enumerate(n.args))
+
+
+def report_entry(report, source) -> dict:
+    return {"source": str(source), "ok": report.ok, "ge_ops": sum(report.op_histogram.values()),
+            "op_histogram": dict(sorted(report.op_histogram.items())),
+            "unsupported": [dataclasses.asdict(u) for u in report.unsupported], "notes": report.notes}
+
+
+def lower_graph_to_files(gm: torch.fx.GraphModule, name: str, out_dir) -> "object":
+    """Lower one graph, write ``<out_dir>/<name>.ge.txt``; return the GeLoweringReport."""
+    from ._lower import lower_to_ge
+
+    notes: list[str] = []
+    with _process_group_for(gm, notes):
+        if notes:
+            _group_names_resolve(gm)
+        report = lower_to_ge(gm, name=name)
+    report.notes[:0] = notes
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.ge.txt").write_text(report.graph_text)
+    return report
+
+
+def write_ge_report(dump_dir) -> str:
+    """Lower every final graph of ``dump_dir``; write ``DIR/ge/*.ge.txt`` and ``DIR/ge/report.json``.
+
+    Returns the path of ``report.json``. Raises ``FileNotFoundError`` when the directory has no
+    ``NNN_*.json`` dump and ``TorchairUnavailable`` when torchair cannot be loaded.
+    """
+    graphs = final_graph_dumps(dump_dir)
+    if not graphs:
+        raise FileNotFoundError(f"{dump_dir} holds no NNN_<pass>.json graph dump")
+    out = Path(dump_dir) / "ge"
+    entries = {}
+    for name, source in graphs.items():
+        tg = load_dumped_graph(source)
+        entries[name] = report_entry(lower_graph_to_files(tg.gm, name, out), source.relative_to(dump_dir))
+    total: dict[str, int] = {}
+    for entry in entries.values():
+        for op, n in entry["op_histogram"].items():
+            total[op] = total.get(op, 0) + n
+    data = {"ok": all(e["ok"] for e in entries.values()), "graphs": entries,
+            "op_histogram": dict(sorted(total.items())),
+            "unsupported": [dict(u, graph=g) for g, e in entries.items() for u in e["unsupported"]]}
+    path = out / "report.json"
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return str(path)
