@@ -1,0 +1,130 @@
+"""loss_scale: fp16 training with dynamic scaling, overflow skipping, scale updates."""
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+
+from cann_passes import Plan, compile_for_npu
+from recipes.data.text import TextBatches, load_corpus
+from recipes.models.gpt import GPT, gpt_loss, gpt_tiny
+
+
+def _batches(n: int):
+    return list(itertools.islice(TextBatches(load_corpus(), 4, 32, seed=0), n))
+
+
+def _tiny():
+    torch.manual_seed(0)
+    return GPT(gpt_tiny(dropout=0.0))
+
+
+def _adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+
+
+def _scaled_loss(model, batch):
+    """gpt_loss times a per-batch factor: a huge factor makes the fp16 backward overflow."""
+    idx, targets, factor = batch
+    return gpt_loss(model, (idx, targets)) * factor
+
+
+def _fp16_step(model, verify="shallow", **plan):
+    return compile_for_npu(model, Plan(precision="fp16", backend="eager", verify=verify, **plan),
+                           optimizer=_adamw(model), loss_fn=_scaled_loss)
+
+
+def _snapshot(step):
+    params = {n: p.detach().clone() for n, p in step.model.named_parameters()}
+    state = {(n, k): v.clone() for n, p in step.model.named_parameters()
+             for k, v in step.optimizer.state[p].items()}
+    return params, state
+
+
+class TestDynamicScaling:
+    def test_overflowing_step_is_skipped_bitwise_and_the_scale_halves(self):
+        step = _fp16_step(_tiny(), verify="deep")
+        batches = _batches(4)
+        one = torch.tensor(1.0)
+        step((*batches[0], one))
+        step((*batches[1], one))
+        scale_before = step.metrics["loss_scale:scale"].item()
+        assert not step.metrics["loss_scale:found_inf"].item()
+        params, state = _snapshot(step)
+        step((*batches[2], torch.tensor(1e30)))  # fp16 gradients overflow
+        assert step.metrics["loss_scale:found_inf"].item()
+        new_params, new_state = _snapshot(step)
+        for name in params:
+            assert torch.equal(params[name], new_params[name]), name
+        for key in state:
+            assert torch.equal(state[key], new_state[key]), key  # Adam's step included
+        assert step.step_state.values["loss_scale:scale"].item() == scale_before / 2
+        loss = step((*batches[3], one))
+        assert torch.isfinite(loss) and not step.metrics["loss_scale:found_inf"].item()
+        assert step.metrics["loss_scale:scale"].item() == scale_before / 2
+        assert not torch.equal(params["wte.weight"], step.model.lm_head.weight)
+
+    def test_scale_grows_after_growth_interval_clean_steps(self):
+        step = _fp16_step(_tiny(), loss_scale_init=256.0, loss_scale_growth_interval=2)
+        one = torch.tensor(1.0)
+        scales = []
+        for batch in _batches(5):
+            step((*batch, one))
+            scales.append(step.metrics["loss_scale:scale"].item())
+        assert scales == [256.0, 256.0, 512.0, 512.0, 1024.0]
+
+    def test_100_fp16_steps_end_within_2_percent_of_fp32(self):
+        model = _tiny()
+        reference = copy.deepcopy(model)
+        step = _fp16_step(model)
+        ref_opt = _adamw(reference)
+        one = torch.tensor(1.0)
+        losses, ref_losses = [], []
+        for batch in _batches(100):
+            losses.append(step((*batch, one)).item())
+            ref_opt.zero_grad()
+            ref = _scaled_loss(reference, (*batch, one))
+            ref.backward()
+            ref_opt.step()
+            ref_losses.append(ref.item())
+        tail, ref_tail = sum(losses[-5:]) / 5, sum(ref_losses[-5:]) / 5
+        print(f"\nfp16 loss {losses[-1]:.4f} (last-5 mean {tail:.4f}), fp32 {ref_losses[-1]:.4f} "
+              f"({ref_tail:.4f}), scale {step.metrics['loss_scale:scale'].item():g}")
+        assert abs(losses[-1] - ref_losses[-1]) <= 0.02 * ref_losses[-1]
+
+
+class TestModes:
+    def _overflow_then_clean(self, mode, **kw):
+        step = _fp16_step(_tiny(), loss_scale=mode, **kw)
+        batches = _batches(3)
+        step((*batches[0], torch.tensor(1e30)))
+        found = step.metrics["loss_scale:found_inf"].item()
+        step((*batches[1], torch.tensor(1.0)))
+        return step, found
+
+    def test_static_never_changes_the_scale_but_still_skips(self):
+        step, found = self._overflow_then_clean("static", loss_scale_init=1024.0)
+        assert found
+        assert step.metrics["loss_scale:scale"].item() == 1024.0
+        assert step.optimizer.state[step.model.lm_head.weight]["step"].item() == 1.0
+
+    def test_adaptive_backs_off_then_grows_while_gradients_leave_headroom(self):
+        step, found = self._overflow_then_clean("adaptive", loss_scale_init=2.0)
+        assert found
+        # Backed off to 1 on the overflow; at scale 1 the gradients (well below 1) leave far more
+        # than 2**8 * growth_factor headroom below the fp16 maximum, so the clean step grows it.
+        assert step.metrics["loss_scale:scale"].item() == 1.0
+        assert step.step_state.values["loss_scale:scale"].item() == 2.0
+
+
+def test_bf16_plan_has_no_loss_scale_and_bad_mode_is_refused():
+    step = compile_for_npu(_tiny(), Plan(precision="bf16", backend="eager"), optimizer=_adamw(_tiny()),
+                           loss_fn=gpt_loss)
+    assert "loss_scale" not in str(step.plan and __import__("cann_passes.pipeline", fromlist=["x"])
+                                   .build_pipeline(step.plan, "eager"))
+    with pytest.raises(Exception, match="mode"):
+        compile_for_npu(_tiny(), Plan(precision="fp16", backend="eager",
+                                      pipeline="cleanup,autocast{dtype=fp16},loss_scale{mode=sometimes}"),
+                        optimizer=_adamw(_tiny()), loss_fn=gpt_loss)(_batches(1)[0])
