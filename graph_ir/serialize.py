@@ -106,11 +106,14 @@ def node_json(node: torch.fx.Node, cost=None) -> dict:
     return data
 
 
-def to_json(tg: TrainGraph, *, with_cost: bool = True) -> dict:
-    costs = None
+def to_json(tg: TrainGraph, *, with_cost: bool = True, costs: dict | None = None) -> dict:
+    """``costs`` (node name -> NodeCost, e.g. ``graph_cost(...).per_node``) spares recomputing them."""
     if with_cost:
         from .analysis.cost import node_cost
-        costs = {n: node_cost(n) for n in tg.graph.nodes}
+        known = costs or {}
+        costs = {n: known[n.name] if n.name in known else node_cost(n) for n in tg.graph.nodes}
+    else:
+        costs = None
     constants = {n.target: _value_json(getattr(tg.gm, n.target, None))
                  for n in tg.graph.nodes if n.op == "get_attr"}
     return {"format_version": FORMAT_VERSION, "name": tg.name, "attrs": tg.attrs,

@@ -1,0 +1,1 @@
+"""Command-line front ends: cann-graph-dump, cann-lower-check."""

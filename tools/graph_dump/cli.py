@@ -1,0 +1,235 @@
+"""cann-graph-dump: see what every pass did to a training step.
+
+    cann-graph-dump run gpt --out /tmp/dump                    # compile, run 1 step, dump, report
+    cann-graph-dump run gpt --plan recipes/plans/gpt_bf16.yaml --steps 3 --out /tmp/bf16
+    cann-graph-dump run model.py --pipeline "cleanup,cleanup" --out /tmp/mine
+    cann-graph-dump run gpt-7b-meta --capture-only --out /tmp/7b   # shapes only, no run
+    cann-graph-dump report DIR            # diffs, Graphviz and index.html for any dump directory
+    cann-graph-dump diff DIR_A DIR_B      # two plans of one model, pass by pass
+    cann-graph-dump show DIR [--pass NAME] [--module PATH]
+    cann-graph-dump screenshot DIR --png page.png [--open pass=001_cleanup]
+    cann-graph-dump replay DIR/reproducer_NNN   # re-run the pass that failed, on the graph it got
+
+Dumps are also switched on by ``Plan(dump_dir=DIR)`` and by ``$CANN_PASSES_DUMP``;
+``report`` turns such a directory into the same page.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+
+from .dumpdir import DumpError
+
+log = logging.getLogger("cann_graph_dump")
+
+# Files of an earlier dump into the same directory; a shorter pipeline would leave them behind.
+_STALE = re.compile(r"^(\d{3}_.+\.(py|json|diff|dot|svg|constants\.pt)|passes\.json|index\.html|inputs\.pt)$")
+
+
+@dataclass
+class RunResult:
+    directory: str
+    losses: list[float] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)
+    step: object = None           # the CompiledStep, unless capture-only
+
+
+# -- run -------------------------------------------------------------------------------------------
+
+def make_plan(plan_file: str | None, pipeline: str | None, backend: str | None, out: str):
+    from cann_passes import Plan
+    plan = Plan.load(plan_file) if plan_file else Plan()
+    if backend:
+        plan = plan.replace(backend=backend)
+    elif plan.backend == "auto":   # the point is the graphs: the quickest lowering will do
+        plan = plan.replace(backend="eager")
+    if pipeline:
+        plan = plan.replace(pipeline=pipeline)
+    return plan.replace(dump_dir=out)
+
+
+def clear_dump(directory: str) -> None:
+    os.makedirs(directory, exist_ok=True)
+    for name in os.listdir(directory):
+        if _STALE.match(name):
+            os.remove(os.path.join(directory, name))
+
+
+def capture_and_dump(target, plan, directory: str) -> None:
+    """Capture and run the pipeline with dumps, without lowering: works on meta models."""
+    from cann_passes.dump import DumpWriter
+    from cann_passes.pass_manager import PassContext, PassManager
+    from cann_passes.pipeline import build_pipeline
+    from graph_ir import capture_train_step, gather_inputs
+    batch = target.batch(0)
+    captured, layout = capture_train_step(target.model, target.optimizer, target.loss_fn, batch)
+    # Nothing is lowered, so the backend only decides the pipeline and need not be present.
+    pipeline = build_pipeline(plan, "eager" if plan.backend == "auto" else plan.backend)
+    ctx = PassContext(plan=plan)
+    dump = DumpWriter(directory, str(pipeline))
+    inputs = None if target.meta else gather_inputs(target.model, target.optimizer, layout, batch)
+    dump.write_capture(captured, ctx.analyses, inputs)
+    PassManager(pipeline, verify_level=plan.verify, dump=dump).run(captured, ctx)
+
+
+def run_target(target_name: str, out: str, *, plan_file: str | None = None, pipeline: str | None = None,
+               steps: int = 1, backend: str | None = None, capture_only: bool = False,
+               overrides: list[str] = (), svg: bool = True) -> RunResult:
+    from cann_passes import compile_for_npu
+    from .targets import resolve
+    result = RunResult(out)
+    t0 = time.perf_counter()
+    target = resolve(target_name, steps=steps, overrides=overrides)
+    plan = make_plan(plan_file, pipeline, backend, out)
+    clear_dump(out)
+    t1 = time.perf_counter()
+    result.seconds["build"] = t1 - t0
+    if capture_only or target.meta:
+        capture_and_dump(target, plan, out)
+    else:
+        step = result.step = compile_for_npu(target.model, plan, optimizer=target.optimizer,
+                                             loss_fn=target.loss_fn)
+        for i in range(steps):
+            result.losses.append(float(step(target.batch(i))))
+    t2 = time.perf_counter()
+    result.seconds["compile_and_dump"] = t2 - t1
+    report(out, svg=svg)
+    result.seconds["report"] = time.perf_counter() - t2
+    return result
+
+
+# -- report ----------------------------------------------------------------------------------------
+
+def report(directory: str, *, svg: bool = True) -> str:
+    """Diffs, Graphviz files and index.html for a dump directory; returns the page's path."""
+    from .artifacts import write_diffs, write_graphviz
+    from .dumpdir import DumpDir
+    from .html import write_index
+    dump = DumpDir(directory)
+    diffs = write_diffs(dump)
+    svgs = write_graphviz(dump, svg=svg)
+    for p in dump.passes[:-1]:     # big graphs: keep only the final one loaded
+        p.release()
+    return write_index(dump, diffs, svgs)
+
+
+# -- replay ----------------------------------------------------------------------------------------
+
+def replay(directory: str, out: str | None = None, verify: str = "deep") -> str:
+    """Run a reproducer's pipeline on its saved input graph."""
+    import json
+    import torch
+    from cann_passes.dump import DumpWriter
+    from cann_passes.pass_manager import PassManager
+    from graph_ir.serialize import from_json
+    graph_file, pipeline_file = os.path.join(directory, "input.json"), os.path.join(directory, "pipeline.txt")
+    for path in (graph_file, pipeline_file):
+        if not os.path.isfile(path):
+            raise DumpError(f"{directory} is not a reproducer: it has no {os.path.basename(path)}")
+    constants_file = os.path.join(directory, "input.constants.pt")
+    constants = torch.load(constants_file, weights_only=True) if os.path.exists(constants_file) else None
+    with open(graph_file, encoding="utf-8") as f:
+        graph = from_json(json.load(f), constants)
+    pipeline = open(pipeline_file, encoding="utf-8").read().strip()
+    dump = DumpWriter(out, pipeline) if out else None
+    manager = PassManager(pipeline, verify_level=verify, dump=dump)
+    manager.run(graph)
+    return "\n".join(f"{r.index} {r.spec}: {'changed' if r.changed else 'unchanged'}, "
+                     f"nodes {r.nodes_before} -> {r.nodes_after}" for r in manager.records)
+
+
+# -- the command line ------------------------------------------------------------------------------
+
+def _parser() -> argparse.ArgumentParser:
+    from .targets import RECIPES
+    recipes = "; ".join(f"{name}: {about}" for name, (about, _) in RECIPES.items())
+    first, _, rest = __doc__.partition("\n")
+    parser = argparse.ArgumentParser(prog="cann-graph-dump", description=first,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=rest)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log every pass")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="compile a target with dumps on, run it, and report")
+    run.add_argument("target", help=f"a recipe ({recipes}) or a Python file exposing model, optimizer, "
+                                    "loss_fn and batch (or make() returning them)")
+    run.add_argument("--out", required=True, help="dump directory")
+    run.add_argument("--plan", help="plan file (YAML or JSON)")
+    run.add_argument("--pipeline", help="pipeline text, replacing the plan's")
+    run.add_argument("--steps", type=int, default=1, help="steps to run (default 1)")
+    run.add_argument("--backend", help="lowering backend (default: the plan's, eager when it says auto)")
+    run.add_argument("--capture-only", action="store_true",
+                     help="capture and run the passes without lowering or running (meta models)")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="recipe option, e.g. --set n_layer=8 --set batch_size=4")
+    run.add_argument("--no-svg", action="store_true", help="skip rendering Graphviz SVGs")
+
+    rep = sub.add_parser("report", help="add diffs, Graphviz and index.html to a dump directory")
+    rep.add_argument("dir")
+    rep.add_argument("--no-svg", action="store_true")
+
+    diff = sub.add_parser("diff", help="compare two dump directories pass by pass")
+    diff.add_argument("dir_a")
+    diff.add_argument("dir_b")
+
+    show = sub.add_parser("show", help="print one pass's graph (default: the last)")
+    show.add_argument("dir")
+    show.add_argument("--pass", dest="pass_name", help="index, NNN_name, spec or name (last of that name)")
+    show.add_argument("--module", help="only nodes of this module path and its submodules")
+
+    shot = sub.add_parser("screenshot", help="a PNG of a dump's index.html (headless chromium)")
+    shot.add_argument("dir")
+    shot.add_argument("--png", required=True)
+    shot.add_argument("--open", dest="fragment", default="", help="what to open, e.g. pass=001_cleanup")
+    shot.add_argument("--size", default="1400x1600", help="WIDTHxHEIGHT in pixels")
+
+    rp = sub.add_parser("replay", help="re-run a failing pass's reproducer directory")
+    rp.add_argument("dir")
+    rp.add_argument("--out", help="dump the replayed pipeline here")
+    rp.add_argument("--verify", default="deep", choices=("off", "shallow", "deep"))
+    return parser
+
+
+def _run_command(args) -> None:
+    result = run_target(args.target, args.out, plan_file=args.plan, pipeline=args.pipeline, steps=args.steps,
+                        backend=args.backend, capture_only=args.capture_only, overrides=args.overrides,
+                        svg=not args.no_svg)
+    for i, loss in enumerate(result.losses, start=1):
+        print(f"step {i}: loss {loss:.6f}")
+    s = result.seconds
+    print(f"dumped to {args.out} in {sum(s.values()):.1f}s (build {s['build']:.1f}s, capture+passes+dump "
+          f"{s['compile_and_dump']:.1f}s, report {s['report']:.1f}s)")
+    print(f"open {os.path.join(os.path.abspath(args.out), 'index.html')}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    from cann_passes import PipelineError, PlanError
+    from .targets import TargetError
+    try:
+        if args.command == "run":
+            _run_command(args)
+        elif args.command == "report":
+            print(report(args.dir, svg=not args.no_svg))
+        elif args.command == "diff":
+            from .compare import compare
+            sys.stdout.write(compare(args.dir_a, args.dir_b))
+        elif args.command == "show":
+            from .show import show
+            sys.stdout.write(show(args.dir, args.pass_name, args.module))
+        elif args.command == "screenshot":
+            from .browser import screenshot
+            width, height = (int(v) for v in args.size.lower().split("x"))
+            print(screenshot(os.path.join(args.dir, "index.html"), args.png, fragment=args.fragment,
+                             width=width, height=height))
+        elif args.command == "replay":
+            print(replay(args.dir, args.out, args.verify))
+    except (DumpError, TargetError, PlanError, PipelineError) as exc:
+        print(f"cann-graph-dump: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
