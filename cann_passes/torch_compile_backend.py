@@ -63,6 +63,9 @@ def make_backend(plan: Plan):
             records.append((graph.name, manager.records))
             if lowering_name == "inductor":
                 from torch._inductor.compile_fx import compile_fx_inner
+
+                from .lowering.inductor import spell_out_alpha
+                spell_out_alpha(graph)
                 return compile_fx_inner(graph.gm, example_inputs)
             from functorch.compile import make_boxed_func
             return make_boxed_func(get_lowering(lowering_name).compile(graph, example_inputs, plan))
