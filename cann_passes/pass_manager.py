@@ -274,6 +274,9 @@ class PassContext:
     world_size: int = 1
     device_profile: Any = None
     stats: dict[str, Any] = field(default_factory=dict)
+    # The device mesh, for distributed passes: duck-typed with group_name(dim), size(dim) and
+    # local_rank(dim) (see cann_passes.runtime.distributed.MeshInfo); None in a single process.
+    mesh: Any = None
     # Per-pass explanations for the dump tool (e.g. why a value was recomputed).
     explain: dict[str, Any] = field(default_factory=dict)
 

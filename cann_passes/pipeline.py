@@ -4,8 +4,9 @@
     autocast{dtype,policy}       mixed precision             (plan.precision != fp32)
     loss_scale{mode,...}         fp16 loss scaling           (plan.effective_loss_scale != none)
     recompute{policy,budget}     activation recompute        (plan.recompute != none)
+    grad_accumulation{...}       accumulate over microbatches (plan.microbatches > 1 or accumulate_target)
     data_parallel{...}           gradient all-reduce         (plan.dp > 1)
-    optimizer_shard{stage}       ZeRO                        (plan.zero_stage > 0)
+    optimizer_shard{stage,...}   ZeRO                        (plan.zero_stage > 0)
     <plan.extra_passes>          the user's own passes
     npu_legalize                 Ascend converter coverage   (backend torchair)
     cleanup
@@ -30,10 +31,13 @@ def build_pipeline(plan: Plan, backend: str) -> Pipeline:
     if plan.recompute != "none":
         budget = "" if plan.recompute_budget is None else f",budget={plan.recompute_budget}"
         steps.append(f"recompute{{policy={plan.recompute},every_n={plan.recompute_every_n}{budget}}}")
+    if plan.microbatches > 1 or plan.accumulate_target is not None:
+        steps.append(f"grad_accumulation{{microbatches={plan.microbatches},"
+                     f"target={plan.accumulate_target or 0}}}")
     if plan.dp > 1 and plan.zero_stage == 0:
-        steps.append(f"data_parallel{{bucket_mb={plan.bucket_mb}}}")
+        steps.append(f"data_parallel{{bucket_mb={plan.bucket_mb},algo={plan.allreduce_algo}}}")
     if plan.zero_stage:
-        steps.append(f"optimizer_shard{{stage={plan.zero_stage}}}")
+        steps.append(f"optimizer_shard{{stage={plan.zero_stage},bucket_mb={plan.bucket_mb}}}")
     steps.extend(plan.extra_passes)
     if backend == "torchair" and is_registered("npu_legalize"):
         steps.append("npu_legalize")

@@ -25,6 +25,8 @@ COST = "cost"
 SHARDING = "sharding"
 RECOMPUTE = "recompute"
 ORIGIN_PASS = "origin_pass"
+# On a backward node that yields a parameter's gradient: the parameter's name.
+GRADIENT_OF = "gradient_of"
 
 
 class Region(str, enum.Enum):

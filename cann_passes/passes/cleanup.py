@@ -5,7 +5,10 @@ detached aliases) and duplicate work (``t(weight)`` traced separately for the
 forward and the backward use). Merging duplicates is safe only for pure,
 deterministic ops: random ops (``native_dropout``, ``rand_like``) carry the
 ``nondeterministic_seeded`` tag and two of them are two draws, and
-collectives are impure; both are left alone.
+collectives are impure; both are left alone. Duplicates in different
+regions are left alone too: a forward value computed again in backward is a
+recompute decision (it trades FLOPs for saved memory), and merging the two
+would undo it.
 """
 from __future__ import annotations
 
@@ -13,16 +16,17 @@ import torch
 import torch.fx
 
 from graph_ir import TrainGraph
-from graph_ir.meta import REGION, Region
+from graph_ir.meta import REGION
 
 from ..pass_manager import PassContext, register_pass
-
-_REGION_ORDER = {Region.IO.value: -1, Region.FORWARD.value: 0, Region.BACKWARD.value: 1,
-                 Region.OPTIMIZER.value: 2}
 
 
 def _mergeable(node: torch.fx.Node) -> bool:
     if node.op != "call_function" or node.is_impure():
+        return False
+    # Functional collectives are not marked impure, but two of them are two
+    # communications (ZeRO-3 gathers a parameter again for backward on purpose).
+    if getattr(node.target, "namespace", "") == "_c10d_functional":
         return False
     tags = getattr(node.target, "tags", ())
     return torch.Tag.nondeterministic_seeded not in tags and torch.Tag.inplace_view not in tags
@@ -37,7 +41,7 @@ def _key(node: torch.fx.Node):
         if isinstance(a, dict):
             return tuple(sorted((k, freeze(v)) for k, v in a.items()))
         return (type(a).__name__, a)
-    return (node.target, freeze(node.args), freeze(node.kwargs))
+    return (node.meta.get(REGION), node.target, freeze(node.args), freeze(node.kwargs))
 
 
 def eliminate_common_subexpressions(graph: torch.fx.Graph) -> int:
@@ -55,10 +59,6 @@ def eliminate_common_subexpressions(graph: torch.fx.Graph) -> int:
         if first is None:
             seen[key] = node
             continue
-        # Keep the earlier node; it inherits the earlier region so that the
-        # region order of its users still holds.
-        if _REGION_ORDER.get(node.meta.get(REGION), 0) < _REGION_ORDER.get(first.meta.get(REGION), 0):
-            first.meta[REGION] = node.meta[REGION]
         node.replace_all_uses_with(first)
         graph.erase_node(node)
         merged += 1

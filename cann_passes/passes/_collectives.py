@@ -1,0 +1,231 @@
+"""Shared pieces of the distributed rewrites: finding gradients, building nodes, buckets.
+
+Collectives are torch's functional ones (``torch.ops._c10d_functional``):
+each returns a new tensor and a ``wait_tensor`` node marks where the result
+is needed, so a backend may overlap the communication with whatever sits
+between the two nodes. They name their process group by string
+(``ProcessGroup.group_name``), which the runtime passes in ``ctx.mesh``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+import torch.fx
+
+from graph_ir import TrainGraph
+from graph_ir.meta import GRADIENT_OF, MODULE_PATH, ORIGIN_PASS, REGION, Region, region_of
+from graph_ir.signature import OutputKind
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+_REGION_ORDER = {Region.IO: -1, Region.FORWARD: 0, Region.BACKWARD: 1, Region.OPTIMIZER: 2}
+
+
+class DistributedRewriteError(ValueError):
+    pass
+
+
+# -- the mesh, as passes see it ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MeshDim:
+    group_name: str
+    size: int
+    rank: int
+
+
+def mesh_dim(ctx: Any, dim: str, pass_name: str, *, expected_size: int | None = None) -> MeshDim:
+    """``ctx.mesh``'s ``dim``: a process group name, its size and this rank's index in it.
+
+    ``ctx.mesh`` is duck-typed (``group_name(dim)``, ``size(dim)``, ``local_rank(dim)``) so that a
+    pass can run without any process group, e.g. to count communication in a benchmark.
+    """
+    mesh = getattr(ctx, "mesh", None)
+    if mesh is None:
+        raise DistributedRewriteError(
+            f"pass '{pass_name}' needs ctx.mesh (the device mesh with a '{dim}' dimension); "
+            "compile through a step after cann_passes.runtime.distributed.init_distributed(plan)")
+    found = MeshDim(mesh.group_name(dim), int(mesh.size(dim)), int(mesh.local_rank(dim)))
+    if expected_size is not None and found.size != expected_size:
+        raise DistributedRewriteError(
+            f"pass '{pass_name}': plan asks for {dim}={expected_size} but the mesh's {dim} "
+            f"dimension has {found.size} ranks")
+    return found
+
+
+# -- gradients ----------------------------------------------------------------------------------
+
+def _optimizer_ancestors(node: torch.fx.Node) -> list[torch.fx.Node]:
+    seen, stack, out = set(), [node], []
+    while stack:
+        n = stack.pop()
+        if n in seen or n.op != "call_function" or region_of(n) != Region.OPTIMIZER:
+            continue
+        seen.add(n)
+        out.append(n)
+        stack.extend(n.all_input_nodes)
+    return out
+
+
+def gradients(tg: TrainGraph) -> dict[str, torch.fx.Node]:
+    """Trainable parameter name -> the value its optimizer update reads as its gradient.
+
+    Marked nodes (``GRADIENT_OF``) win; otherwise the gradient is the one value
+    that the parameter's optimizer subgraph reads from outside the optimizer
+    region and that is not a graph input. The result is marked for later passes.
+    """
+    marked = {n.meta[GRADIENT_OF]: n for n in tg.graph.nodes if GRADIENT_OF in n.meta}
+    outputs = tg.output_values()
+    found: dict[str, torch.fx.Node] = {}
+    for i, spec in tg.signature.outputs_of(OutputKind.PARAM):
+        if spec.name in marked:
+            found[spec.name] = marked[spec.name]
+            continue
+        reads = {a for n in _optimizer_ancestors(outputs[i]) for a in n.all_input_nodes
+                 if a.op != "placeholder" and region_of(a) != Region.OPTIMIZER}
+        if len(reads) != 1:
+            raise DistributedRewriteError(
+                f"cannot find the gradient of '{spec.name}': its optimizer update reads "
+                f"{len(reads)} computed values from outside the optimizer region "
+                f"({sorted(a.name for a in reads)}); expected exactly one")
+        found[spec.name] = reads.pop()
+        found[spec.name].meta[GRADIENT_OF] = spec.name
+    return found
+
+
+def optimizer_subgraph(tg: TrainGraph, names: Iterable[str]) -> list[torch.fx.Node]:
+    """Optimizer-region nodes computing the given parameters' and their state's outputs, in order."""
+    wanted = set(names)
+    outputs = tg.output_values()
+    roots = [outputs[i] for i, s in enumerate(tg.signature.outputs)
+             if (s.kind == OutputKind.PARAM and s.name in wanted)
+             or (s.kind == OutputKind.OPT_STATE and s.name.rpartition(":")[0] in wanted)]
+    members = {n for r in roots for n in _optimizer_ancestors(r)}
+    return [n for n in tg.graph.nodes if n in members]
+
+
+# -- building nodes -----------------------------------------------------------------------------
+
+def _val(a):
+    return a.meta["val"] if isinstance(a, torch.fx.Node) else a
+
+
+def recompute_val(tg: TrainGraph, node: torch.fx.Node) -> None:
+    """Recompute ``node.meta['val']`` from its inputs' fake values (after its inputs changed shape)."""
+    args = torch.fx.node.map_aggregate(node.args, _val)
+    kwargs = torch.fx.node.map_aggregate(node.kwargs, _val)
+    with tg.fake_mode():
+        try:
+            node.meta["val"] = node.target(*args, **kwargs)
+        except Exception as exc:
+            raise DistributedRewriteError(
+                f"node {node.name} ({node.target}) cannot run on sharded inputs: {exc} "
+                "(rule: the optimizer update must be elementwise to be sharded)") from None
+
+
+class NodeBuilder:
+    """Appends nodes before an anchor, with fake values and the IR's metadata."""
+
+    def __init__(self, tg: TrainGraph, anchor: torch.fx.Node, region: Region, origin: str):
+        self.tg, self.anchor, self.region, self.origin = tg, anchor, region, origin
+
+    def __call__(self, target, *args, **kwargs) -> torch.fx.Node:
+        with self.tg.graph.inserting_before(self.anchor):
+            node = self.tg.graph.call_function(target, args, kwargs)
+        node.meta[REGION] = self.region.value
+        node.meta[MODULE_PATH] = ""
+        node.meta[ORIGIN_PASS] = self.origin
+        recompute_val(self.tg, node)
+        return node
+
+    def flat(self, x: torch.fx.Node) -> torch.fx.Node:
+        if not x.meta["val"].is_contiguous():
+            x = self(aten.clone.default, x, memory_format=torch.contiguous_format)
+        return self(aten.view.default, x, [-1])
+
+    def pad_to(self, flat: torch.fx.Node, length: int) -> torch.fx.Node:
+        missing = length - flat.meta["val"].numel()
+        return self(aten.constant_pad_nd.default, flat, [0, missing], 0.0) if missing else flat
+
+    def unflat(self, flat: torch.fx.Node, start: int, numel: int, shape) -> torch.fx.Node:
+        piece = self(aten.slice.Tensor, flat, 0, start, start + numel)
+        return self(aten.view.default, piece, list(shape))
+
+
+def after(node: torch.fx.Node) -> torch.fx.Node:
+    """The anchor that inserts right after ``node`` (in creation order)."""
+    return node.next
+
+
+def later_region(*regions: Region) -> Region:
+    return max(regions, key=lambda r: _REGION_ORDER[r])
+
+
+def first_user(nodes: Iterable[torch.fx.Node], position: dict[torch.fx.Node, int],
+               region: Region | None = None) -> torch.fx.Node | None:
+    """The earliest node (in graph order) that reads any of ``nodes``, optionally within a region."""
+    users = [u for n in nodes for u in n.users if region is None or region_of(u) == region]
+    return min(users, key=position.__getitem__) if users else None
+
+
+def position_map(tg: TrainGraph) -> dict[torch.fx.Node, int]:
+    return {n: i for i, n in enumerate(tg.graph.nodes)}
+
+
+def first_node_of(tg: TrainGraph, region: Region) -> torch.fx.Node:
+    for node in tg.graph.nodes:
+        if node.op == "call_function" and region_of(node) == region:
+            return node
+    return tg.output_node()
+
+
+# -- buckets ------------------------------------------------------------------------------------
+
+def make_buckets(names: list[str], sizes: dict[str, int], bucket_bytes: float) -> list[list[str]]:
+    """Consecutive names grouped while their bytes fit ``bucket_bytes`` (a bucket holds at least one)."""
+    buckets: list[list[str]] = []
+    used = math.inf
+    for name in names:
+        if used + sizes[name] > bucket_bytes and (not buckets or buckets[-1]):
+            buckets.append([])
+            used = 0
+        buckets[-1].append(name)
+        used += sizes[name]
+    return buckets
+
+
+def collective_elements(tg: TrainGraph) -> dict[str, int]:
+    """Elements each rank moves per step, by collective, under the usual accounting.
+
+    An all-reduce moves twice its size (a reduce-scatter then an all-gather,
+    as in ring all-reduce); a reduce-scatter its input; an all-gather its output.
+    """
+    volume = {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0}
+    for node in tg.graph.nodes:
+        if node.target is c10d.all_reduce.default:
+            volume["all_reduce"] += 2 * node.meta["val"].numel()
+        elif node.target is c10d.reduce_scatter_tensor.default:
+            volume["reduce_scatter"] += node.args[0].meta["val"].numel()
+        elif node.target is c10d.all_gather_into_tensor.default:
+            volume["all_gather"] += node.meta["val"].numel()
+    return volume
+
+
+def average_loss(tg: TrainGraph, group: MeshDim, origin: str) -> None:
+    """Make the loss output the mean over data-parallel ranks, so every rank reports the global loss."""
+    i = tg.signature.output_index(OutputKind.LOSS, "loss")
+    loss = tg.output_values()[i]
+    build = NodeBuilder(tg, after(loss), region_of(loss), origin)
+    reduced = build(c10d.wait_tensor.default, build(c10d.all_reduce.default, loss, "avg", group.group_name))
+    values = tg.output_values()
+    values[i] = reduced
+    tg.set_outputs(values)
+
+
+def redirect(value: torch.fx.Node, replacement: torch.fx.Node, users: Iterable[torch.fx.Node]) -> None:
+    for user in users:
+        user.replace_input_with(value, replacement)

@@ -1,0 +1,76 @@
+"""data_parallel: average gradients over the data-parallel ranks with bucketed all-reduces.
+
+Each bucket (consecutive gradients in the order backward produces them, up to
+``bucket_mb``) is flattened into one buffer and all-reduced once. The
+all-reduce sits right after the bucket's last gradient is produced and its
+``wait_tensor`` right before the optimizer first reads the bucket, so a backend
+can overlap it with the rest of backward. Averaging (``"avg"``) divides by the
+data-parallel world size, which is the global-batch mean when every rank sees
+the same number of samples. With gradient accumulation the optimizer reads
+gradients already scaled by 1/(global samples), so the reduction is a sum and
+it happens once per optimizer step, at the start of the optimizer region.
+
+``algo`` (ring/tree/auto) is not written into the graph: the runtime maps it
+onto the collective library's own setting (``HCCL_ALGO``/``NCCL_ALGO``) before
+the process group exists; the pass records it in ``graph.attrs``.
+"""
+from __future__ import annotations
+
+import torch
+
+from graph_ir import TrainGraph
+from graph_ir.meta import Region, nbytes, region_of
+
+from ..pass_manager import PassContext, register_pass
+from ._collectives import (DistributedRewriteError, MeshDim, NodeBuilder, after, aten, average_loss, c10d,
+                           collective_elements, first_user, gradients, later_region, make_buckets, mesh_dim,
+                           position_map, redirect)
+
+ALGOS = ("auto", "ring", "tree")
+
+
+def _all_reduce_bucket(tg: TrainGraph, bucket: list[str], grads: dict[str, torch.fx.Node],
+                       group: MeshDim, reduce_op: str) -> None:
+    position = position_map(tg)
+    values = [grads[n] for n in bucket]
+    readers = {n: [u for u in grads[n].users if region_of(u) == Region.OPTIMIZER] for n in bucket}
+    first_read = first_user(values, position, Region.OPTIMIZER)
+    last = max(values, key=position.__getitem__)
+    send = NodeBuilder(tg, after(last), later_region(*(region_of(v) for v in values)), "data_parallel")
+    flats = [send.flat(v) for v in values]
+    flat = send(aten.cat.default, flats) if len(flats) > 1 else flats[0]
+    reduced = send(c10d.all_reduce.default, flat, reduce_op, group.group_name)
+    receive = NodeBuilder(tg, first_read, Region.OPTIMIZER, "data_parallel")
+    synced = receive(c10d.wait_tensor.default, reduced)
+    offset = 0
+    for name, value in zip(bucket, values):
+        val = value.meta["val"]
+        redirect(value, receive.unflat(synced, offset, val.numel(), val.shape), readers[name])
+        offset += val.numel()
+
+
+@register_pass("data_parallel", preserves=())
+def data_parallel_pass(graph: TrainGraph, ctx: PassContext, *, bucket_mb: float = 25.0,
+                       algo: str = "auto") -> TrainGraph:
+    """Bucketed gradient all-reduce over the mesh's ``dp`` dimension; loss averaged over ranks."""
+    if algo not in ALGOS:
+        raise DistributedRewriteError(f"data_parallel option algo={algo!r} must be one of {ALGOS}")
+    if bucket_mb <= 0:
+        raise DistributedRewriteError(f"data_parallel option bucket_mb={bucket_mb} must be > 0")
+    plan = getattr(ctx, "plan", None)
+    group = mesh_dim(ctx, "dp", "data_parallel", expected_size=getattr(plan, "dp", None))
+    if "zero" in graph.attrs:
+        raise DistributedRewriteError("data_parallel after optimizer_shard would reduce gradients "
+                                      "twice (rule: use one of the two)")
+    accumulating = "grad_accumulation" in graph.attrs
+    grads = gradients(graph)
+    position = position_map(graph)
+    order = sorted(grads, key=lambda n: position[grads[n]])
+    buckets = make_buckets(order, {n: nbytes(grads[n].meta["val"]) for n in order}, bucket_mb * 2**20)
+    for bucket in buckets:
+        _all_reduce_bucket(graph, bucket, grads, group, "sum" if accumulating else "avg")
+    average_loss(graph, group, "data_parallel")
+    graph.attrs["data_parallel"] = {"dp": group.size, "buckets": len(buckets), "algo": algo}
+    ctx.stat("buckets", len(buckets))
+    ctx.stat("all_reduce_elements", collective_elements(graph)["all_reduce"])
+    return graph

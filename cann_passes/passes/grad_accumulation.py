@@ -1,0 +1,86 @@
+"""grad_accumulation: make the step accumulate gradients over microbatches.
+
+The rewrite gives every trainable parameter a runtime-owned accumulator
+(step state ``grad_accumulation:<param>``, zeros at the start of an optimizer
+step) and two scalars, ``grad_accumulation:weight`` (the microbatch's sample
+count) and ``grad_accumulation:scale`` (1 / samples of the optimizer step):
+
+    backward:   acc = acc_in + weight * grad          -> step-state output
+    optimizer:  reads scale * acc as the gradient
+
+Run whole with ``acc_in = 0, weight = scale * samples = 1`` it is the original
+step. The runtime cuts it at the optimizer region into a "grad" graph, run once
+per microbatch, and an "apply" graph, run once per optimizer step; because
+``data_parallel`` and ``optimizer_shard`` see the ``grad_accumulation`` mark
+and synchronize the optimizer's gradients at the start of the optimizer
+region, gradients cross ranks once per optimizer step, not per microbatch.
+The pass must therefore run before those two.
+
+``microbatches`` (static: the runtime splits each batch in that many) and
+``target`` (dynamic: samples per optimizer step, chosen at run time) are
+recorded for the runtime; the graph is the same for both.
+"""
+from __future__ import annotations
+
+import torch
+
+from graph_ir import TrainGraph
+from graph_ir.meta import Region, region_of
+from graph_ir.signature import InputKind, OutputKind, Spec
+
+from ..pass_manager import PassContext, register_pass
+from ._collectives import (GRADIENT_OF, DistributedRewriteError, NodeBuilder, after, aten, first_node_of,
+                           gradients, position_map, redirect)
+
+PREFIX = "grad_accumulation:"
+
+
+def _scalar_input(tg: TrainGraph, key: str, like: torch.Tensor) -> torch.fx.Node:
+    tg.attrs.setdefault("step_state", {})[PREFIX + key] = {"value": 1.0, "dtype": "float32", "shape": []}
+    with tg.fake_mode():
+        value = torch.empty((), dtype=torch.float32, device=like.device)
+    return tg.add_input(Spec(InputKind.STEP_STATE, PREFIX + key), value)
+
+
+def _accumulator(tg: TrainGraph, name: str, grad: torch.fx.Node) -> torch.fx.Node:
+    val = grad.meta["val"]
+    tg.attrs.setdefault("step_state", {})[PREFIX + name] = {
+        "value": 0.0, "dtype": str(val.dtype).removeprefix("torch."), "shape": list(val.shape)}
+    with tg.fake_mode():
+        value = torch.empty(val.shape, dtype=val.dtype, device=val.device)
+    return tg.add_input(Spec(InputKind.STEP_STATE, PREFIX + name), value)
+
+
+@register_pass("grad_accumulation", preserves=())
+def grad_accumulation_pass(graph: TrainGraph, ctx: PassContext, *, microbatches: int = 1,
+                           target: int = 0) -> TrainGraph:
+    """Accumulate sample-weighted gradients in step state; the optimizer reads their scaled sum."""
+    if microbatches < 1 or target < 0:
+        raise DistributedRewriteError(f"grad_accumulation options microbatches={microbatches} (>= 1) "
+                                      f"and target={target} (>= 0, 0 = static) are out of range")
+    if any(k in graph.attrs for k in ("data_parallel", "zero", "grad_accumulation")):
+        raise DistributedRewriteError("grad_accumulation must run before data_parallel and optimizer_shard "
+                                      "(rule: gradients are synchronized once per optimizer step), and once")
+    grads = gradients(graph)
+    position = position_map(graph)
+    loss = graph.output_value(OutputKind.LOSS, "loss")
+    weight = _scalar_input(graph, "weight", loss.meta["val"])
+    scale = _scalar_input(graph, "scale", loss.meta["val"])
+    optimizer_start = first_node_of(graph, Region.OPTIMIZER)
+    for name in sorted(grads, key=lambda n: position[grads[n]]):
+        grad = grads[name]
+        readers = [u for u in grad.users if region_of(u) == Region.OPTIMIZER]
+        acc_in = _accumulator(graph, name, grad)
+        build = NodeBuilder(graph, after(grad), region_of(grad), "grad_accumulation")
+        acc = build(aten.add.Tensor, acc_in, build(aten.mul.Tensor, grad, weight))
+        graph.add_output(Spec(OutputKind.STEP_STATE, PREFIX + name), acc)
+        # All scaled gradients come before any update, so a later pass can gather them into
+        # buckets and synchronize each before its first reader.
+        scaled = NodeBuilder(graph, optimizer_start, Region.OPTIMIZER, "grad_accumulation")(
+            aten.mul.Tensor, acc, scale)
+        redirect(grad, scaled, readers)
+        grad.meta.pop(GRADIENT_OF, None)
+        scaled.meta[GRADIENT_OF] = name
+    graph.attrs["grad_accumulation"] = {"microbatches": microbatches, "target": target}
+    ctx.stat("accumulators", len(grads))
+    return graph

@@ -1,0 +1,300 @@
+"""optimizer_shard: ZeRO stages 1-3 as rewrites of the whole-step graph.
+
+Every parameter is sharded on its own (as FSDP2 does): flattened, padded to a
+multiple of the data-parallel size N, and rank r owns elements
+``[r*s, (r+1)*s)`` with ``s = ceil(numel / N)``. Sharding each parameter
+keeps the update rule untouched: it is elementwise, so the optimizer nodes
+that updated a full parameter now update a 1-D shard, its state inputs are
+shards, and the scalar step count stays a scalar. A bucket of gradients is
+laid out as ``cat([g.view(N, s_i)], dim=1)`` so that one reduce-scatter hands
+each rank the shard of every parameter in the bucket, and one all-gather of
+the concatenated new shards rebuilds them.
+
+- stage 1: optimizer state sharded. Gradients are reduce-scattered after
+  backward ends (full gradients live until then), each rank updates its
+  shards, new parameters are all-gathered.
+- stage 2: as stage 1, but each bucket is reduce-scattered as soon as its
+  last gradient exists, so full gradients die early; the graph's memory
+  profile shows the lower peak.
+- stage 3: parameters sharded as well: the graph's parameter inputs and
+  outputs are shards. A bucket of parameters is all-gathered right before its
+  first forward use and gathered again before its first backward use (views
+  of the forward copy that backward reads are rebuilt on the new copy), so no
+  full parameter is kept from forward to backward.
+
+Padding (the last rank's shard tail) is zero in parameters, gradients and
+state, which the update keeps at zero; its bytes are reported in
+``graph.attrs['zero']`` and in the pass statistics.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from graph_ir import TrainGraph
+from graph_ir.meta import Region, nbytes, region_of
+from graph_ir.signature import InputKind, OutputKind
+
+from ..pass_manager import PassContext, register_pass
+from ._collectives import (DistributedRewriteError, MeshDim, NodeBuilder, after, aten, average_loss, c10d,
+                           collective_elements, first_node_of, first_user, gradients, later_region,
+                           make_buckets, mesh_dim, optimizer_subgraph, position_map, recompute_val, redirect)
+from graph_ir.analysis.cost import is_view_op
+
+ORIGIN = "optimizer_shard"
+
+
+class ShardLayout:
+    """Per-parameter shard sizes for N ranks."""
+
+    def __init__(self, tg: TrainGraph, names: list[str], group: MeshDim):
+        self.group = group
+        self.shape = {n: tuple(tg.input_node(InputKind.PARAM, n).meta["val"].shape) for n in names}
+        self.numel = {n: math.prod(s) for n, s in self.shape.items()}
+        self.shard = {n: -(-self.numel[n] // group.size) for n in names}
+
+    def valid(self, name: str) -> int:
+        """Elements of ``name`` this rank's shard holds before padding."""
+        return max(0, min(self.shard[name], self.numel[name] - self.group.rank * self.shard[name]))
+
+    def padding(self, name: str) -> int:
+        return self.shard[name] * self.group.size - self.numel[name]
+
+    def to_json(self) -> dict:
+        return {n: {"shape": list(self.shape[n]), "numel": self.numel[n], "shard": self.shard[n],
+                    "padding": self.padding(n)} for n in self.shape}
+
+
+# -- gradients: reduce-scatter ------------------------------------------------------------------
+
+def _reduce_scatter_bucket(tg: TrainGraph, bucket: list[str], grads, layout: ShardLayout, stage: int,
+                           reduce_op: str) -> dict[str, torch.fx.Node]:
+    position = position_map(tg)
+    values = [grads[n] for n in bucket]
+    readers = {n: [u for u in grads[n].users if region_of(u) == Region.OPTIMIZER] for n in bucket}
+    first_read = first_user(values, position, Region.OPTIMIZER)
+    region = later_region(*(region_of(v) for v in values))
+    if stage == 1 and region == Region.BACKWARD:
+        anchor = first_node_of(tg, Region.OPTIMIZER)      # after backward: full gradients live to its end
+    else:
+        anchor = after(max(values, key=position.__getitem__))  # as soon as the bucket is complete
+    n_ranks = layout.group.size
+    send = NodeBuilder(tg, anchor, region, ORIGIN)
+    rows = [send(aten.view.default, send.pad_to(send.flat(v), n_ranks * layout.shard[n]),
+                 [n_ranks, layout.shard[n]]) for n, v in zip(bucket, values)]
+    table = send(aten.cat.default, rows, 1) if len(rows) > 1 else rows[0]
+    scattered = send(c10d.reduce_scatter_tensor.default, send(aten.view.default, table, [-1]),
+                     reduce_op, n_ranks, layout.group.group_name)
+    receive = NodeBuilder(tg, first_read, Region.OPTIMIZER, ORIGIN)
+    mine = receive(c10d.wait_tensor.default, scattered)
+    shards, offset = {}, 0
+    for name in bucket:
+        shards[name] = receive(aten.slice.Tensor, mine, 0, offset, offset + layout.shard[name])
+        redirect(grads[name], shards[name], readers[name])
+        offset += layout.shard[name]
+    return shards
+
+
+# -- parameters and state as shards in the optimizer -------------------------------------------
+
+def _slice_own_shard(tg: TrainGraph, name: str, layout: ShardLayout) -> None:
+    """Stage 1/2: the optimizer reads this rank's shard of the (full) parameter input."""
+    param = tg.input_node(InputKind.PARAM, name)
+    readers = [u for u in param.users if region_of(u) == Region.OPTIMIZER]
+    build = NodeBuilder(tg, first_user([param], position_map(tg), Region.OPTIMIZER), Region.OPTIMIZER, ORIGIN)
+    start = layout.group.rank * layout.shard[name]
+    flat = build.flat(param)
+    own = build(aten.slice.Tensor, flat, 0, min(start, layout.numel[name]), start + layout.valid(name))
+    redirect(param, build.pad_to(own, layout.shard[name]), readers)
+
+
+def _shard_inputs(tg: TrainGraph, names: list[str], layout: ShardLayout, stage: int) -> None:
+    mode = tg.fake_mode()
+    for i, spec in enumerate(tg.signature.inputs):
+        if spec.kind == InputKind.OPT_STATE:
+            owner = spec.name.rpartition(":")[0]
+        elif spec.kind == InputKind.PARAM and stage == 3:
+            owner = spec.name
+        else:
+            continue
+        if owner not in layout.shard:
+            continue
+        node = tg.placeholders()[i]
+        val = node.meta["val"]
+        if tuple(val.shape) == layout.shape[owner]:  # scalar state (the step count) stays whole
+            with mode:
+                node.meta["val"] = torch.empty(layout.shard[owner], dtype=val.dtype, device=val.device)
+    if stage < 3:
+        for name in names:
+            _slice_own_shard(tg, name, layout)
+
+
+def _gather_new_params(tg: TrainGraph, bucket: list[str], layout: ShardLayout) -> None:
+    """Stage 1/2: all-gather the bucket's updated shards into full parameters for the outputs."""
+    position = position_map(tg)
+    outputs = tg.output_values()
+    index = {n: tg.signature.output_index(OutputKind.PARAM, n) for n in bucket}
+    shards = [outputs[index[n]] for n in bucket]
+    send = NodeBuilder(tg, after(max(shards, key=position.__getitem__)), Region.OPTIMIZER, ORIGIN)
+    row = send(aten.cat.default, shards) if len(shards) > 1 else shards[0]
+    gathered = send(c10d.all_gather_into_tensor.default, row, layout.group.size, layout.group.group_name)
+    receive = NodeBuilder(tg, tg.output_node(), Region.OPTIMIZER, ORIGIN)
+    table = receive(aten.view.default, receive(c10d.wait_tensor.default, gathered), [layout.group.size, -1])
+    offset = 0
+    for name in bucket:
+        full = _column_to_param(receive, table, offset, name, layout)
+        outputs[index[name]] = full
+        offset += layout.shard[name]
+    tg.set_outputs(outputs)
+
+
+def _column_to_param(build: NodeBuilder, table, offset: int, name: str, layout: ShardLayout):
+    column = build(aten.slice.Tensor, table, 1, offset, offset + layout.shard[name])
+    return build.unflat(build.flat(column), 0, layout.numel[name], layout.shape[name])
+
+
+# -- stage 3: gather parameters for forward, again for backward ---------------------------------
+
+def _gather_params(tg: TrainGraph, bucket: list[str], anchor, region: Region, layout: ShardLayout,
+                   spelled_apart: bool) -> dict[str, torch.fx.Node]:
+    build = NodeBuilder(tg, anchor, region, ORIGIN)
+    shards = [tg.input_node(InputKind.PARAM, n) for n in bucket]
+    # The backward gather reads the same shards as the forward one; spelling its cat
+    # differently keeps common-subexpression elimination from merging the two gathers
+    # (functional collectives are not marked impure), which would keep the forward
+    # copy alive through backward.
+    row = (build(aten.cat.default, shards, 0) if spelled_apart else build(aten.cat.default, shards)) \
+        if len(shards) > 1 else build(aten.alias.default, shards[0]) if spelled_apart else shards[0]
+    gathered = build(c10d.wait_tensor.default,
+                     build(c10d.all_gather_into_tensor.default, row, layout.group.size, layout.group.group_name))
+    table = build(aten.view.default, gathered, [layout.group.size, -1])
+    full, offset = {}, 0
+    for name in bucket:
+        full[name] = _column_to_param(build, table, offset, name, layout)
+        offset += layout.shard[name]
+    return full
+
+
+def _param_readers(tg: TrainGraph, names: list[str], region: Region, roots: dict) -> dict[str, list]:
+    """Nodes in ``region`` reading each parameter: the input itself, or a view chain of ``roots[name]``."""
+    readers = {}
+    for name in names:
+        sources = [tg.input_node(InputKind.PARAM, name)] + _view_chain(roots.get(name))
+        readers[name] = [(u, s) for s in sources for u in list(s.users) if region_of(u) == region
+                         and u.op == "call_function"]
+    return readers
+
+
+def _view_chain(root) -> list[torch.fx.Node]:
+    if root is None:
+        return []
+    chain, stack = [], [root]
+    while stack:
+        node = stack.pop()
+        chain.append(node)
+        stack.extend(u for u in node.users if is_view_op(u) and region_of(u) == Region.FORWARD)
+    return chain
+
+
+def _rebuild_view(tg: TrainGraph, node, fwd_full, bwd_full, before, memo: dict):
+    """The backward twin of a forward view ``node`` of ``fwd_full``, built on ``bwd_full``."""
+    if node is fwd_full:
+        return bwd_full
+    if node not in memo:
+        base = _rebuild_view(tg, node.all_input_nodes[0], fwd_full, bwd_full, before, memo)
+        args = torch.fx.node.map_arg(node.args, lambda a: base if a is node.all_input_nodes[0] else a)
+        memo[node] = NodeBuilder(tg, before, Region.BACKWARD, ORIGIN)(node.target, *args, **node.kwargs)
+    return memo[node]
+
+
+def _shard_parameters(tg: TrainGraph, names: list[str], layout: ShardLayout, bucket_bytes: float) -> None:
+    sizes = {n: layout.numel[n] * tg.input_node(InputKind.PARAM, n).meta["val"].element_size() for n in names}
+    position = position_map(tg)
+    fwd_readers = _param_readers(tg, names, Region.FORWARD, {})
+    used = [n for n in names if fwd_readers[n]]
+    used.sort(key=lambda n: min(position[u] for u, _ in fwd_readers[n]))
+    fwd_full = {}
+    for bucket in make_buckets(used, sizes, bucket_bytes):
+        anchor = min((u for n in bucket for u, _ in fwd_readers[n]), key=position_map(tg).__getitem__)
+        fwd_full.update(_gather_params(tg, bucket, anchor, Region.FORWARD, layout, False))
+        for n in bucket:
+            for user, source in fwd_readers[n]:
+                user.replace_input_with(source, fwd_full[n])
+    bwd_readers = _param_readers(tg, names, Region.BACKWARD, fwd_full)
+    position = position_map(tg)
+    used = [n for n in names if bwd_readers[n]]
+    used.sort(key=lambda n: min(position[u] for u, _ in bwd_readers[n]))
+    for bucket in make_buckets(used, sizes, bucket_bytes):
+        anchor = min((u for n in bucket for u, _ in bwd_readers[n]), key=position_map(tg).__getitem__)
+        bwd_full = _gather_params(tg, bucket, anchor, Region.BACKWARD, layout, True)
+        for n in bucket:
+            memo: dict = {}
+            for user, source in bwd_readers[n]:
+                if source.op == "placeholder":
+                    twin = bwd_full[n]
+                else:
+                    twin = _rebuild_view(tg, source, fwd_full[n], bwd_full[n], anchor, memo)
+                user.replace_input_with(source, twin)
+
+
+# -- the pass -----------------------------------------------------------------------------------
+
+@register_pass("optimizer_shard", preserves=())
+def optimizer_shard_pass(graph: TrainGraph, ctx: PassContext, *, stage: int = 1,
+                         bucket_mb: float = 25.0) -> TrainGraph:
+    """ZeRO stage 1/2/3 over the mesh's ``dp`` dimension (see the module docstring)."""
+    if stage not in (1, 2, 3):
+        raise DistributedRewriteError(f"optimizer_shard option stage={stage} must be 1, 2 or 3")
+    plan = getattr(ctx, "plan", None)
+    group = mesh_dim(ctx, "dp", ORIGIN, expected_size=getattr(plan, "dp", None))
+    if group.size < 2:
+        raise DistributedRewriteError("optimizer_shard needs a dp dimension of 2 or more ranks "
+                                      "(rule: ZeRO shards over data-parallel ranks)")
+    if "data_parallel" in graph.attrs or "zero" in graph.attrs:
+        raise DistributedRewriteError("optimizer_shard on a graph that already synchronizes gradients "
+                                      "(rule: use one of data_parallel and optimizer_shard, once)")
+    accumulating = "grad_accumulation" in graph.attrs
+    bucket_bytes = bucket_mb * 2**20
+    grads = gradients(graph)
+    position = position_map(graph)
+    order = sorted(grads, key=lambda n: position[grads[n]])
+    layout = ShardLayout(graph, order, group)
+    sizes = {n: nbytes(grads[n].meta["val"]) for n in order}
+    buckets = make_buckets(order, sizes, bucket_bytes)
+    for bucket in buckets:
+        _reduce_scatter_bucket(graph, bucket, grads, layout, stage, "sum" if accumulating else "avg")
+    _shard_inputs(graph, order, layout, stage)
+    for node in optimizer_subgraph(graph, order):
+        recompute_val(graph, node)
+    if stage < 3:
+        for bucket in buckets:
+            _gather_new_params(graph, bucket, layout)
+    else:
+        _shard_parameters(graph, order, layout, bucket_bytes)
+    average_loss(graph, group, ORIGIN)
+    padding = {n: layout.padding(n) for n in order}
+    graph.attrs["sharded_state"] = True
+    graph.attrs["zero"] = {"stage": stage, "dp": group.size, "rank": group.rank, "params": layout.to_json()}
+    ctx.stat("buckets", len(buckets))
+    ctx.stat("padding_elements", sum(padding.values()))
+    for kind, elements in collective_elements(graph).items():
+        ctx.stat(f"{kind}_elements", elements)
+    return graph
+
+
+def zero_model_state_bytes(psi: float, dp: int, stage: int, *, k: int = 12, param_bytes: int = 2,
+                           grad_bytes: int = 2) -> float:
+    """Per-rank bytes of parameters, gradients and optimizer state (the ZeRO paper's model).
+
+    ``k`` bytes of optimizer state per parameter (12 for mixed-precision Adam:
+    fp32 master copy, momentum, variance); stage 0 is plain data parallelism.
+    """
+    params, grads, state = param_bytes * psi, grad_bytes * psi, k * psi
+    if stage >= 1:
+        state /= dp
+    if stage >= 2:
+        grads /= dp
+    if stage >= 3:
+        params /= dp
+    return params + grads + state

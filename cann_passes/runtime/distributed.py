@@ -1,0 +1,306 @@
+"""The distributed runtime: a device mesh from the plan, its process groups, launch, faults.
+
+Processes are started by ``torchrun`` (one or many nodes), which sets
+``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``; :func:`init_distributed`
+checks the plan against the world before any process-group work, sets the
+collective library's algorithm (``HCCL_ALGO`` on Ascend, ``NCCL_ALGO`` on GPU),
+creates the default process group with the device's backend (hccl, nccl or
+gloo) and a ``(pp, dp, tp)`` :class:`~torch.distributed.device_mesh.DeviceMesh`
+with one process group per dimension. Passes see the mesh as a
+:class:`MeshInfo` (group names, sizes, this rank's coordinates).
+
+Faults: a watchdog thread on every rank heart-beats through the rendezvous
+store and polls it for a published failure. A rank whose code raises inside
+``with init_distributed(plan) as world:`` publishes "rank R failed: <error>"
+before the exception leaves; a rank that stops heart-beating (killed, stuck)
+for ``fault_timeout_s`` is declared failed by the others. Every other rank then
+prints the failure, naming the rank, and exits with :data:`FAULT_EXIT_CODE`
+even if it is blocked inside a collective, so no rank waits forever.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from ..plan import Plan, PlanError
+
+FAULT_EXIT_CODE = 75
+MESH_DIMS = ("pp", "dp", "tp")
+BACKEND_OF_DEVICE = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
+# How plan.allreduce_algo maps onto each collective library's own setting; gloo has none.
+ALGO_SETTINGS = {
+    "hccl": ("HCCL_ALGO", {"ring": "level0:NA;level1:ring", "tree": "level0:NA;level1:H-D_R"}),
+    "nccl": ("NCCL_ALGO", {"ring": "Ring", "tree": "Tree"}),
+}
+
+_current: "DistributedRuntime | None" = None
+
+
+# -- the plan against the world -----------------------------------------------------------------
+
+def check_world(plan: Plan, world_size: int) -> None:
+    """Refuse a plan that cannot run on ``world_size`` processes (before any process-group work)."""
+    degrees = plan.dp * plan.tp * plan.pp
+    if world_size % (plan.tp * plan.pp):
+        raise PlanError("dp", f"tp x pp = {plan.tp * plan.pp} must divide the number of processes "
+                              f"({world_size})", plan.dp)
+    if degrees != world_size:
+        raise PlanError("dp", f"dp x tp x pp = {plan.dp} x {plan.tp} x {plan.pp} = {degrees} must equal "
+                              f"the number of processes ({world_size}); for {world_size} processes use "
+                              f"dp={world_size // (plan.tp * plan.pp)}", plan.dp)
+    if plan.zero_stage and plan.dp < 2:
+        raise PlanError("zero_stage", "ZeRO shards over data-parallel ranks and needs dp > 1",
+                        plan.zero_stage)
+
+
+def collective_algo_env(algo: str, backend: str) -> dict[str, str]:
+    """The environment setting that selects ``algo`` in ``backend``'s collective library."""
+    if algo == "auto" or backend not in ALGO_SETTINGS:
+        return {}
+    variable, values = ALGO_SETTINGS[backend]
+    return {variable: values[algo]}
+
+
+def default_device_type() -> str:
+    if hasattr(torch, "npu") and torch.npu.is_available():
+        return "npu"
+    if torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+# -- what passes see ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MeshInfo:
+    """The mesh as plain data: per dimension its size, process-group name and this rank's index."""
+
+    sizes: dict[str, int]
+    coords: dict[str, int]
+    groups: dict[str, str] = field(default_factory=dict)
+
+    def size(self, dim: str) -> int:
+        return self.sizes[dim]
+
+    def local_rank(self, dim: str) -> int:
+        return self.coords[dim]
+
+    def group_name(self, dim: str) -> str:
+        return self.groups[dim]
+
+
+# -- the watchdog -------------------------------------------------------------------------------
+
+class Watchdog(threading.Thread):
+    """Heart-beats through the store and stops this process when another rank has failed."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, *, interval_s: float,
+                 fault_timeout_s: float):
+        super().__init__(name=f"cann-watchdog-{rank}", daemon=True)
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.interval_s, self.fault_timeout_s = interval_s, fault_timeout_s
+        self.stopped = threading.Event()
+        self._seen: dict[int, tuple[int, float]] = {}
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.interval_s):
+            try:
+                self.store.add(f"beat/{self.rank}", 1)
+                if self.store.check(["failed"]):
+                    self.store.add("failed_seen", 1)
+                    self._stop_process(self.store.get("failed").decode())
+                silent = self._silent_rank()
+                if silent is not None:
+                    message = (f"rank {silent} failed: no heartbeat for {self.fault_timeout_s:.0f}s "
+                               "(killed or stuck)")
+                    publish_failure(self.store, message)
+                    self._stop_process(message)
+            except (RuntimeError, dist.DistStoreError, ConnectionError, OSError) as exc:
+                if self.stopped.is_set():
+                    return
+                self._stop_process(f"the rendezvous store is unreachable ({exc}); the rank hosting it "
+                                   "(rank 0 or the launcher) has most likely failed")
+
+    def _silent_rank(self) -> int | None:
+        now = time.monotonic()
+        for other in range(self.world_size):
+            if other == self.rank or self.store.check([f"done/{other}"]):
+                continue
+            beats = self.store.add(f"beat/{other}", 0)
+            last_beats, since = self._seen.get(other, (-1, now))
+            if beats != last_beats:
+                self._seen[other] = (beats, now)
+            elif now - since > self.fault_timeout_s:
+                return other
+        return None
+
+    def _stop_process(self, message: str) -> None:
+        if self.stopped.is_set():
+            return
+        sys.stderr.write(f"[rank {self.rank}] stopping: {message}\n")
+        sys.stderr.flush()
+        os._exit(FAULT_EXIT_CODE)
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+
+def publish_failure(store: dist.Store, message: str) -> None:
+    # compare_set keeps the first failure: later ones are usually consequences of it.
+    store.compare_set("failed", "", message)
+
+
+# -- the runtime ----------------------------------------------------------------------------------
+
+class DistributedRuntime:
+    """The process groups of one run; a context manager that turns exceptions into a published failure."""
+
+    def __init__(self, plan: Plan, mesh, backend: str, device_type: str, watchdog: Watchdog | None,
+                 store: dist.Store):
+        self.plan, self.mesh, self.backend, self.device_type = plan, mesh, backend, device_type
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.watchdog, self.store = watchdog, store
+        names = mesh.mesh_dim_names
+        coords = mesh.get_coordinate()
+        self.info = MeshInfo({d: mesh.size(i) for i, d in enumerate(names)},
+                             {d: coords[i] for i, d in enumerate(names)},
+                             {d: mesh.get_group(d).group_name for d in names})
+
+    def group(self, dim: str):
+        return self.mesh.get_group(dim)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.info.local_rank("dp")
+
+    @property
+    def dp_size(self) -> int:
+        return self.info.size("dp")
+
+    def fail(self, exc: BaseException) -> None:
+        """Publish that this rank failed, and give the others a moment to read it."""
+        message = f"rank {self.rank} failed: {type(exc).__name__}: {exc}"
+        try:
+            publish_failure(self.store, message)
+            deadline = time.monotonic() + 4 * (self.watchdog.interval_s if self.watchdog else 0.5)
+            while time.monotonic() < deadline and self.store.add("failed_seen", 0) < self.world_size - 1:
+                time.sleep(0.05)
+        except Exception:  # the store itself is gone: the others find out through it too
+            pass
+        if self.watchdog:
+            self.watchdog.stop()
+
+    def shutdown(self) -> None:
+        """Leave together: a rank that finished is not mistaken for a failed one."""
+        global _current
+        self.store.set(f"done/{self.rank}", "1")
+        dist.barrier()
+        if self.watchdog:
+            self.watchdog.stop()
+        dist.destroy_process_group()
+        _current = None
+
+    def __enter__(self) -> "DistributedRuntime":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is not None:
+            sys.stderr.write(f"[rank {self.rank}] failed:\n{''.join(traceback.format_exception(exc))}")
+            self.fail(exc)
+            return False
+        self.shutdown()
+        return False
+
+
+def init_distributed(plan: Plan, *, device_type: str | None = None, timeout_s: float | None = None,
+                     heartbeat_s: float = 0.5, fault_timeout_s: float = 30.0) -> DistributedRuntime:
+    """Start this process's part of a run launched by ``torchrun`` (or :func:`launch_local`)."""
+    global _current
+    if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
+        raise RuntimeError("init_distributed needs RANK and WORLD_SIZE in the environment: launch with "
+                           "`torchrun --nproc-per-node N script.py` (see docs/distributed.md)")
+    check_world(plan, int(os.environ["WORLD_SIZE"]))
+    device_type = device_type or default_device_type()
+    backend = BACKEND_OF_DEVICE[device_type]
+    os.environ.update(collective_algo_env(plan.allreduce_algo, backend))
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
+    dist.init_process_group(backend, **kwargs)
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh(device_type, (plan.pp, plan.dp, plan.tp), mesh_dim_names=MESH_DIMS)
+    store = dist.PrefixStore("cann_passes/", dist.distributed_c10d._get_default_store().clone())
+    watchdog = Watchdog(store, dist.get_rank(), dist.get_world_size(), interval_s=heartbeat_s,
+                        fault_timeout_s=fault_timeout_s)
+    watchdog.start()
+    _current = DistributedRuntime(plan, mesh, backend, device_type, watchdog, store)
+    return _current
+
+
+def current() -> DistributedRuntime | None:
+    """The runtime of this process, once :func:`init_distributed` ran."""
+    return _current
+
+
+# -- batches --------------------------------------------------------------------------------------
+
+def shard_batch(batch: Any, dp_rank: int, dp_size: int) -> Any:
+    """This data-parallel rank's rows of a global batch (dim 0 of every tensor leaf)."""
+    leaves, spec = pytree.tree_flatten(batch)
+    out = []
+    for leaf in leaves:
+        if leaf.shape[0] % dp_size:
+            raise ValueError(f"a global batch of {leaf.shape[0]} rows does not split over dp={dp_size} ranks")
+        rows = leaf.shape[0] // dp_size
+        out.append(leaf[dp_rank * rows:(dp_rank + 1) * rows])
+    return pytree.tree_unflatten(out, spec)
+
+
+# -- launching local processes --------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_local(argv: Sequence[str], nprocs: int, *, env: dict[str, str] | None = None,
+                 timeout_s: float | None = None, cwd: str | None = None) -> list[subprocess.CompletedProcess]:
+    """Run ``python argv...`` as ``nprocs`` ranks on this machine with torchrun's environment.
+
+    Each rank is a plain process (no agent restarting or killing anything), so
+    what a rank does on a fault is its own behaviour. Processes still running
+    after ``timeout_s`` are killed and reported with return code None.
+    """
+    port = str(free_port())
+    procs = []
+    for rank in range(nprocs):
+        rank_env = dict(os.environ, **(env or {}), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs),
+                        LOCAL_WORLD_SIZE=str(nprocs), GROUP_RANK="0")
+        procs.append(subprocess.Popen([sys.executable, *argv], env=rank_env, cwd=cwd, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    results = []
+    for proc in procs:
+        try:
+            left = None if deadline is None else max(0.1, deadline - time.monotonic())
+            out, err = proc.communicate(timeout=left)
+            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            results.append(subprocess.CompletedProcess(proc.args, None, out, err))
+    return results

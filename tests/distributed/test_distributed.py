@@ -1,0 +1,112 @@
+"""Data parallelism, ZeRO 1-3, checkpoints and faults on gloo, with local processes.
+
+Every multi-process test launches ``tests/distributed/worker.py`` as torchrun
+would (RANK/WORLD_SIZE/MASTER_*), and compares with plain eager PyTorch
+(``torch.optim.AdamW``) trained on the same global batches in this process.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from cann_passes.runtime.distributed import FAULT_EXIT_CODE, launch_local
+
+sys.path.insert(0, str(Path(__file__).parent))
+import worker  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = str(Path(__file__).parent / "worker.py")
+
+
+def run_ranks(n: int, *args: str, timeout_s: float = 240):
+    results = launch_local([WORKER, *args], n, env={"PYTHONPATH": str(REPO)}, timeout_s=timeout_s, cwd=str(REPO))
+    return results
+
+
+def assert_all_ok(results):
+    for rank, r in enumerate(results):
+        assert r.returncode == 0, f"rank {rank} exited {r.returncode}:\n{r.stderr[-4000:]}"
+
+
+def eager_reference(steps=worker.STEPS):
+    model, opt = worker.make_model()
+    losses = []
+    for i in range(steps):
+        opt.zero_grad()
+        loss = worker.gpt_loss(model, worker.global_batch(i))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_matches(losses, params, ref_losses, ref_params, what: str):
+    for i, (got, want) in enumerate(zip(losses, ref_losses, strict=True)):
+        assert abs(got - want) <= 1e-5 * abs(want), f"{what}: step {i} loss {got} vs {want}"
+    for name, want in ref_params.items():
+        err = (params[name] - want).abs().max().item()
+        assert err <= 1e-5, f"{what}: parameter {name} differs by {err:.2e}"
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return eager_reference()
+
+
+def _unsharded_state_bytes(ref_params) -> int:
+    # AdamW: exp_avg and exp_avg_sq like each parameter, plus a scalar fp32 step.
+    return sum(2 * p.numel() * 4 + 4 for p in ref_params.values())
+
+
+@pytest.mark.parametrize("world_size,verify", [(2, "deep"), (4, "shallow")])
+def test_dp_and_every_zero_stage_match_single_process_adamw(tmp_path, reference, world_size, verify):
+    assert_all_ok(run_ranks(world_size, "parity", str(tmp_path), "dp,zero1,zero2,zero3", verify))
+    ref_losses, ref_params = reference
+    for rank in range(world_size):
+        result = torch.load(tmp_path / f"parity.rank{rank}.pt", weights_only=False)
+        for strategy in ("dp", "zero1", "zero2", "zero3"):
+            got = result[strategy]
+            assert_matches(got["losses"], got["params"], ref_losses, ref_params,
+                           f"{strategy} on {world_size} ranks (rank {rank})")
+        # ZeRO-1 state: each rank holds 1/N of every moment, padded to N equal shards.
+        zero = result["zero1"]["zero"]
+        padded_shards = sum(2 * info["shard"] * 4 + 4 for info in zero["params"].values())
+        assert result["zero1"]["state_bytes"] == padded_shards
+        assert result["dp"]["state_bytes"] == _unsharded_state_bytes(ref_params)
+        padding = sum(2 * info["padding"] * 4 for info in zero["params"].values())
+        scalars = 4 * len(ref_params)
+        assert (result["zero1"]["state_bytes"] - scalars) * world_size == \
+            result["dp"]["state_bytes"] - scalars + padding
+
+
+def test_resume_from_step_5_equals_uninterrupted_run_on_same_and_other_dp_degree(tmp_path, reference):
+    ckpt = str(tmp_path / "ckpt")
+    assert_all_ok(run_ranks(2, "resume", str(tmp_path), "1", ckpt, "save"))
+    assert_all_ok(run_ranks(2, "resume", str(tmp_path), "1", ckpt, "load"))
+    assert_all_ok(run_ranks(4, "resume", str(tmp_path), "2", ckpt, "load"))
+    full = torch.load(tmp_path / "resume_save_2.rank0.pt", weights_only=False)
+    ref_losses, ref_params = reference
+    assert_matches(full["losses"], full["params"], ref_losses, ref_params, "uninterrupted ZeRO-1 run")
+    for world_size in (2, 4):
+        for rank in range(world_size):
+            resumed = torch.load(tmp_path / f"resume_load_{world_size}.rank{rank}.pt", weights_only=False)
+            assert len(resumed["losses"]) == 5
+            assert_matches(resumed["losses"], resumed["params"], full["losses"][5:], full["params"],
+                           f"resumed on {world_size} ranks (rank {rank})")
+
+
+def test_a_rank_raising_at_step_3_stops_every_rank_with_its_name(tmp_path):
+    start = time.monotonic()
+    results = run_ranks(2, "fault", str(tmp_path), timeout_s=120)
+    elapsed = time.monotonic() - start
+    assert all(r.returncode is not None for r in results), "a rank was still running after 120s"
+    assert elapsed < 60, f"ranks took {elapsed:.0f}s to stop"
+    failed, survivor = results[1], results[0]
+    assert failed.returncode not in (0, None) and "injected failure at step 3" in failed.stderr
+    assert survivor.returncode == FAULT_EXIT_CODE, survivor.stderr[-2000:]
+    assert "rank 1 failed: RuntimeError: injected failure at step 3" in survivor.stderr
+    assert "finished" not in survivor.stdout

@@ -1,0 +1,98 @@
+"""One rank of a distributed test run: ``python -m tests.distributed.worker SCENARIO OUTDIR [ARGS]``.
+
+Launched by the tests with cann_passes.runtime.distributed.launch_local (torchrun's
+environment); each rank writes what it saw to OUTDIR/<scenario>.rank<R>.pt.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from cann_passes import Plan, compile_for_npu
+from cann_passes.runtime import checkpoint
+from cann_passes.runtime.distributed import init_distributed, shard_batch
+from recipes.models.gpt import GPT, gpt_loss, gpt_tiny
+
+STEPS, GLOBAL_BATCH, SEQ = 10, 8, 16
+STRATEGIES = {"dp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
+
+
+def global_batch(i: int, rows: int = GLOBAL_BATCH):
+    g = torch.Generator().manual_seed(1000 + i)
+    idx = torch.randint(0, 256, (rows, SEQ), generator=g)
+    return idx, torch.roll(idx, -1, dims=1)
+
+
+def make_model():
+    torch.manual_seed(0)
+    # No biases: the key bias of attention has a gradient that is zero in exact arithmetic, and
+    # Adam turns its rounding noise into lr-sized updates that depend on summation order.
+    model = GPT(gpt_tiny(bias=False))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+
+
+def full_params(step, model):
+    step.sync_model()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def train(world, plan, steps=range(STEPS), model=None, opt=None, step=None):
+    if step is None:
+        model, opt = make_model()
+        step = compile_for_npu(model, plan, optimizer=opt, loss_fn=gpt_loss)
+    losses = [float(step(shard_batch(global_batch(i), world.dp_rank, world.dp_size))) for i in steps]
+    return step, model, losses
+
+
+def parity(world_size: int, out: str, strategies: str, verify: str):
+    # Small buckets, so that every strategy splits the model into several.
+    base = Plan(backend="eager", verify=verify, dp=world_size, bucket_mb=0.02)
+    with init_distributed(base) as world:
+        result = {}
+        for name in strategies.split(","):
+            plan = base.replace(zero_stage=STRATEGIES[name])
+            step, model, losses = train(world, plan)
+            result[name] = {"losses": losses, "params": full_params(step, model),
+                            "state_bytes": step.optimizer_state_bytes(),
+                            "zero": step.last.graph.attrs.get("zero")}
+        torch.save(result, f"{out}/parity.rank{world.rank}.pt")
+
+
+def resume(world_size: int, out: str, stage: str, ckpt: str, phase: str):
+    plan = Plan(backend="eager", dp=world_size, zero_stage=int(stage))
+    with init_distributed(plan) as world:
+        if phase == "save":
+            step, model, first = train(world, plan, range(5))
+            checkpoint.save(step, ckpt)
+            _, _, rest = train(world, plan, range(5, STEPS), step=step)
+            losses = first + rest
+        else:
+            model, opt = make_model()
+            with torch.no_grad():  # resumed values must come from the checkpoint, not the seed
+                for p in model.parameters():
+                    p.add_(1.0)
+            step = compile_for_npu(model, plan, optimizer=opt, loss_fn=gpt_loss)
+            checkpoint.load(step, ckpt, shard_batch(global_batch(0), world.dp_rank, world.dp_size))
+            _, _, losses = train(world, plan, range(step.steps_run, STEPS), step=step)
+        torch.save({"losses": losses, "params": full_params(step, model)},
+                   f"{out}/resume_{phase}_{world_size}.rank{world.rank}.pt")
+
+
+def fault(world_size: int, out: str):
+    plan = Plan(backend="eager", dp=world_size, zero_stage=1)
+    with init_distributed(plan, fault_timeout_s=20) as world:
+        model, opt = make_model()
+        step = compile_for_npu(model, plan, optimizer=opt, loss_fn=gpt_loss)
+        for i in range(STEPS):
+            if world.rank == 1 and i == 3:
+                raise RuntimeError("injected failure at step 3")
+            step(shard_batch(global_batch(i), world.dp_rank, world.dp_size))
+        print(f"rank {world.rank} finished", flush=True)
+
+
+if __name__ == "__main__":
+    scenario, out, *args = sys.argv[1:]
+    import os
+    world_size = int(os.environ["WORLD_SIZE"])
+    {"parity": parity, "resume": resume, "fault": fault}[scenario](world_size, out, *args)
