@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
-exec .venv/bin/python -m pytest -q -ra "$@"
+./scripts/install_browser.sh
+exec .venv/bin/python -m pytest -q -ra -p no:cacheprovider "$@"
