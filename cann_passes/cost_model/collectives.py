@@ -1,0 +1,97 @@
+"""Alpha-beta time of collectives (Hockney model: ``alpha`` per message step, ``1/beta`` per byte).
+
+Ring algorithms move the least data (bandwidth-optimal) but take ``p - 1``
+steps per phase; trees take ``log2 p`` steps and win for small messages.
+Formulas, for ``n`` bytes per rank and ``p`` ranks (Thakur, Rabenseifner and
+Gropp, "Optimization of Collective Communication Operations in MPICH", 2005;
+NCCL's double binary tree for all-reduce, Sanders et al. 2009):
+
+    all_reduce      ring  2(p-1) a + 2 (p-1)/p n/B     tree  2 log2(p) a + 2 n/B
+    all_gather      ring  (p-1) a + (p-1)/p n_out/B    tree  log2(p) a + (p-1)/p n_out/B
+    reduce_scatter  ring  (p-1) a + (p-1)/p n_in/B     tree  log2(p) a + (p-1)/p n_in/B
+    all_to_all      (p-1) a + (p-1)/p n/B
+    broadcast       ring  (p-1) a + n/B (pipelined)    tree  log2(p) a + n/B
+"""
+from __future__ import annotations
+
+import math
+
+import torch.fx
+
+from graph_ir.meta import nbytes
+
+from .profiles import DeviceProfile
+
+ALGORITHMS = ("ring", "tree")
+
+
+def _link(profile: DeviceProfile, group_size: int) -> tuple[float, float]:
+    """(latency, bandwidth) of the slowest link a group of this size crosses."""
+    if group_size <= profile.devices_per_node:
+        return profile.intra_node_latency, profile.intra_node_bandwidth
+    return profile.inter_node_latency, profile.inter_node_bandwidth
+
+
+def collective_time(kind: str, nbytes_: int, group_size: int, profile: DeviceProfile,
+                    algorithm: str = "ring") -> float:
+    """Seconds for one collective of ``kind`` over ``group_size`` ranks moving ``nbytes_``.
+
+    ``nbytes_`` is the per-rank buffer: the input of all_reduce, reduce_scatter,
+    all_to_all and broadcast, the (gathered) output of all_gather.
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"collective algorithm {algorithm!r}: must be one of {ALGORITHMS}")
+    p = group_size
+    if p <= 1:
+        return 0.0
+    alpha, bandwidth = _link(profile, p)
+    steps_ring, steps_tree = p - 1, math.ceil(math.log2(p))
+    share = (p - 1) / p * nbytes_ / bandwidth
+    if kind == "all_reduce":
+        if algorithm == "ring":
+            return 2 * steps_ring * alpha + 2 * share
+        return 2 * steps_tree * alpha + 2 * nbytes_ / bandwidth
+    if kind in ("all_gather", "reduce_scatter"):
+        return (steps_ring if algorithm == "ring" else steps_tree) * alpha + share
+    if kind == "all_to_all":
+        return steps_ring * alpha + share
+    if kind == "broadcast":
+        return (steps_ring if algorithm == "ring" else steps_tree) * alpha + nbytes_ / bandwidth
+    raise ValueError(f"no alpha-beta model for collective {kind!r}")
+
+
+_KIND_OF = {
+    "all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce",
+    "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "all_to_all_single": "all_to_all", "broadcast": "broadcast",
+}
+
+
+def is_collective(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and getattr(node.target, "namespace", None) == "_c10d_functional"
+
+
+def collective_kind(node: torch.fx.Node) -> str | None:
+    """The collective a ``_c10d_functional`` node performs; None for ``wait_tensor`` and friends."""
+    if not is_collective(node):
+        return None
+    return _KIND_OF.get(node.target._opname)
+
+
+def _group_size(node: torch.fx.Node, default: int) -> int:
+    for arg in (*node.args, *node.kwargs.values()):
+        if isinstance(arg, int) and not isinstance(arg, bool):
+            return arg   # all_gather / reduce_scatter carry group_size as an argument
+    return default
+
+
+def collective_node_time(node: torch.fx.Node, profile: DeviceProfile, *, world_size: int,
+                         algorithm: str = "ring") -> float:
+    kind = collective_kind(node)
+    if kind is None:
+        return 0.0
+    p = _group_size(node, world_size)
+    moved = nbytes(node.meta.get("val")) if kind == "all_gather" else \
+        sum(nbytes(a.meta.get("val")) for a in node.all_input_nodes)
+    return collective_time(kind, moved, p, profile, algorithm)

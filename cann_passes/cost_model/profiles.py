@@ -1,0 +1,254 @@
+"""Device profiles: the handful of figures a roofline and an alpha-beta model need.
+
+Every figure carries its public source. Where no vendor figure exists the
+value is marked ESTIMATE with how it was derived. Throughputs are dense (no
+structured sparsity), per device (one chip / one GPU), in FLOP/s; bandwidths
+in bytes/s; latencies in seconds.
+
+The ``cpu`` profile is measured, not looked up: a short microbenchmark (a
+matmul, an elementwise op, a copy; well under 2 s) run once per process and
+cached on disk keyed by machine and torch version.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+TFLOPS = 1e12
+GB = 1e9
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    name: str
+    matrix_flops: dict[str, float]     # dtype name -> FLOP/s on the matrix unit (Cube / tensor cores)
+    vector_flops: dict[str, float]     # dtype name -> FLOP/s on the vector unit (Vector / CUDA cores)
+    memory_bandwidth: float            # device memory, bytes/s
+    memory_capacity: float             # bytes
+    intra_node_bandwidth: float        # per device, one direction, bytes/s (HCCS / NVLink / UB)
+    intra_node_latency: float          # seconds per message step
+    inter_node_bandwidth: float        # per device, one direction, bytes/s (RoCE / InfiniBand)
+    inter_node_latency: float
+    devices_per_node: int = 8
+    op_overhead: float = 0.0           # fixed cost per launched op (kernel launch / task dispatch)
+    sources: dict[str, str] = field(default_factory=dict, compare=False)
+
+    def matrix_rate(self, dtype: torch.dtype) -> float:
+        return _rate(self.matrix_flops, dtype)
+
+    def vector_rate(self, dtype: torch.dtype) -> float:
+        return _rate(self.vector_flops, dtype)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def dtype_key(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+            torch.float64: "fp64", torch.int8: "int8"}.get(dtype, "fp32")
+
+
+def _rate(table: dict[str, float], dtype: torch.dtype) -> float:
+    key = dtype_key(dtype)
+    # Integer and boolean elementwise work runs at the fp32 vector rate or better.
+    return table.get(key) or table["fp32"]
+
+
+# -- Ascend ------------------------------------------------------------------------------------
+# Atlas A2 training: Ascend 910B (as in Atlas 800T A2, 8 NPUs per server).
+ASCEND_910B = DeviceProfile(
+    name="ascend_910b",
+    # ESTIMATE: Huawei publishes no per-SKU datasheet figure for 910B. 313 TFLOPS FP16 is the
+    # widely reported figure for 910B3 (e.g. the 910B3 entries in Huawei Cloud ModelArts
+    # resource docs and the Atlas 800T A2 press coverage); bf16 runs at the fp16 Cube rate.
+    # fp32 on the Cube goes through HF32 emulation: ESTIMATE 1/2 of fp16.
+    matrix_flops={"fp16": 313 * TFLOPS, "bf16": 313 * TFLOPS, "fp32": 156 * TFLOPS,
+                  "int8": 626 * TFLOPS},
+    # ESTIMATE: from the DaVinci core ratio (HPCA 2021, Liao et al., "Ascend: a Scalable and
+    # Unified Architecture for Ubiquitous DNN Computing": Cube 4096 fp16 MAC/cycle vs a
+    # 2048-bit Vector unit, 128 fp16 lanes) => vector ~ cube / 32; fp32 at half the fp16 rate.
+    vector_flops={"fp16": 9.8 * TFLOPS, "bf16": 9.8 * TFLOPS, "fp32": 4.9 * TFLOPS},
+    # ESTIMATE: 64 GB HBM2e at ~1.6 TB/s, as reported for 910B (4 HBM2e stacks).
+    memory_bandwidth=1.6e12,
+    memory_capacity=64 * GB,
+    # Atlas 800T A2 datasheet (Huawei, e.hua..., "Atlas 800T A2 training server"): HCCS
+    # full mesh, 392 GB/s per NPU aggregate (7 links x 56 GB/s); one direction taken as half.
+    intra_node_bandwidth=196 * GB,
+    intra_node_latency=5e-6,            # ESTIMATE: HCCL small-message step latency
+    # Atlas 800T A2 datasheet: 8 x 200GE RoCE, one port per NPU => 25 GB/s per direction.
+    inter_node_bandwidth=25 * GB,
+    inter_node_latency=10e-6,           # ESTIMATE: RoCE v2 step latency incl. HCCL overhead
+    op_overhead=5e-6,                   # ESTIMATE: GE task dispatch per op in graph mode
+    sources={"matrix": "910B3 reported 313 TFLOPS fp16 (estimate)",
+             "vector": "estimate from DaVinci Cube/Vector ratio, HPCA 2021",
+             "memory": "reported 64 GB HBM2e, 1.6 TB/s (estimate)",
+             "interconnect": "Atlas 800T A2 datasheet: HCCS 392 GB/s, 8x200GE RoCE"},
+)
+
+# Atlas A3 (Atlas 900 A3 SuperPoD / CloudMatrix384): Ascend 910C, two 910B-class dies per package.
+ASCEND_A3 = DeviceProfile(
+    name="ascend_a3",
+    # Huawei CloudMatrix384 paper (Zuo et al., arXiv:2506.12708, Sec. 3): 910C ~752 TFLOPS
+    # dense BF16/FP16 per package (two dies); fp32 ESTIMATE at half.
+    matrix_flops={"fp16": 752 * TFLOPS, "bf16": 752 * TFLOPS, "fp32": 376 * TFLOPS,
+                  "int8": 1504 * TFLOPS},
+    # ESTIMATE: same cube/vector ratio as 910B (two dies).
+    vector_flops={"fp16": 23.5 * TFLOPS, "bf16": 23.5 * TFLOPS, "fp32": 11.8 * TFLOPS},
+    # CloudMatrix384 paper: 128 GB on-package memory, 3.2 TB/s per 910C.
+    memory_bandwidth=3.2e12,
+    memory_capacity=128 * GB,
+    # CloudMatrix384 paper: Unified Bus, 392 GB/s unidirectional per NPU within the supernode.
+    intra_node_bandwidth=392 * GB,
+    intra_node_latency=2e-6,            # ESTIMATE: UB one-hop latency is reported in the low us
+    # CloudMatrix384 paper: RDMA plane, 400 Gbps per NPU => 50 GB/s.
+    inter_node_bandwidth=50 * GB,
+    inter_node_latency=10e-6,           # ESTIMATE
+    devices_per_node=384,               # the supernode is one UB domain
+    op_overhead=5e-6,                   # ESTIMATE, as for 910B
+    sources={"all": "Zuo et al., Serving Large Language Models on Huawei CloudMatrix384, "
+                    "arXiv:2506.12708; fp32 and vector rates are estimates"},
+)
+
+# -- NVIDIA ------------------------------------------------------------------------------------
+# NVIDIA H100 Tensor Core GPU datasheet (SXM5): dense figures are half the "with sparsity" ones.
+H100 = DeviceProfile(
+    name="h100",
+    matrix_flops={"fp16": 989 * TFLOPS, "bf16": 989 * TFLOPS, "fp32": 494.5 * TFLOPS,  # TF32
+                  "fp64": 67 * TFLOPS, "int8": 1979 * TFLOPS},
+    # H100 datasheet: 67 TFLOPS fp32 (CUDA cores); fp16/bf16 non-tensor 2x fp32 per the
+    # Hopper architecture whitepaper (Table: "Peak FP16 (non-Tensor) 133.8 TFLOPS").
+    vector_flops={"fp32": 67 * TFLOPS, "fp16": 133.8 * TFLOPS, "bf16": 133.8 * TFLOPS,
+                  "fp64": 34 * TFLOPS},
+    memory_bandwidth=3.35e12,           # datasheet: 80 GB HBM3, 3.35 TB/s
+    memory_capacity=80 * GB,
+    intra_node_bandwidth=450 * GB,      # datasheet: NVLink 900 GB/s bidirectional
+    intra_node_latency=3e-6,            # ESTIMATE: NCCL ring step latency over NVLink
+    inter_node_bandwidth=50 * GB,       # DGX H100: ConnectX-7 400 Gb/s InfiniBand per GPU
+    inter_node_latency=6e-6,            # ESTIMATE: NCCL step latency over InfiniBand
+    op_overhead=4e-6,                   # ESTIMATE: kernel launch
+    sources={"all": "NVIDIA H100 datasheet, Hopper architecture whitepaper, DGX H100 user guide"},
+)
+
+# NVIDIA H200 datasheet (SXM): H100 compute, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s.
+H200 = DeviceProfile(
+    name="h200",
+    matrix_flops=dict(H100.matrix_flops),
+    vector_flops=dict(H100.vector_flops),
+    memory_bandwidth=4.8e12,
+    memory_capacity=141 * GB,
+    intra_node_bandwidth=450 * GB,
+    intra_node_latency=3e-6,            # ESTIMATE, as H100
+    inter_node_bandwidth=50 * GB,       # DGX H200: ConnectX-7 400 Gb/s per GPU
+    inter_node_latency=6e-6,            # ESTIMATE
+    op_overhead=4e-6,                   # ESTIMATE
+    sources={"all": "NVIDIA H200 Tensor Core GPU datasheet; compute as H100"},
+)
+
+# NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB).
+A100 = DeviceProfile(
+    name="a100",
+    matrix_flops={"fp16": 312 * TFLOPS, "bf16": 312 * TFLOPS, "fp32": 156 * TFLOPS,  # TF32
+                  "fp64": 19.5 * TFLOPS, "int8": 624 * TFLOPS},
+    # Datasheet: 19.5 TFLOPS fp32; Ampere whitepaper: 78 TFLOPS fp16 non-tensor.
+    vector_flops={"fp32": 19.5 * TFLOPS, "fp16": 78 * TFLOPS, "bf16": 39 * TFLOPS,
+                  "fp64": 9.7 * TFLOPS},
+    memory_bandwidth=2.039e12,          # datasheet: 80 GB HBM2e, 2,039 GB/s
+    memory_capacity=80 * GB,
+    intra_node_bandwidth=300 * GB,      # datasheet: NVLink 600 GB/s bidirectional
+    intra_node_latency=3e-6,            # ESTIMATE
+    inter_node_bandwidth=25 * GB,       # DGX A100: ConnectX-6 200 Gb/s per GPU
+    inter_node_latency=6e-6,            # ESTIMATE
+    op_overhead=4e-6,                   # ESTIMATE
+    sources={"all": "NVIDIA A100 datasheet, Ampere GA100 whitepaper, DGX A100 user guide"},
+)
+
+_FIXED = {p.name: p for p in (ASCEND_910B, ASCEND_A3, H100, H200, A100)}
+
+
+# -- CPU, measured -----------------------------------------------------------------------------
+def _best_of(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _measure_cpu() -> dict:
+    n = 512
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    matmul = 2 * n**3 / _best_of(lambda: a @ b, 5)
+    x = torch.randn(4 * 2**20)
+    y = torch.empty_like(x)
+    # One add reads 8 and writes 4 bytes per element: bandwidth-bound, so it also bounds
+    # the vector rate from below; a multiply-add chain on a cache-sized tensor bounds it above.
+    add = _best_of(lambda: torch.add(x, x, out=y), 5)
+    copy = _best_of(lambda: y.copy_(x), 5)
+    small = torch.randn(32 * 1024)
+    small_out = torch.empty_like(small)
+    vec = small.numel() / _best_of(lambda: torch.mul(small, small, out=small_out), 20)
+    return {"matmul_flops": matmul, "vector_flops": max(vec, x.numel() / add),
+            "bandwidth": max(12 * x.numel() / add, 8 * x.numel() / copy)}
+
+
+def _cache_path() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    key = f"{platform.machine()}-{os.cpu_count()}-{torch.get_num_threads()}-{torch.__version__}"
+    key = "".join(c if c.isalnum() or c in "-._" else "_" for c in key)
+    return os.path.join(base, "cann_passes", f"cpu_profile-{key}.json")
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_profile() -> DeviceProfile:
+    """This machine's CPU, measured once (then read from the on-disk cache)."""
+    path = _cache_path()
+    try:
+        with open(path, encoding="utf-8") as f:
+            measured = json.load(f)
+    except (OSError, ValueError):
+        measured = _measure_cpu()
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump(measured, f)
+        except OSError:  # a read-only home: measure again next process
+            pass
+    matmul, vector = measured["matmul_flops"], measured["vector_flops"]
+    return DeviceProfile(
+        name="cpu",
+        # Measured: fp32 512x512 matmul; bf16/fp16 matmuls on CPUs without AMX/AVX512-BF16 are
+        # not faster, so they are given the fp32 rate.
+        matrix_flops={"fp32": matmul, "bf16": matmul, "fp16": matmul},
+        vector_flops={"fp32": vector, "bf16": vector, "fp16": vector},
+        memory_bandwidth=measured["bandwidth"],
+        memory_capacity=float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
+        # Collectives between processes on one host go through shared memory (gloo):
+        # ESTIMATE a quarter of the measured copy bandwidth, 20 us per step.
+        intra_node_bandwidth=measured["bandwidth"] / 4, intra_node_latency=20e-6,
+        inter_node_bandwidth=1.25 * GB, inter_node_latency=50e-6,  # ESTIMATE: 10GbE
+        devices_per_node=os.cpu_count() or 1,
+        op_overhead=2e-6,                                             # ESTIMATE: eager dispatch
+        sources={"all": f"measured by microbenchmark, cached in {path}"},
+    )
+
+
+def get_profile(name: str) -> DeviceProfile:
+    """A profile by name; ``auto`` is the machine this runs on (the CPU here: no NPU or GPU)."""
+    if name in ("auto", "cpu"):
+        return cpu_profile()
+    if name not in _FIXED:
+        raise ValueError(f"unknown device profile {name!r}; known: auto, cpu, {', '.join(_FIXED)}")
+    return _FIXED[name]
+
+
+def profile_names() -> tuple[str, ...]:
+    return ("cpu", *_FIXED)

@@ -1,0 +1,47 @@
+"""Per-node time: a roofline of arithmetic against memory traffic.
+
+``time = overhead + max(flops / rate, bytes / bandwidth)``, where the rate is
+the matrix unit's (Cube, tensor cores) for ops that torch's flop counter
+knows (matmuls, convolutions, attention) and the vector unit's otherwise,
+each at the node's dtype. Views cost nothing. Collectives use the
+alpha-beta model of :mod:`.collectives`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from graph_ir.analysis.cost import node_cost
+from graph_ir.analysis.memory import aliases_input
+from graph_ir.meta import tensors_of
+
+from .collectives import collective_node_time, is_collective
+from .profiles import DeviceProfile
+
+
+def compute_dtype(node: torch.fx.Node) -> torch.dtype:
+    """The dtype the arithmetic runs in: a matmul's inputs', else the widest floating output."""
+    ins = [t for a in node.all_input_nodes for t in tensors_of(a.meta.get("val"))]
+    outs = tensors_of(node.meta.get("val"))
+    floating = [t.dtype for t in (*outs, *ins) if t.dtype.is_floating_point]
+    if not floating:
+        return torch.float32
+    return max(floating, key=lambda d: torch.finfo(d).bits)
+
+
+def node_time(node: torch.fx.Node, profile: DeviceProfile, *, world_size: int = 1,
+              allreduce_algo: str = "ring") -> float:
+    """Estimated seconds to run one node on ``profile``."""
+    if node.op != "call_function" or aliases_input(node):
+        return 0.0
+    if is_collective(node):
+        return profile.op_overhead + collective_node_time(node, profile, world_size=world_size,
+                                                          algorithm=allreduce_algo)
+    cost = node_cost(node)
+    dtype = compute_dtype(node)
+    rate = profile.matrix_rate(dtype) if cost.matmul else profile.vector_rate(dtype)
+    return profile.op_overhead + max(cost.flops / rate, cost.bytes / profile.memory_bandwidth)
+
+
+def graph_time(nodes, profile: DeviceProfile, **kwargs) -> float:
+    return sum(node_time(n, profile, **kwargs) for n in nodes)

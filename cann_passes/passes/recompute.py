@@ -1,0 +1,506 @@
+"""recompute: choose which forward values backward keeps, and recompute the rest in backward.
+
+Policies:
+
+- ``none``: keep every activation (dropout masks as bool, as ``native_dropout`` keeps them).
+- ``full``: checkpoint every transformer block (module paths ``<list>.<N>``, e.g.
+  ``layers.3``): keep only values that cross a block boundary.
+- ``every_n_layers``: as ``full`` over groups of ``every_n`` consecutive blocks
+  (Megatron's "uniform" method): keep only what crosses a group boundary.
+- ``selective``: recompute the attention core (Korthikanti et al. 2022): the
+  score matmul, scale, mask, softmax, dropout and attention x V; its dropout
+  mask is kept as packed bits.
+- ``budget``: keep at most ``budget`` (a fraction of the no-recompute saved
+  bytes, or bytes when > 1) and recompute the cheapest rest, timed by the
+  device profile's roofline (see :mod:`cann_passes.recompute_solver`).
+
+Recomputed values are copied into the backward region just before their first
+use, tagged ``meta[RECOMPUTE] = True``. Never recomputed: random ops (a second
+draw gives other numbers; the eager backend would also shift the RNG stream of
+every later draw), collectives, and what ``plan.recompute_bans`` names (op
+names like ``aten.mm`` or module path prefixes). So a recomputed step is bitwise
+identical to the original one.
+"""
+from __future__ import annotations
+
+import math
+import operator
+import re
+
+import torch
+import torch.fx
+
+from graph_ir import TrainGraph
+from graph_ir.analysis.cost import node_cost
+from graph_ir.analysis.memory import aliases_input, buffer_bytes, memory_profile, saved_activations, storage_roots
+from graph_ir.meta import (MODULE_PATH, ORIGIN_PASS, RECOMPUTE, REGION, Region, module_path_of,
+                           nbytes, region_of, tensors_of)
+
+from ..cost_model import get_profile, is_collective, node_time
+from ..cost_model.profiles import DeviceProfile
+from ..pass_manager import PassContext, register_pass
+from ..recompute_solver import Problem, Value, evaluate, min_bytes, solve
+
+aten = torch.ops.aten
+POLICIES = ("none", "full", "selective", "every_n_layers", "budget")
+SOLVERS = ("auto", "mincut", "milp", "greedy")
+_MASK_OPS = {aten.bernoulli.p, aten.bernoulli.default}
+_SOFTMAX = {aten._softmax.default, aten.softmax.int, aten._safe_softmax.default}
+
+
+# -- the problem ----------------------------------------------------------------------------------
+
+def _is_random(node: torch.fx.Node) -> bool:
+    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+
+
+def _is_float_mask(node: torch.fx.Node) -> bool:
+    val = node.meta.get("val")
+    return node.target in _MASK_OPS and isinstance(val, torch.Tensor) and val.dtype.is_floating_point
+
+
+def _ban_reason(node: torch.fx.Node, bans: tuple[str, ...]) -> str:
+    op = str(node.target)
+    path = module_path_of(node)
+    for ban in bans:
+        if op == ban or op.startswith(ban + "."):
+            return f"banned by recompute_bans {ban!r} (op)"
+        if path and (path == ban or path.startswith(ban + ".")):
+            return f"banned by recompute_bans {ban!r} (module path)"
+    return ""
+
+
+def _elementwise_time(profile: DeviceProfile, elements: int, moved: int, ops: int) -> float:
+    return ops * profile.op_overhead + max(elements / profile.vector_rate(torch.float32),
+                                           moved / profile.memory_bandwidth)
+
+
+class _Builder:
+    """Turns a TrainGraph into a solver Problem, remembering which value is which node."""
+
+    def __init__(self, graph: TrainGraph, profile: DeviceProfile, bans: tuple[str, ...], world_size: int):
+        self.graph, self.profile, self.bans, self.world = graph, profile, bans, world_size
+        self.root = storage_roots(graph.graph)
+        self.values: list[Value] = []
+        self.node_of: dict[int, torch.fx.Node] = {}
+        self.index: dict[torch.fx.Node, int] = {}
+        self.masks: dict[torch.fx.Node, dict[str, int]] = {}   # bernoulli node -> {"bits","bool","float"}
+
+    def build(self) -> Problem:
+        forward = [n for n in self.graph.graph.nodes
+                   if n.op == "call_function" and region_of(n) == Region.FORWARD]
+        for node in forward:
+            if _is_float_mask(node):
+                self._add_mask(node)
+            else:
+                self._add_node(node)
+        self._mark_uses()
+        self._mark_mask_derived(forward)
+        return Problem(self.values)
+
+    def _dep(self, node: torch.fx.Node) -> int | None:
+        if node in self.masks:
+            return self.masks[node]["float"]
+        return self.index.get(node)
+
+    def _add_node(self, node: torch.fx.Node) -> None:
+        deps = [d for d in (self._dep(a) for a in node.all_input_nodes) if d is not None]
+        cost = node_cost(node)
+        v = Value(node.name, deps, flops=cost.flops, written=cost.bytes_written,
+                  cost=node_time(node, self.profile, world_size=self.world))
+        is_root = self.root[node] is node
+        v.bytes = buffer_bytes(node) if is_root else 0
+        v.savable = is_root and not aliases_input(node) and not isinstance(node.meta.get("val"), (tuple, list))
+        if aliases_input(node) or node.target is operator.getitem:
+            pass   # a view or an item of a tuple computes nothing: rebuilding it is always allowed
+        elif _is_random(node):
+            v.recomputable, v.reason = False, "random op: saved so that backward sees the same draw"
+        elif is_collective(node) or node.is_impure():
+            v.recomputable, v.reason = False, "collective or side effect: never recomputed"
+        elif (why := _ban_reason(node, self.bans)):
+            v.recomputable, v.reason = False, why
+        self.index[node] = len(self.values)
+        self.node_of[len(self.values)] = node
+        self.values.append(v)
+
+    def _add_mask(self, node: torch.fx.Node) -> None:
+        """bits (saved, never recomputed) -> bool (unpack) -> float mask (cast)."""
+        val = node.meta["val"]
+        n = val.numel()
+        p = self.profile
+        bits = Value(f"{node.name}.bits", [], bytes=math.ceil(n / 8), savable=True, recomputable=False,
+                     reason="random mask: kept (as packed bits) so backward sees the same draw")
+        boolean = Value(f"{node.name}.bool", [len(self.values)], bytes=n, savable=True,
+                        cost=_elementwise_time(p, 2 * n, n // 8 + 2 * n, 4), written=n)
+        floating = Value(node.name, [len(self.values) + 1], savable=False,
+                         cost=_elementwise_time(p, n, n + n * val.element_size(), 1),
+                         written=n * val.element_size(),
+                         reason="random mask: kept as bool or bits, never in float")
+        base = len(self.values)
+        self.values += [bits, boolean, floating]
+        self.masks[node] = {"bits": base, "bool": base + 1, "float": base + 2}
+        self.node_of[base + 2] = node
+        self.index[node] = base + 2
+
+    def _mark_uses(self) -> None:
+        for node in self.graph.graph.nodes:
+            region = region_of(node)
+            if region == Region.FORWARD or node.op == "placeholder":
+                continue
+            for arg in node.all_input_nodes:
+                i = self._dep(arg)
+                if i is None:
+                    continue
+                if region == Region.BACKWARD:
+                    self.values[i].needed = True
+                else:  # the output node or the optimizer: alive anyway
+                    self._keep(arg)
+
+    def _keep(self, node: torch.fx.Node) -> None:
+        for n in (node, self.root[node]):
+            i = self._dep(n)
+            if i is not None:
+                self.values[i].kept = True
+
+    def _mark_mask_derived(self, forward: list[torch.fx.Node]) -> None:
+        """A value computed from a mask alone (``mask / (1 - p)``) is kept as the mask."""
+        derived = {self.masks[m]["float"] for m in self.masks}
+        for node in forward:
+            i = self.index.get(node)
+            if i is None or i in derived:
+                continue
+            v = self.values[i]
+            if v.deps and all(d in derived for d in v.deps) and not v.kept:
+                derived.add(i)
+                if v.savable and v.recomputable:   # a banned one stays savable
+                    v.savable = False
+                    v.reason = "computed from a random mask alone: the mask is kept instead"
+
+
+# -- policies --------------------------------------------------------------------------------------
+
+_BLOCK = re.compile(r"^(.*?\.\d+)(?:\.|$)")
+
+
+def block_of(path: str) -> str:
+    """The transformer block a module path lies in: its shortest prefix ending in an index."""
+    m = _BLOCK.match(path)
+    return m.group(1) if m else ""
+
+
+def _forbid_saving(problem: Problem, indices, reason: str) -> None:
+    for i in indices:
+        v = problem.values[i]
+        if v.savable and v.recomputable and not v.kept:
+            v.savable, v.reason = False, reason
+
+
+def _apply_groups(b: _Builder, problem: Problem, every_n: int) -> None:
+    """Checkpoint groups of ``every_n`` blocks: only values crossing a group boundary are kept."""
+    blocks: list[str] = []
+    for node in b.graph.graph.nodes:
+        blk = block_of(module_path_of(node)) if region_of(node) == Region.FORWARD else ""
+        if blk and blk not in blocks:
+            blocks.append(blk)
+    group = {blk: k // every_n for k, blk in enumerate(blocks)}
+
+    def group_of(node) -> int | None:
+        return group.get(block_of(module_path_of(node)))
+
+    inside = []
+    for i, node in b.node_of.items():
+        g = group_of(node)
+        if g is None:
+            continue
+        crosses = any(region_of(u) == Region.FORWARD and group_of(u) != g
+                      for v in {node, *[x for x in node.users if aliases_input(x)]} for u in v.users)
+        if not crosses:
+            inside.append(i)
+    for node, chain in b.masks.items():
+        if group_of(node) is not None:
+            inside.append(chain["bool"])
+    _forbid_saving(problem, inside, f"inside a checkpointed group of {every_n} block(s)")
+
+
+def attention_cores(graph: torch.fx.Graph) -> list[set[torch.fx.Node]]:
+    """Per softmax: the forward nodes from the score matmul to the attention x V matmul."""
+    def is_matmul(n):
+        return n.op == "call_function" and node_cost(n).matmul
+
+    cores = []
+    for sm in graph.nodes:
+        if sm.target not in _SOFTMAX or region_of(sm) != Region.FORWARD:
+            continue
+        core, stack = {sm}, list(sm.all_input_nodes)
+        while stack:
+            n = stack.pop()
+            if n in core or n.op != "call_function" or region_of(n) != Region.FORWARD:
+                continue
+            core.add(n)
+            if not is_matmul(n):
+                stack.extend(n.all_input_nodes)
+        stack = list(sm.users)
+        while stack:
+            n = stack.pop()
+            if n in core or n.op != "call_function" or region_of(n) != Region.FORWARD:
+                continue
+            core.add(n)
+            if not is_matmul(n):
+                stack.extend(n.users)
+        cores.append(core)
+    return cores
+
+
+def _apply_selective(b: _Builder, problem: Problem) -> None:
+    core_nodes = set().union(set(), *attention_cores(b.graph.graph))
+    # The score matmul's operands (Q, K) and V are the core's inputs: they stay saved.
+    inner = [i for i, node in b.node_of.items() if node in core_nodes]
+    core_idx = set(inner)
+    inner += [chain["bool"] for chain in b.masks.values()
+              if _mask_feeds(problem, chain["float"], core_idx)]
+    _forbid_saving(problem, inner, "attention core: recomputed (selective)")
+
+
+def _mask_feeds(problem: Problem, mask: int, core: set[int]) -> bool:
+    """True when the mask, through values derived from it alone, feeds the attention core."""
+    frontier, seen = {mask}, set()
+    users: dict[int, list[int]] = {}
+    for i, v in enumerate(problem.values):
+        for d in v.deps:
+            users.setdefault(d, []).append(i)
+    while frontier:
+        i = frontier.pop()
+        if i in seen:
+            continue
+        seen.add(i)
+        for u in users.get(i, []):
+            if u in core:
+                return True
+            if not problem.values[u].savable and problem.values[u].reason.startswith("computed from"):
+                frontier.add(u)
+    return False
+
+
+def _apply_none(b: _Builder, problem: Problem) -> None:
+    for i, v in enumerate(problem.values):
+        node = b.node_of.get(i)
+        if v.kept or not v.recomputable:
+            continue
+        if node is not None and (node in b.masks or aliases_input(node) or not v.savable):
+            continue   # views, float masks and mask-derived values are rebuilt for free
+        if v.savable:
+            v.recomputable, v.reason = False, "policy none: every activation is kept"
+    for chain in b.masks.values():
+        problem.values[chain["bits"]].savable = False
+
+
+# -- rewriting -------------------------------------------------------------------------------------
+
+class _Rewriter:
+    def __init__(self, tg: TrainGraph, builder: _Builder, saved: set[int]):
+        self.tg, self.b = tg, builder
+        self.mode = tg.fake_mode()
+        self.saved_nodes = {builder.node_of[i] for i in saved if i in builder.node_of}
+        self.kept_nodes = {builder.node_of[i] for i, v in enumerate(builder.values)
+                           if v.kept and i in builder.node_of}
+        self.mask_form = {}
+        for node, chain in builder.masks.items():
+            form = "bits" if chain["bits"] in saved else "bool" if chain["bool"] in saved else None
+            self.mask_form[node] = form
+        self.copies: dict[torch.fx.Node, torch.fx.Node] = {}
+        self.forward_masks: dict[torch.fx.Node, torch.fx.Node] = {}
+        self.added: list[torch.fx.Node] = []
+
+    def _new(self, target, args, kwargs, *, region: Region, path: str, recompute: bool) -> torch.fx.Node:
+        node = self.tg.graph.call_function(target, args, kwargs)
+        vals_args = torch.fx.node.map_arg(args, lambda a: a.meta["val"])
+        vals_kwargs = torch.fx.node.map_arg(kwargs, lambda a: a.meta["val"])
+        with self.mode:
+            node.meta["val"] = target(*vals_args, **vals_kwargs)
+        node.meta.update({REGION: region.value, MODULE_PATH: path, ORIGIN_PASS: "recompute"})
+        if recompute:
+            node.meta[RECOMPUTE] = True
+            self.added.append(node)
+        return node
+
+    def available(self, node: torch.fx.Node) -> bool:
+        if node.op != "call_function" or region_of(node) != Region.FORWARD:
+            return True
+        base = self.b.root[node]
+        return node in self.saved_nodes or node in self.kept_nodes or \
+            (base is not node and (base in self.saved_nodes or base in self.kept_nodes)
+             and base not in self.b.masks)
+
+    def materialize(self, node: torch.fx.Node, before: torch.fx.Node, scope: str) -> torch.fx.Node:
+        # Copies are shared within one block's backward only: a value recomputed for the
+        # loss's backward and read again by layer 0's would otherwise stay alive across the
+        # whole backward, and recomputing would save no memory at all.
+        key = (node, scope)
+        if key in self.copies:
+            return self.copies[key]
+        if node in self.b.masks and self.mask_form.get(node):
+            out = self._decompress(node, before)
+        elif self.available(node):
+            return node
+        else:
+            args = torch.fx.node.map_arg(node.args, lambda a: self.materialize(a, before, scope))
+            kwargs = torch.fx.node.map_arg(node.kwargs, lambda a: self.materialize(a, before, scope))
+            with self.tg.graph.inserting_before(before):
+                out = self.tg.graph.call_function(node.target, args, kwargs)
+            out.meta.update({k: v for k, v in node.meta.items() if k != ORIGIN_PASS})
+            out.meta.update({REGION: Region.BACKWARD.value, RECOMPUTE: True, ORIGIN_PASS: "recompute"})
+            self.added.append(out)
+        self.copies[key] = out
+        return out
+
+    # forward: mask -> bool (-> packed bits); backward: the reverse, then the float mask.
+    def _forward_mask(self, mask: torch.fx.Node) -> torch.fx.Node:
+        if mask in self.forward_masks:
+            return self.forward_masks[mask]
+        path = module_path_of(mask)
+        new = lambda t, a, k=None: self._new(t, a, k or {}, region=Region.FORWARD, path=path, recompute=False)
+        with self.tg.graph.inserting_after(mask):
+            boolean = new(aten._to_copy.default, (mask,), {"dtype": torch.bool})
+        out = boolean
+        if self.mask_form[mask] == "bits":
+            n = mask.meta["val"].numel()
+            pad = (-n) % 8
+            device = mask.meta["val"].device
+            with self.tg.graph.inserting_after(boolean):
+                u8 = new(aten._to_copy.default, (boolean,), {"dtype": torch.uint8})
+            with self.tg.graph.inserting_after(u8):
+                flat = new(aten.view.default, (u8, [n]))
+            cur = flat
+            if pad:
+                with self.tg.graph.inserting_after(cur):
+                    cur = new(aten.constant_pad_nd.default, (cur, [0, pad], 0.0))
+            with self.tg.graph.inserting_after(cur):
+                rows = new(aten.view.default, (cur, [(n + pad) // 8, 8]))
+            with self.tg.graph.inserting_after(rows):
+                shifts = new(aten.arange.default, (8,), {"dtype": torch.uint8, "device": device})
+            with self.tg.graph.inserting_after(shifts):
+                weighted = new(aten.bitwise_left_shift.Tensor, (rows, shifts))
+            with self.tg.graph.inserting_after(weighted):
+                out = new(aten.sum.dim_IntList, (weighted, [1]), {"dtype": torch.uint8})
+        self.forward_masks[mask] = out
+        return out
+
+    def _decompress(self, mask: torch.fx.Node, before: torch.fx.Node) -> torch.fx.Node:
+        stored = self._forward_mask(mask)
+        val = mask.meta["val"]
+        path = module_path_of(mask)
+        new = lambda t, a, k=None: self._new(t, a, k or {}, region=Region.BACKWARD, path=path, recompute=True)
+        with self.tg.graph.inserting_before(before):
+            boolean = stored
+            if self.mask_form[mask] == "bits":
+                n = val.numel()
+                shifts = new(aten.arange.default, (8,), {"dtype": torch.uint8, "device": val.device})
+                column = new(aten.unsqueeze.default, (stored, 1))
+                bits = new(aten.bitwise_and.Scalar, (new(aten.bitwise_right_shift.Tensor, (column, shifts)), 1))
+                flat = new(aten.view.default, (bits, [bits.meta["val"].numel()]))
+                if flat.meta["val"].numel() != n:
+                    flat = new(aten.slice.Tensor, (flat, 0, 0, n))
+                boolean = new(aten.view.default, (flat, list(val.shape)))
+            return new(aten._to_copy.default, (boolean,), {"dtype": val.dtype})
+
+    def run(self) -> None:
+        for node in list(self.tg.graph.nodes):
+            if region_of(node) != Region.BACKWARD or node.op != "call_function" or node.meta.get(RECOMPUTE):
+                continue
+            for arg in list(node.all_input_nodes):
+                if arg.op == "call_function" and region_of(arg) == Region.FORWARD:
+                    new = self.materialize(arg, node, block_of(module_path_of(node)))
+                    if new is not arg:
+                        node.replace_input_with(arg, new)
+
+
+# -- the pass --------------------------------------------------------------------------------------
+
+def _resolve_profile(ctx: PassContext) -> DeviceProfile:
+    if isinstance(ctx.device_profile, DeviceProfile):
+        return ctx.device_profile
+    name = ctx.device_profile or getattr(ctx.plan, "device_profile", None) or "auto"
+    ctx.device_profile = get_profile(name)
+    return ctx.device_profile
+
+
+def _budget_bytes(budget: float | None, base: int) -> float:
+    if budget is None:
+        raise ValueError("recompute option 'budget' is required when policy is 'budget' "
+                         "(a fraction <= 1.0 of the saved bytes, or bytes when > 1)")
+    if budget < 0:
+        raise ValueError(f"recompute option 'budget' = {budget}: must be >= 0")
+    return budget * base if budget <= 1.0 else budget
+
+
+def _explain(b: _Builder, problem: Problem, sol, policy: str) -> list[dict]:
+    out = []
+    touched = sol.saved | sol.recomputed
+    for i in sorted(touched | {i for i, v in enumerate(problem.values) if v.needed}):
+        v = problem.values[i]
+        if v.kept or (v.bytes == 0 and i not in sol.recomputed) or (v.cost == 0 and v.bytes == 0):
+            continue
+        recomputed = i in sol.recomputed
+        if recomputed:
+            reason = v.reason if v.reason and not v.savable else \
+                f"recomputed: {policy} selection (cheaper than keeping {v.bytes} bytes)"
+        else:
+            reason = v.reason or f"saved: {policy} selection (recompute would take {v.cost:.3e}s)"
+        out.append({"value": v.name, "bytes": v.bytes, "recompute_flops": v.flops,
+                    "recompute_time_s": v.cost, "decision": "recomputed" if recomputed else "saved",
+                    "reason": reason})
+    return out
+
+
+@register_pass("recompute", preserves=())
+def recompute_pass(graph: TrainGraph, ctx: PassContext, *, policy: str = "budget",
+                   budget: float | None = None, every_n: int = 1, solver: str = "auto") -> TrainGraph:
+    """Keep a subset of forward activations for backward; recompute the rest in backward."""
+    if policy not in POLICIES:
+        raise ValueError(f"recompute option 'policy' = {policy!r}: must be one of {', '.join(POLICIES)}")
+    if solver not in SOLVERS:
+        raise ValueError(f"recompute option 'solver' = {solver!r}: must be one of {', '.join(SOLVERS)}")
+    if every_n < 1:
+        raise ValueError(f"recompute option 'every_n' = {every_n}: must be >= 1")
+    if policy != "budget" and budget is not None:
+        raise ValueError(f"recompute option 'budget' applies only to policy 'budget' (policy is {policy!r})")
+    profile = _resolve_profile(ctx)
+    bans = tuple(getattr(ctx.plan, "recompute_bans", ()) or ())
+    before = memory_profile(graph.graph).saved_bytes
+    builder = _Builder(graph, profile, bans, ctx.world_size)
+    problem = builder.build()
+    limit = math.inf
+    if policy == "none":
+        _apply_none(builder, problem)
+    elif policy in ("full", "every_n_layers"):
+        _apply_groups(builder, problem, every_n if policy == "every_n_layers" else 1)
+    elif policy == "selective":
+        _apply_selective(builder, problem)
+    else:
+        # Values alive anyway (the loss) that backward reads count against the budget too.
+        kept = {builder.node_of[i].name for i, v in enumerate(problem.values) if v.kept and i in builder.node_of}
+        kept_bytes = sum(b for name, b in saved_activations(graph.graph).items() if name in kept)
+        floor = min_bytes(problem).bytes + kept_bytes
+        limit = _budget_bytes(budget, before)
+        if limit < floor:
+            ctx.stat("budget_raised_to_floor", True)
+        limit = max(limit, floor)
+        ctx.stat("budget_bytes", int(limit))
+        ctx.stat("floor_bytes", floor)
+        limit -= kept_bytes
+    sol = solve(problem, limit, solver)
+    _Rewriter(graph, builder, sol.saved).run()
+    graph.graph.eliminate_dead_code()
+    graph.graph.lint()
+    after = memory_profile(graph.graph)
+    ctx.explain["recompute"] = _explain(builder, problem, sol, policy)
+    recomputed = [n for n in graph.graph.nodes if n.meta.get(RECOMPUTE)]
+    ctx.stat("policy", policy)
+    ctx.stat("solver", sol.solver)
+    ctx.stat("saved_bytes_before", before)
+    ctx.stat("saved_bytes_after", after.saved_bytes)
+    ctx.stat("recomputed_nodes", len(recomputed))
+    ctx.stat("recompute_flops", sum(node_cost(n).flops for n in recomputed))
+    ctx.stat("recompute_time_s", sum(node_time(n, profile) for n in recomputed))
+    ctx.stat("estimated_peak_bytes", after.peak_bytes)
+    return graph

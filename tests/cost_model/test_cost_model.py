@@ -1,0 +1,92 @@
+"""Cost model: profiles carry sources, the roofline picks the right unit, alpha-beta is sane."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from cann_passes.cost_model import collective_time, cpu_profile, get_profile, node_time, profile_names
+from cann_passes.cost_model.profiles import _FIXED
+
+
+class TestProfiles:
+    @pytest.mark.parametrize("name", sorted(_FIXED))
+    def test_every_fixed_profile_is_complete_and_sourced(self, name):
+        p = get_profile(name)
+        assert p.sources
+        assert p.matrix_flops["bf16"] > p.vector_flops["bf16"] > 0
+        assert p.matrix_flops["bf16"] >= p.matrix_flops["fp32"]
+        assert p.memory_bandwidth > p.intra_node_bandwidth >= p.inter_node_bandwidth > 0
+        assert p.memory_capacity >= 64e9
+
+    def test_cpu_profile_is_measured_quickly_and_cached(self):
+        start = time.perf_counter()
+        first = cpu_profile()
+        assert time.perf_counter() - start < 2.0
+        assert cpu_profile() is first
+        assert get_profile("auto") is first
+        assert first.matrix_flops["fp32"] > 1e8 and first.memory_bandwidth > 1e8
+
+    def test_unknown_profile_is_refused_by_name(self):
+        with pytest.raises(ValueError, match="'tpu'"):
+            get_profile("tpu")
+        assert set(profile_names()) >= {"cpu", "ascend_910b", "ascend_a3", "h100", "h200", "a100"}
+
+
+def _graph(fn, *shapes, dtype=torch.float32):
+    return make_fx(fn, tracing_mode="fake")(*[torch.empty(s, dtype=dtype) for s in shapes])
+
+
+class TestRoofline:
+    def test_matmul_uses_the_matrix_unit_and_elementwise_the_memory_bound(self):
+        p = get_profile("h100")
+        gm = _graph(lambda a, b: torch.mm(a, b).relu(), (4096, 4096), (4096, 4096), dtype=torch.bfloat16)
+        mm, relu = [n for n in gm.graph.nodes if n.op == "call_function"]
+        expected_mm = 2 * 4096**3 / p.matrix_flops["bf16"]
+        assert node_time(mm, p) == pytest.approx(p.op_overhead + expected_mm)
+        expected_relu = 2 * 4096 * 4096 * 2 / p.memory_bandwidth
+        assert node_time(relu, p) == pytest.approx(p.op_overhead + expected_relu)
+
+    def test_bf16_matmul_is_faster_than_fp32_on_an_npu(self):
+        p = get_profile("ascend_910b")
+        times = []
+        for dtype in (torch.float32, torch.bfloat16):
+            gm = _graph(torch.mm, (2048, 2048), (2048, 2048), dtype=dtype)
+            times.append(node_time(next(n for n in gm.graph.nodes if n.op == "call_function"), p))
+        assert times[1] < times[0]
+
+    def test_views_cost_nothing(self):
+        gm = _graph(lambda a: a.t().unsqueeze(0), (64, 64))
+        assert all(node_time(n, get_profile("a100")) == 0 for n in gm.graph.nodes)
+
+
+class TestCollectives:
+    def test_tree_wins_small_messages_and_ring_wins_large_ones(self):
+        p = get_profile("h100")
+        assert collective_time("all_reduce", 1024, 8, p, "tree") < collective_time("all_reduce", 1024, 8, p, "ring")
+        big = 1 << 30
+        assert collective_time("all_reduce", big, 8, p, "ring") < collective_time("all_reduce", big, 8, p, "tree")
+
+    def test_ring_all_reduce_matches_the_alpha_beta_formula(self):
+        p = get_profile("ascend_910b")
+        n, ranks = 256e6, 8
+        expected = 2 * 7 * p.intra_node_latency + 2 * 7 / 8 * n / p.intra_node_bandwidth
+        assert collective_time("all_reduce", n, ranks, p) == pytest.approx(expected)
+        # Crossing nodes is bounded by the slower network.
+        assert collective_time("all_reduce", n, 16, p) > 4 * collective_time("all_reduce", n, 8, p)
+
+    def test_all_gather_and_reduce_scatter_move_half_what_all_reduce_does(self):
+        p = get_profile("h200")
+        ar = collective_time("all_reduce", 1e9, 8, p)
+        ag = collective_time("all_gather", 1e9, 8, p)
+        rs = collective_time("reduce_scatter", 1e9, 8, p)
+        assert ag == pytest.approx(rs) == pytest.approx(ar / 2)
+        assert collective_time("all_reduce", 1e9, 1, p) == 0
+
+    def test_unknown_collective_and_algorithm_are_refused(self):
+        with pytest.raises(ValueError, match="gossip"):
+            collective_time("gossip", 1, 2, get_profile("h100"))
+        with pytest.raises(ValueError, match="'mesh'"):
+            collective_time("all_reduce", 1, 2, get_profile("h100"), "mesh")
