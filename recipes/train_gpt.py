@@ -2,14 +2,17 @@
 
     python -m recipes.train_gpt                       # fp32 plan, best local backend
     python -m recipes.train_gpt --plan recipes/plans/gpt_bf16.yaml --steps 100
+    torchrun --standalone --nproc-per-node 2 -m recipes.train_gpt --plan recipes/plans/gpt_dp2_zero1.yaml
 
 Uses only the public API: compile_for_npu with a plan, a model, an optimizer
 and a loss function. Prints a progress bar with the loss and tokens/s, then
-the validation loss and what compilation did.
+the validation loss and what compilation did. Launched by torchrun, every rank
+draws the same global batches and trains on its data-parallel share of them.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import math
 import os
@@ -19,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 from cann_passes import Plan, compile_for_npu
+from cann_passes.runtime.distributed import init_distributed, shard_batch
 from recipes.data import TextBatches, load_corpus, train_val_split
 from recipes.models.gpt import GPT, gpt_loss, gpt_small_cpu
 
@@ -47,10 +51,17 @@ def evaluate(model, batches, n: int = 8) -> float:
 
 def main(argv=None) -> float:
     args = parse_args(argv)
-    torch.manual_seed(args.seed)
     plan = Plan.load(args.plan)
     if args.backend:
         plan = plan.replace(backend=args.backend)
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1 or plan.dp * plan.tp * plan.pp > 1
+    with (init_distributed(plan) if launched else contextlib.nullcontext()) as world:
+        return train(args, plan, world)
+
+
+def train(args, plan: Plan, world) -> float:
+    rank, dp_rank, dp_size = (world.rank, world.dp_rank, world.dp_size) if world else (0, 0, 1)
+    torch.manual_seed(args.seed)   # the same initial weights on every rank
     train_tokens, val_tokens = train_val_split(load_corpus())
     model = GPT(gpt_small_cpu(seq_len=args.seq_len))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
@@ -60,13 +71,13 @@ def main(argv=None) -> float:
     step = compile_for_npu(model, plan, optimizer=optimizer, loss_fn=gpt_loss)
 
     batches = TextBatches(train_tokens, args.batch_size, args.seq_len, seed=args.seed)
-    tokens_per_step = args.batch_size * args.seq_len
+    tokens_per_step = args.batch_size * args.seq_len      # global: all ranks together
     bar = tqdm(itertools.islice(batches, args.steps), total=args.steps, unit="step",
-               dynamic_ncols=True)
+               dynamic_ncols=True, disable=rank != 0)
     start, first_step_seconds = time.perf_counter(), None
     for i, batch in enumerate(bar):
         t0 = time.perf_counter()
-        loss = step(batch)
+        loss = step(shard_batch(batch, dp_rank, dp_size) if dp_size > 1 else batch)
         scheduler.step()
         if first_step_seconds is None:
             first_step_seconds = time.perf_counter() - t0  # includes capture + compile
@@ -75,10 +86,13 @@ def main(argv=None) -> float:
             rate = tokens_per_step * i / max(time.perf_counter() - start, 1e-9)
             bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{rate:,.0f}")
     bar.close()
+    if plan.zero_stage == 3:
+        step.sync_model()   # ZeRO-3 keeps parameter shards; gather them for evaluation
     val = evaluate(model, iter(TextBatches(val_tokens, args.batch_size, args.seq_len, seed=1)))
-    print(step.summary())
-    print(f"compile (first step): {first_step_seconds:.1f}s; validation loss {val:.3f} "
-          f"(untrained: {math.log(256):.3f})")
+    if rank == 0:
+        print(step.summary())
+        print(f"compile (first step): {first_step_seconds:.1f}s; validation loss {val:.3f} "
+              f"(untrained: {math.log(256):.3f})")
     return val
 
 

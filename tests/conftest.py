@@ -63,3 +63,15 @@ def twin():
         model, loss_fn = factory(**kw)
         return model, copy.deepcopy(model), loss_fn
     return make
+
+
+@pytest.fixture()
+def gloo_group():
+    """A one-process gloo group, for graphs that name a real process group."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()

@@ -231,22 +231,18 @@ def attention_cores(graph: torch.fx.Graph) -> list[set[torch.fx.Node]]:
     for sm in graph.nodes:
         if sm.target not in _SOFTMAX or region_of(sm) != Region.FORWARD:
             continue
-        core, stack = {sm}, list(sm.all_input_nodes)
-        while stack:
-            n = stack.pop()
-            if n in core or n.op != "call_function" or region_of(n) != Region.FORWARD:
-                continue
-            core.add(n)
-            if not is_matmul(n):
-                stack.extend(n.all_input_nodes)
-        stack = list(sm.users)
-        while stack:
-            n = stack.pop()
-            if n in core or n.op != "call_function" or region_of(n) != Region.FORWARD:
-                continue
-            core.add(n)
-            if not is_matmul(n):
-                stack.extend(n.users)
+        core = {sm}
+        # Walk out from the softmax both ways, stopping at (and including) the matmuls
+        # on either side: score = q @ k^T before it, probs @ v after it.
+        for neighbours in (lambda n: n.all_input_nodes, lambda n: n.users):
+            stack = list(neighbours(sm))
+            while stack:
+                n = stack.pop()
+                if n in core or n.op != "call_function" or region_of(n) != Region.FORWARD:
+                    continue
+                core.add(n)
+                if not is_matmul(n):
+                    stack.extend(neighbours(n))
         cores.append(core)
     return cores
 

@@ -163,6 +163,7 @@ class AccumulationState:
         self.history.append(samples)
         self.pending_samples = self.pending_microbatches = 0
         step.steps_run += 1
+        step.optimizer._opt_called = True  # LR schedulers check that the optimizer stepped
         step.metrics["accumulated_samples"] = torch.tensor(samples)
 
     def static_step(self, step, batches: list) -> torch.Tensor:

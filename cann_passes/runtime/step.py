@@ -159,6 +159,9 @@ class CompiledStep:
         comp = self.compile(batch)
         loss = self._run(comp.graph, comp.runner, batch)
         self.steps_run += 1
+        # The step performed the optimizer's update: tell LR schedulers, which
+        # otherwise warn that they stepped before the optimizer did.
+        self.optimizer._opt_called = True
         return loss
 
     def accumulate(self, batches: list) -> torch.Tensor:

@@ -82,17 +82,6 @@ class _OneRankMesh:
         return 0
 
 
-@pytest.fixture()
-def gloo_group():
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.skipif(not is_registered("data_parallel"), reason="DP needs the 'data_parallel' pass, not registered")
 def test_data_parallel_graph_lowers_with_hcom_all_reduce(tmp_path, gloo_group):
     from cann_passes.dump import DumpWriter

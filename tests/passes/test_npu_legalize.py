@@ -17,6 +17,7 @@ from graph_ir import TrainGraph
 from graph_ir.meta import MODULE_PATH, ORIGIN_PASS, REGION
 from graph_ir.signature import Spec, StepSignature
 from recipes.models.gpt import GPT, gpt_loss, gpt_tiny
+from tests.conftest import gpt_batches
 
 LEGALIZE = "cleanup,npu_legalize,cleanup"
 
@@ -35,13 +36,8 @@ def _unsupported(gm: torch.fx.GraphModule, supported: set[str]) -> list[str]:
                    and str(n.target) not in supported})
 
 
-def _batches(n, batch=2, seq=16, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        idx = torch.randint(0, 256, (batch, seq + 1), generator=g)
-        out.append((idx[:, :-1].contiguous(), idx[:, 1:].contiguous()))
-    return out
+def _batches(n):
+    return gpt_batches(n, batch=2)
 
 
 def _train(model, pipeline, batches):
@@ -189,17 +185,6 @@ def test_foreach_and_prims_casts_become_per_tensor_ops(supported):
     assert _unsupported(tg.gm, supported) == []
     for got, want in zip(tg.gm(*args), expected):
         torch.testing.assert_close(got, want)
-
-
-@pytest.fixture()
-def gloo_group():
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def test_coalesced_collectives_become_one_plain_collective(supported, gloo_group):
