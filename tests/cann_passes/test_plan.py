@@ -49,17 +49,23 @@ def test_yaml_plan_loads(tmp_path):
 
 @pytest.mark.parametrize("fields, pass_name", [
     ({"tp": 2}, "tensor_parallel"), ({"pp": 2}, "pipeline_parallel"),
-    ({"precision": "bf16"}, "autocast"), ({"dp": 2}, "data_parallel"),
 ])
 def test_capability_not_built_raises_not_implemented_naming_it(fields, pass_name):
-    if is_registered(pass_name):
-        pytest.skip(f"'{pass_name}' is built")
+    assert not is_registered(pass_name)
     with pytest.raises(NotImplementedError, match=pass_name):
         Plan(**fields)
 
 
+@pytest.mark.parametrize("fields", [{"precision": "bf16"}, {"dp": 2, "zero_stage": 3},
+                                    {"recompute": "selective"}, {"microbatches": 4}])
+def test_built_capabilities_are_accepted(fields):
+    Plan(**fields)
+
+
 def test_default_pipeline_is_cleanup_and_the_plan_pipeline_overrides_it():
     assert str(build_pipeline(Plan(), "eager")) == "cleanup,cleanup"
+    bf16 = str(build_pipeline(Plan(precision="bf16", recompute="selective"), "eager"))
+    assert bf16.startswith("cleanup,autocast{") and ",recompute{" in bf16
     assert str(build_pipeline(Plan(pipeline="cleanup{cse=false}"), "eager")) == "cleanup{cse=false}"
 
 
