@@ -18,6 +18,7 @@ trainable parameter, and the optimizer update, traced by ``make_fx`` over
 from __future__ import annotations
 
 import contextlib
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -100,6 +101,8 @@ def build_signature(layout: StepLayout, num_groups: int) -> StepSignature:
     ins += [Spec(InputKind.BATCH, p) for p in layout.batch_paths]
     outs = [Spec(OutputKind.LOSS, "loss")]
     outs += [Spec(OutputKind.PARAM, n) for n in layout.trainable]
+    # Every buffer at first; those the forward does not mutate are pruned after tracing.
+    outs += [Spec(OutputKind.BUFFER, n) for n in layout.buffers]
     outs += [Spec(OutputKind.OPT_STATE, state_name(n, k)) for n in layout.trainable
              for k in layout.state_keys[n]]
     return StepSignature(ins, outs)
@@ -157,10 +160,14 @@ def _make_step_fn(model, optimizer, loss_fn, layout: StepLayout, rule: UpdateRul
         states = [{k: next(it) for k in layout.state_keys[n]} for n in layout.trainable]
         lrs = [next(it) for _ in groups]
         batch = pytree.tree_unflatten(list(it), layout.batch_spec)
-        fixed = dict(zip(layout.frozen, frozen)) | dict(zip(layout.buffers, buffers))
+        frozen_params = dict(zip(layout.frozen, frozen))
 
         def loss_of(*params):
-            bound = dict(zip(layout.trainable, params)) | fixed
+            # Buffers are bound as copies made inside the transform: a forward that
+            # updates them in place (BatchNorm's running statistics) may then do so,
+            # and the copies, returned as aux, are the buffers' new values.
+            new_buffers = {n: b.clone() for n, b in zip(layout.buffers, buffers)}
+            bound = dict(zip(layout.trainable, params)) | frozen_params | new_buffers
             with _reparametrize_module(model, bound, tie_weights=True, strict=False):
                 with _module_path_annotations(model):
                     loss = loss_fn(model, batch)
@@ -168,10 +175,10 @@ def _make_step_fn(model, optimizer, loss_fn, layout: StepLayout, rule: UpdateRul
                 raise CaptureError("loss_fn must return a scalar tensor "
                                    f"(got {type(loss).__name__} of shape {getattr(loss, 'shape', None)})")
             _tag_backward_with_forward_module(loss)
-            return loss.reshape(())
+            return loss.reshape(()), [new_buffers[n] for n in layout.buffers]
 
         with fx_traceback.annotate({REGION: Region.FORWARD.value}):
-            loss, vjp_fn = torch.func.vjp(loss_of, *trainable)
+            loss, vjp_fn, new_buffers = torch.func.vjp(loss_of, *trainable, has_aux=True)
         with fx_traceback.annotate({REGION: Region.BACKWARD.value}):
             grads = vjp_fn(torch.ones_like(loss))
         new_params, new_states = [], []
@@ -182,7 +189,7 @@ def _make_step_fn(model, optimizer, loss_fn, layout: StepLayout, rule: UpdateRul
                     new_p, new_s = rule.update(p, g, s, lrs[layout.group_of[name]], group)
                 new_params.append(new_p)
                 new_states.extend(new_s[k] for k in layout.state_keys[name])
-        return [loss, *new_params, *new_states]
+        return [loss, *new_params, *new_buffers, *new_states]
 
     return step
 
@@ -205,6 +212,51 @@ def _finish_metadata(gm: torch.fx.GraphModule) -> None:
         node.meta[MODULE_PATH] = path
         # Stack traces point into this file and torch; they make dumps unreadable.
         node.meta.pop("stack_trace", None)
+
+
+def _functionalize_batch_norm(gm: torch.fx.GraphModule) -> None:
+    """Make training-mode ``native_batch_norm`` return its running statistics.
+
+    Its schema does not declare that it updates ``running_mean``/``running_var``
+    in place, so functionalization keeps it as is; the functional variant
+    returns the new statistics, which then become the buffers' outputs.
+    """
+    aten = torch.ops.aten
+    output = gm.graph.output_node()
+    for node in list(gm.graph.nodes):
+        if node.target != aten.native_batch_norm.default or not node.args[5]:
+            continue
+        running = node.args[3:5]
+        if any(r is None for r in running):
+            continue
+        node.target = aten._native_batch_norm_legit_functional.default
+        old_val = node.meta["val"]
+        node.meta["val"] = (*old_val, running[0].meta["val"], running[1].meta["val"])
+        with gm.graph.inserting_after(node):
+            new_stats = [gm.graph.call_function(operator.getitem, (node, i)) for i in (3, 4)]
+        for stat, source in zip(new_stats, running):
+            stat.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+            stat.meta["val"] = source.meta["val"]
+            # The buffer's output was the copy the kernel used to update in place.
+            output.args = ([stat if v is source else v for v in output.args[0]],)
+
+
+def _prune_unmutated_buffers(gm: torch.fx.GraphModule, signature: StepSignature) -> None:
+    """Drop buffer outputs that are only the copy of their input: the forward left them alone."""
+    placeholders = {spec.name: node for node, spec in
+                    zip([n for n in gm.graph.nodes if n.op == "placeholder"], signature.inputs)
+                    if spec.kind == InputKind.BUFFER}
+    output = gm.graph.output_node()
+    keep_values, keep_specs = [], []
+    for value, spec in zip(output.args[0], signature.outputs):
+        untouched = (spec.kind == OutputKind.BUFFER and isinstance(value, torch.fx.Node)
+                     and value.target == torch.ops.aten.clone.default
+                     and value.args[0] is placeholders[spec.name])
+        if not untouched:
+            keep_values.append(value)
+            keep_specs.append(spec)
+    output.args = (keep_values,)
+    signature.outputs[:] = keep_specs
 
 
 def _name_placeholders(gm: torch.fx.GraphModule, signature: StepSignature) -> None:
@@ -273,6 +325,8 @@ def capture_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         gm = make_fx(torch.func.functionalize(step), tracing_mode="fake",
                      _allow_non_fake_inputs=True)(*flat)
     _finish_metadata(gm)
+    _functionalize_batch_norm(gm)
+    _prune_unmutated_buffers(gm, signature)
     _name_placeholders(gm, signature)
     gm.graph.eliminate_dead_code()
     gm.recompile()

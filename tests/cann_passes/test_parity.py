@@ -1,6 +1,8 @@
 """Whole compiled steps against plain eager PyTorch from the same initial weights."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -118,3 +120,29 @@ def test_frozen_parameters_are_read_but_not_updated():
     step(mlp_batches(1)[0])
     assert torch.equal(model.fc1.weight, frozen)
     assert not torch.equal(model.fc2.weight, tiny_mlp()[0].fc2.weight)
+
+
+def test_batchnorm_running_statistics_update_like_eager():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(),
+                                torch.nn.Linear(8, 3))
+    ref = copy.deepcopy(model)
+
+    def loss_fn(m, b):
+        return torch.nn.functional.cross_entropy(m(b[0]), b[1])
+
+    step = compile_for_npu(model, Plan(backend="eager", verify="deep"),
+                           optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=loss_fn)
+    batches = mlp_batches(3, batch=16)
+    batches = [(x[:, :6], y % 3) for x, y in batches]
+    losses = [step(b).item() for b in batches]
+    assert losses == eager_losses(ref, loss_fn, torch.optim.SGD(ref.parameters(), lr=0.1), batches)
+    for name, buf in model.named_buffers():
+        assert torch.equal(buf, dict(ref.named_buffers())[name]), name
+    mutated = {s.name for s in step.last.graph.signature.outputs if s.kind == "buffer"}
+    assert mutated == {"1.running_mean", "1.running_var", "1.num_batches_tracked"}
+
+
+def test_unmutated_buffers_are_not_outputs():
+    step, _, _ = _run_parity("gpt", "sgd", "eager", steps=1)
+    assert not [s for s in step.last.graph.signature.outputs if s.kind == "buffer"]

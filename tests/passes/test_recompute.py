@@ -15,7 +15,7 @@ from cann_passes.recompute_solver import min_bytes, solve_greedy, solve_milp, so
 from graph_ir import capture_train_step, gather_inputs
 from graph_ir.analysis import memory_profile
 from graph_ir.analysis.memory import aliases_input
-from graph_ir.meta import RECOMPUTE, Region, module_path_of, nbytes, region_of
+from graph_ir.meta import ORIGIN_PASS, RECOMPUTE, Region, module_path_of, nbytes, region_of
 from recipes.models.gpt import GPT, gpt3_175b_layer, gpt_loss, gpt_tiny
 
 BATCH, SEQ = 4, 32
@@ -150,6 +150,27 @@ class TestRecomputeBudget:
                    and r["reason"] for r in rows)
         assert any("random" in r["reason"] for r in rows)
 
+    def test_a_loose_budget_keeps_dropout_masks_in_float_with_no_conversion_in_backward(self):
+        tg, _ = _captured()
+        none, none_ctx = _run_pass(tg, "recompute{policy=none}")
+        loose, ctx = _run_pass(tg, "recompute{policy=budget,budget=1.0}")
+        masks = [n for n in loose.graph.nodes if n.target is torch.ops.aten.bernoulli.p]
+        assert masks
+
+        def mask_copies(graph):
+            return [n for n in graph.nodes if n.target is torch.ops.aten._to_copy.default
+                    and any(a.target is torch.ops.aten.bernoulli.p for a in n.all_input_nodes)]
+        # policy none keeps each mask as bool and converts it back in backward ...
+        assert mask_copies(none.graph)
+        # ... the budget policy, with room, keeps the forward's own float values instead.
+        assert not mask_copies(loose.graph)
+        assert not any(n.meta.get(ORIGIN_PASS) == "recompute" and region_of(n) == Region.FORWARD
+                       for n in loose.graph.nodes)
+        reads_mask_value = {a for n in loose.graph.nodes if region_of(n) == Region.BACKWARD
+                            for a in n.all_input_nodes if any(m in a.all_input_nodes for m in masks)}
+        assert reads_mask_value and all(region_of(a) == Region.FORWARD for a in reads_mask_value)
+        assert ctx.stats["recompute_time_s"] < none_ctx.stats["recompute_time_s"]
+
     @pytest.mark.parametrize("options, field", [("policy=sometimes", "policy"), ("solver=magic", "solver"),
                                                 ("policy=full,budget=0.5", "budget"),
                                                 ("policy=budget", "budget")])
@@ -176,6 +197,30 @@ class TestRecomputeSolvers:
             for fast in (solve_mincut(problem, budget), solve_greedy(problem, budget)):
                 assert fast.bytes <= budget
                 assert fast.cost <= exact.cost * 1.05 + 1e-12, (fraction, fast.solver, fast.cost, exact.cost)
+
+
+    def test_choosing_the_mask_form_is_never_worse_than_compact_masks_and_better_when_loose(self):
+        torch.manual_seed(0)
+        model = GPT(gpt_tiny(dropout=0.1, n_layer=1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        tg, _ = capture_train_step(model, opt, gpt_loss, _batches(1)[0])
+        profile = get_profile("ascend_910b")
+        free = _Builder(tg, profile, (), 1)
+        free_problem = free.build()
+        compact = _Builder(tg, profile, (), 1)
+        compact_problem = compact.build()
+        compact.compact_masks(compact_problem)
+        assert free.derived   # mask / (1 - p) is recognised as mask-derived
+        top = sum(v.bytes for v in free_problem.values if v.needed and v.savable)
+        floor = min_bytes(free_problem).bytes
+        costs = []
+        for fraction in (1.0, 0.5, 0.2):
+            budget = max(fraction * top, floor)
+            chosen, fixed = solve_milp(free_problem, budget), solve_milp(compact_problem, budget)
+            assert chosen.bytes <= budget
+            assert chosen.cost <= fixed.cost * (1 + 1e-6) + 1e-12, fraction
+            costs.append((chosen.cost, fixed.cost))
+        assert costs[0][0] < costs[0][1]
 
 
 # -- against Megatron (Korthikanti et al. 2022) ----------------------------------------------------
