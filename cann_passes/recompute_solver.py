@@ -13,10 +13,13 @@ values per random 0/1 mask, below):
 
 Random 0/1 masks (``bernoulli``, what dropout decomposes to) are never drawn
 again: a second draw would give other numbers and shift the RNG stream. Their
-mask is instead kept in one of two compact forms: bool (1 byte per element, what
-``native_dropout`` saves) or packed bits (1/8 byte, unpacked by shifts). The
-virtual chain ``bits -> bool -> float mask`` lets the solver choose; the forward
-users of the mask read the float mask. Bitwise, all forms round-trip exactly.
+mask is kept in one of three forms: packed bits (1/8 byte per element, unpacked
+by shifts), bool (1 byte, what ``native_dropout`` saves) or the float mask
+itself (the forward's own tensor, no conversion in backward). The virtual chain
+``bits -> bool -> float mask`` lets the solver choose, and a float value
+computed from the mask alone (``mask / (1 - p)``) may be kept in its place; the
+forward users of the mask read the float mask. Bitwise, all forms round-trip
+exactly.
 
 Solvers: ``milp`` is exact (``scipy.optimize.milp``, HiGHS); ``mincut`` solves
 the Lagrangian ``min cost + lambda * bytes`` exactly as a min s-t cut

@@ -77,11 +77,13 @@ def _batch_path(path) -> str:
 
 
 def plan_layout(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any,
-                rule: UpdateRule) -> StepLayout:
+                rule: UpdateRule, unused: frozenset[str] = frozenset()) -> StepLayout:
+    """Where each input comes from; ``unused`` parameters (no gradient) are read, not updated."""
     group_of = optimizer_param_names(model, optimizer)
     trainable, frozen = [], []
     for name, p in model.named_parameters():
-        (trainable if name in group_of and p.requires_grad else frozen).append(name)
+        updated = name in group_of and p.requires_grad and name not in unused
+        (trainable if updated else frozen).append(name)
     leaves, spec = pytree.tree_flatten_with_path(batch)
     for path, leaf in leaves:
         if not isinstance(leaf, torch.Tensor):
@@ -275,18 +277,21 @@ def _name_placeholders(gm: torch.fx.GraphModule, signature: StepSignature) -> No
 
 
 def initial_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                            layout: StepLayout, rule: UpdateRule) -> None:
-    """Create torch.optim-format state for parameters that have none yet (before the first step)."""
+                            layout: StepLayout, rule: UpdateRule) -> set[str]:
+    """Create torch.optim-format state for parameters that have none yet; returns their names."""
     params = dict(model.named_parameters())
+    created = set()
     for name in layout.trainable:
         p = params[name]
         state = optimizer.state[p]
         if not state:
             state.update(rule.init_state(p.detach(), optimizer.param_groups[layout.group_of[name]]))
+            created.add(name)
         missing = [k for k in layout.state_keys[name] if k not in state]
         if missing:
             raise CaptureError(f"optimizer state of '{name}' lacks {missing}; "
                                f"it has {sorted(state)}")
+    return created
 
 
 def gather_inputs(model, optimizer, layout: StepLayout, batch: Any) -> list[torch.Tensor]:
@@ -306,25 +311,56 @@ def gather_inputs(model, optimizer, layout: StepLayout, batch: Any) -> list[torc
     return flat + leaves
 
 
+def _unused_parameters(gm: torch.fx.GraphModule, signature: StepSignature,
+                       layout: StepLayout) -> set[str]:
+    """Trainable parameters the forward never reads: their gradient is None in eager PyTorch."""
+    placeholders = dict(zip(signature.inputs, (n for n in gm.graph.nodes if n.op == "placeholder")))
+    return {name for name in layout.trainable
+            if not any(u.meta.get(REGION) == Region.FORWARD.value
+                       for u in placeholders[Spec(InputKind.PARAM, name)].users)}
+
+
+def _trace(step, flat: list, layout: StepLayout) -> torch.fx.GraphModule:
+    try:
+        with fx_traceback.preserve_node_meta():
+            return make_fx(torch.func.functionalize(step), tracing_mode="fake",
+                           _allow_non_fake_inputs=True)(*flat)
+    except CaptureError:
+        raise
+    except Exception as exc:
+        shapes = ", ".join(f"{p}: {tuple(t.shape)}" for p, t in
+                           zip(layout.batch_paths, flat[len(flat) - len(layout.batch_paths):]))
+        exc.add_note(f"while capturing the training step for a batch of {shapes}")
+        raise
+
+
 def capture_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn,
-                       batch: Any, *, name: str = "step") -> tuple[TrainGraph, StepLayout]:
+                       batch: Any, *, name: str = "step",
+                       unused: frozenset[str] = frozenset()) -> tuple[TrainGraph, StepLayout]:
     """Capture ``loss_fn(model, batch)`` + backward + ``optimizer`` update as one TrainGraph.
 
     The optimizer's state is initialised in torch.optim's own format where it is
     empty, so the same tensors can be fed to the graph and checkpointed.
+    Parameters the loss does not depend on are left alone, as torch.optim skips
+    a parameter whose ``grad`` is None: found after a first trace, they are
+    captured again as read-only inputs.
     """
     rule = rule_for(optimizer)
-    layout = plan_layout(model, optimizer, batch, rule)
+    layout = plan_layout(model, optimizer, batch, rule, unused)
     if not layout.trainable:
         raise CaptureError("the optimizer updates no trainable parameter of the model")
-    initial_optimizer_state(model, optimizer, layout, rule)
+    created = initial_optimizer_state(model, optimizer, layout, rule)
     signature = build_signature(layout, len(optimizer.param_groups))
     flat = gather_inputs(model, optimizer, layout, batch)
-    step = _make_step_fn(model, optimizer, loss_fn, layout, rule)
-    with fx_traceback.preserve_node_meta():
-        gm = make_fx(torch.func.functionalize(step), tracing_mode="fake",
-                     _allow_non_fake_inputs=True)(*flat)
+    gm = _trace(_make_step_fn(model, optimizer, loss_fn, layout, rule), flat, layout)
     _finish_metadata(gm)
+    newly_unused = _unused_parameters(gm, signature, layout)
+    if newly_unused:
+        params = dict(model.named_parameters())
+        for param_name in newly_unused & created:
+            optimizer.state.pop(params[param_name], None)
+        return capture_train_step(model, optimizer, loss_fn, batch, name=name,
+                                  unused=unused | frozenset(newly_unused))
     _functionalize_batch_norm(gm)
     _prune_unmutated_buffers(gm, signature)
     _name_placeholders(gm, signature)

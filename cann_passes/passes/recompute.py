@@ -2,7 +2,8 @@
 
 Policies:
 
-- ``none``: keep every activation (dropout masks as bool, as ``native_dropout`` keeps them).
+- ``none``: keep every activation (dropout masks as bool, as ``native_dropout`` keeps them
+  and as Megatron's activation count assumes).
 - ``full``: checkpoint every transformer block (module paths ``<list>.<N>``, e.g.
   ``layers.3``): keep only values that cross a block boundary.
 - ``every_n_layers``: as ``full`` over groups of ``every_n`` consecutive blocks
@@ -12,7 +13,13 @@ Policies:
   mask is kept as packed bits.
 - ``budget``: keep at most ``budget`` (a fraction of the no-recompute saved
   bytes, or bytes when > 1) and recompute the cheapest rest, timed by the
-  device profile's roofline (see :mod:`cann_passes.recompute_solver`).
+  device profile's roofline (see :mod:`cann_passes.recompute_solver`). Per
+  dropout mask it chooses between packed bits, bool, the float mask and the
+  float values computed from the mask alone (``mask / (1 - p)``): a loose
+  budget keeps the float and spares backward the conversions.
+
+The fixed policies keep masks compact (bits or bool, converted back in
+backward), so their saved bytes follow the published activation counts.
 
 Recomputed values are copied into the backward region just before their first
 use, tagged ``meta[RECOMPUTE] = True``. Never recomputed: random ops (a second
@@ -85,6 +92,7 @@ class _Builder:
         self.node_of: dict[int, torch.fx.Node] = {}
         self.index: dict[torch.fx.Node, int] = {}
         self.masks: dict[torch.fx.Node, dict[str, int]] = {}   # bernoulli node -> {"bits","bool","float"}
+        self.derived: set[int] = set()   # values computed from masks alone
 
     def build(self) -> Problem:
         forward = [n for n in self.graph.graph.nodes
@@ -132,10 +140,10 @@ class _Builder:
                      reason="random mask: kept (as packed bits) so backward sees the same draw")
         boolean = Value(f"{node.name}.bool", [len(self.values)], bytes=n, savable=True,
                         cost=_elementwise_time(p, 2 * n, n // 8 + 2 * n, 4), written=n)
-        floating = Value(node.name, [len(self.values) + 1], savable=False,
+        # Saving the float mask means keeping the forward node itself: the same draw.
+        floating = Value(node.name, [len(self.values) + 1], bytes=nbytes(val), savable=True,
                          cost=_elementwise_time(p, n, n + n * val.element_size(), 1),
-                         written=n * val.element_size(),
-                         reason="random mask: kept as bool or bits, never in float")
+                         written=n * val.element_size())
         base = len(self.values)
         self.values += [bits, boolean, floating]
         self.masks[node] = {"bits": base, "bool": base + 1, "float": base + 2}
@@ -163,18 +171,27 @@ class _Builder:
                 self.values[i].kept = True
 
     def _mark_mask_derived(self, forward: list[torch.fx.Node]) -> None:
-        """A value computed from a mask alone (``mask / (1 - p)``) is kept as the mask."""
-        derived = {self.masks[m]["float"] for m in self.masks}
+        """Record the values computed from one mask alone (``mask / (1 - p)``)."""
+        from_masks = {chain["float"] for chain in self.masks.values()}
         for node in forward:
             i = self.index.get(node)
-            if i is None or i in derived:
+            if i is None or i in from_masks:
                 continue
             v = self.values[i]
-            if v.deps and all(d in derived for d in v.deps) and not v.kept:
-                derived.add(i)
-                if v.savable and v.recomputable:   # a banned one stays savable
-                    v.savable = False
-                    v.reason = "computed from a random mask alone: the mask is kept instead"
+            if v.deps and all(d in from_masks for d in v.deps) and not v.kept:
+                from_masks.add(i)
+                self.derived.add(i)
+
+    def compact_masks(self, problem: Problem) -> None:
+        """Keep masks as bits or bool only: no float mask, nor float value derived from it alone."""
+        for chain in self.masks.values():
+            v = problem.values[chain["float"]]
+            v.savable, v.reason = False, "random mask: kept as bool or bits, never in float"
+        for i in self.derived:
+            v = problem.values[i]
+            if v.savable and v.recomputable:   # a banned one stays savable
+                v.savable = False
+                v.reason = "computed from a random mask alone: the mask is kept instead"
 
 
 # -- policies --------------------------------------------------------------------------------------
@@ -253,11 +270,11 @@ def _apply_selective(b: _Builder, problem: Problem) -> None:
     inner = [i for i, node in b.node_of.items() if node in core_nodes]
     core_idx = set(inner)
     inner += [chain["bool"] for chain in b.masks.values()
-              if _mask_feeds(problem, chain["float"], core_idx)]
+              if _mask_feeds(b, problem, chain["float"], core_idx)]
     _forbid_saving(problem, inner, "attention core: recomputed (selective)")
 
 
-def _mask_feeds(problem: Problem, mask: int, core: set[int]) -> bool:
+def _mask_feeds(b: _Builder, problem: Problem, mask: int, core: set[int]) -> bool:
     """True when the mask, through values derived from it alone, feeds the attention core."""
     frontier, seen = {mask}, set()
     users: dict[int, list[int]] = {}
@@ -272,7 +289,7 @@ def _mask_feeds(problem: Problem, mask: int, core: set[int]) -> bool:
         for u in users.get(i, []):
             if u in core:
                 return True
-            if not problem.values[u].savable and problem.values[u].reason.startswith("computed from"):
+            if u in b.derived:
                 frontier.add(u)
     return False
 
@@ -325,7 +342,7 @@ class _Rewriter:
         base = self.b.root[node]
         return node in self.saved_nodes or node in self.kept_nodes or \
             (base is not node and (base in self.saved_nodes or base in self.kept_nodes)
-             and base not in self.b.masks)
+             and (base not in self.b.masks or not self.mask_form.get(base)))
 
     def materialize(self, node: torch.fx.Node, before: torch.fx.Node, scope: str) -> torch.fx.Node:
         # Copies are shared within one block's backward only: a value recomputed for the
@@ -431,13 +448,17 @@ def _budget_bytes(budget: float | None, base: int) -> float:
 
 def _explain(b: _Builder, problem: Problem, sol, policy: str) -> list[dict]:
     out = []
+    forms = {i: form for chain in b.masks.values() for form, i in chain.items()}
     touched = sol.saved | sol.recomputed
     for i in sorted(touched | {i for i, v in enumerate(problem.values) if v.needed}):
         v = problem.values[i]
         if v.kept or (v.bytes == 0 and i not in sol.recomputed) or (v.cost == 0 and v.bytes == 0):
             continue
         recomputed = i in sol.recomputed
-        if recomputed:
+        if i in forms:
+            reason = (f"random mask: rebuilt as {forms[i]} from a compact copy, never drawn again"
+                      if recomputed else f"random mask: kept as {forms[i]} so backward sees the same draw")
+        elif recomputed:
             reason = v.reason if v.reason and not v.savable else \
                 f"recomputed: {policy} selection (cheaper than keeping {v.bytes} bytes)"
         else:
@@ -466,6 +487,8 @@ def recompute_pass(graph: TrainGraph, ctx: PassContext, *, policy: str = "budget
     builder = _Builder(graph, profile, bans, ctx.world_size)
     problem = builder.build()
     limit = math.inf
+    if policy != "budget":
+        builder.compact_masks(problem)
     if policy == "none":
         _apply_none(builder, problem)
     elif policy in ("full", "every_n_layers"):

@@ -146,3 +146,27 @@ def test_batchnorm_running_statistics_update_like_eager():
 def test_unmutated_buffers_are_not_outputs():
     step, _, _ = _run_parity("gpt", "sgd", "eager", steps=1)
     assert not [s for s in step.last.graph.signature.outputs if s.kind == "buffer"]
+
+
+def test_parameters_the_loss_does_not_use_are_left_alone_like_torch_optim():
+    class TwoHeads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.unused = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.used(x)
+
+    torch.manual_seed(0)
+    model = TwoHeads()
+    ref = copy.deepcopy(model)
+
+    def loss_fn(m, x):
+        return m(x).pow(2).mean()
+
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.1) for m in (model, ref))
+    step = compile_for_npu(model, Plan(backend="eager"), optimizer=opt, loss_fn=loss_fn)
+    batches = [torch.randn(3, 4) for _ in range(2)]
+    assert [step(b).item() for b in batches] == eager_losses(ref, loss_fn, ref_opt, batches)
+    assert torch.equal(model.unused.weight, ref.unused.weight)
+    assert opt.state_dict()["state"].keys() == ref_opt.state_dict()["state"].keys()
