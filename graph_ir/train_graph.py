@@ -71,6 +71,8 @@ class TrainGraph:
 
     def add_input(self, spec: Spec, value: torch.Tensor, name: str | None = None) -> torch.fx.Node:
         """Append an input (placeholder + signature position) whose value looks like ``value``."""
+        if spec in self.signature.inputs:
+            raise ValueError(f"graph {self.name!r} already has an input {spec.kind} '{spec.name}'")
         last = self.placeholders()[-1] if self.placeholders() else None
         ctx = self.graph.inserting_after(last) if last is not None else self.graph.inserting_before()
         with ctx:
@@ -83,6 +85,8 @@ class TrainGraph:
         return node
 
     def add_output(self, spec: Spec, value: torch.fx.Node) -> None:
+        if spec in self.signature.outputs:
+            raise ValueError(f"graph {self.name!r} already has an output {spec.kind} '{spec.name}'")
         self.set_outputs(self.output_values() + [value])
         self.signature.outputs.append(spec)
 

@@ -33,6 +33,10 @@ from ._collectives import (GRADIENT_OF, DistributedRewriteError, NodeBuilder, af
                            gradients, position_map, redirect)
 
 PREFIX = "grad_accumulation:"
+# Runtime-set scalars, and the per-parameter accumulators under their own
+# prefix so that a parameter named "weight" cannot collide with a scalar.
+WEIGHT, SCALE = PREFIX + "weight", PREFIX + "scale"
+ACCUMULATOR = PREFIX + "grad/"
 
 
 def _scalar_input(tg: TrainGraph, key: str, like: torch.Tensor) -> torch.fx.Node:
@@ -44,11 +48,11 @@ def _scalar_input(tg: TrainGraph, key: str, like: torch.Tensor) -> torch.fx.Node
 
 def _accumulator(tg: TrainGraph, name: str, grad: torch.fx.Node) -> torch.fx.Node:
     val = grad.meta["val"]
-    tg.attrs.setdefault("step_state", {})[PREFIX + name] = {
+    tg.attrs.setdefault("step_state", {})[ACCUMULATOR + name] = {
         "value": 0.0, "dtype": str(val.dtype).removeprefix("torch."), "shape": list(val.shape)}
     with tg.fake_mode():
         value = torch.empty(val.shape, dtype=val.dtype, device=val.device)
-    return tg.add_input(Spec(InputKind.STEP_STATE, PREFIX + name), value)
+    return tg.add_input(Spec(InputKind.STEP_STATE, ACCUMULATOR + name), value)
 
 
 @register_pass("grad_accumulation", preserves=())
@@ -73,7 +77,7 @@ def grad_accumulation_pass(graph: TrainGraph, ctx: PassContext, *, microbatches:
         acc_in = _accumulator(graph, name, grad)
         build = NodeBuilder(graph, after(grad), region_of(grad), "grad_accumulation")
         acc = build(aten.add.Tensor, acc_in, build(aten.mul.Tensor, grad, weight))
-        graph.add_output(Spec(OutputKind.STEP_STATE, PREFIX + name), acc)
+        graph.add_output(Spec(OutputKind.STEP_STATE, ACCUMULATOR + name), acc)
         # All scaled gradients come before any update, so a later pass can gather them into
         # buckets and synchronize each before its first reader.
         scaled = NodeBuilder(graph, optimizer_start, Region.OPTIMIZER, "grad_accumulation")(

@@ -24,8 +24,7 @@ from graph_ir import TrainGraph
 from graph_ir.meta import Region, region_of
 from graph_ir.signature import InputKind, OutputKind, Spec, StepSignature
 
-PREFIX = "grad_accumulation:"
-WEIGHT, SCALE = PREFIX + "weight", PREFIX + "scale"
+from ..passes.grad_accumulation import ACCUMULATOR, SCALE, WEIGHT
 
 
 class AccumulationError(RuntimeError):
@@ -38,7 +37,7 @@ def is_split(graph: TrainGraph) -> bool:
 
 def _accumulator_names(graph: TrainGraph) -> set[str]:
     return {s.name for s in graph.signature.outputs
-            if s.kind == OutputKind.STEP_STATE and s.name.startswith(PREFIX)}
+            if s.kind == OutputKind.STEP_STATE and s.name.startswith(ACCUMULATOR)}
 
 
 def _part(graph: TrainGraph, keep, outputs: list[tuple[Spec, torch.fx.Node]], name: str,
@@ -166,13 +165,26 @@ class AccumulationState:
         step.optimizer._opt_called = True  # LR schedulers check that the optimizer stepped
         step.metrics["accumulated_samples"] = torch.tensor(samples)
 
+    def discard(self, step) -> None:
+        """Forget the gradients accumulated since the last optimizer step."""
+        if step._compiled:
+            for name in _accumulator_names(step.last.graph):
+                step.step_state.values.pop(name, None)
+        self.pending_samples = self.pending_microbatches = 0
+
     def static_step(self, step, batches: list) -> torch.Tensor:
         if not batches:
             raise ValueError("accumulate() needs at least one microbatch")
         losses, rows = [], []
-        for batch in batches:
-            losses.append(self._grad(step, batch))
-            rows.append(batch_rows(batch))
+        try:
+            for batch in batches:
+                losses.append(self._grad(step, batch))
+                rows.append(batch_rows(batch))
+        except BaseException:
+            # Nothing is applied from a failed optimizer step: drop what its
+            # microbatches accumulated so the next step starts clean.
+            self.discard(step)
+            raise
         self._apply(step, self._global(step, sum(rows)) if self.plan.accumulate_target is not None
                     else sum(rows) * (step.world.dp_size if step.world else 1))
         return sum(l * r for l, r in zip(losses, rows)) / sum(rows)
