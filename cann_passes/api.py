@@ -30,6 +30,13 @@ def compile_for_npu(model: torch.nn.Module, plan: Plan | dict | str | None = Non
     backward and the optimizer update in one graph per call and keeps ``model``
     and ``optimizer`` up to date.
     """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"compile_for_npu: model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError("compile_for_npu: optimizer must be a torch.optim.Optimizer over the model's "
+                        f"parameters, got {type(optimizer).__name__}")
+    if not callable(loss_fn):
+        raise TypeError("compile_for_npu: loss_fn must be callable as loss_fn(model, batch) -> scalar")
     return CompiledStep(model, _as_plan(plan), optimizer=optimizer, loss_fn=loss_fn)
 
 

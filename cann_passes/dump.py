@@ -82,12 +82,16 @@ def _is_fake(t: torch.Tensor) -> bool:
     return isinstance(t, FakeTensor)
 
 
-def write_reproducer(directory: str, tg, pass_text: str, index: int) -> str:
-    """The graph a failing pass was given and the one-pass pipeline that fails on it."""
+def write_reproducer(directory: str, tg, pass_text: str, index: int, *, plan: dict | None = None) -> str:
+    """The graph a failing pass was given, the one-pass pipeline that fails on it, and the plan
+    (passes read options such as ``autocast_overrides`` from it)."""
     path = os.path.join(directory, f"reproducer_{index:03d}")
     write_graph(path, "input", tg)
     with open(os.path.join(path, "pipeline.txt"), "w", encoding="utf-8") as f:
         f.write(pass_text + "\n")
+    if plan is not None:
+        with open(os.path.join(path, "plan.json"), "w", encoding="utf-8") as f:
+            json.dump(plan, f, indent=1, default=str)
     return path
 
 

@@ -206,6 +206,8 @@ class Pipeline:
                 opos = om.end()
             specs.append(PassSpec(info.name, tuple(sorted(info.coerce(raw).items()))))
             pos = m.end()
+        if text.endswith(","):
+            raise PipelineError(f"cannot parse pipeline {text!r}: it ends with a comma")
         return cls(tuple(specs))
 
     @classmethod
@@ -345,7 +347,7 @@ class PassManager:
                 verify(result, deep=self.verify_level == "deep")
             verify_seconds = time.perf_counter() - verify_start
         except Exception as exc:
-            raise self._failure(index, pass_spec, given, exc) from exc
+            raise self._failure(index, pass_spec, given, exc, ctx) from exc
         after_ops = _op_counts(result)
         record = PassRecord(index, info.name, str(pass_spec), seconds, changed, before_nodes,
                             result.num_nodes(), dict(after_ops - before_ops),
@@ -357,14 +359,16 @@ class PassManager:
             self.dump.write_pass(record, result, ctx)
         return result
 
-    def _failure(self, index: int, pass_spec: PassSpec, given: TrainGraph, exc: Exception) -> PassFailure:
+    def _failure(self, index: int, pass_spec: PassSpec, given: TrainGraph, exc: Exception,
+                 ctx: PassContext) -> PassFailure:
         from .dump import write_reproducer
         if isinstance(exc, VerificationError):
             log.error("pass %s produced an invalid graph", pass_spec.name)
         directory = self.reproducer_dir or (self.dump.directory if self.dump else None)
         directory = directory or tempfile.mkdtemp(prefix="cann_passes_repro_")
         try:
-            path = write_reproducer(directory, given, str(pass_spec), index)
+            path = write_reproducer(directory, given, str(pass_spec), index,
+                                    plan=ctx.plan.to_dict() if ctx.plan is not None else None)
         except Exception:  # never hide the pass's own error behind a dump error
             log.exception("could not write the reproducer")
             path = None

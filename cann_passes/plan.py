@@ -26,6 +26,10 @@ DEVICE_PROFILES = ("auto", "cpu", "ascend_910b", "ascend_a3", "a100", "h100", "h
 ALLREDUCE_ALGOS = ("auto", "ring", "tree")
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 class PlanError(ValueError):
     """A plan field breaks a rule; the message names the field and the rule."""
 
@@ -64,18 +68,35 @@ class Plan:
     torchair: dict = field(default_factory=dict)  # CompilerConfig options, see lowering/torchair_config
 
     def __post_init__(self):
-        object.__setattr__(self, "extra_passes", tuple(self.extra_passes))
-        object.__setattr__(self, "recompute_bans", tuple(self.recompute_bans))
-        object.__setattr__(self, "autocast_overrides", dict(self.autocast_overrides))
-        object.__setattr__(self, "torchair", dict(self.torchair))
+        for name in ("extra_passes", "recompute_bans"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not isinstance(value, (list, tuple)):
+                raise PlanError(name, "must be a list of strings", value)
+            object.__setattr__(self, name, tuple(value))
+        for name in ("autocast_overrides", "torchair"):
+            if not isinstance(getattr(self, name), dict):
+                raise PlanError(name, "must be a mapping", getattr(self, name))
+            object.__setattr__(self, name, dict(getattr(self, name)))
         self._check_values()
         self._check_capabilities()
+        self._check_pipelines()
 
     # -- validation -------------------------------------------------------------------------
     def _one_of(self, name: str, choices: tuple) -> None:
         value = getattr(self, name)
         if value not in choices:
             raise PlanError(name, f"must be one of {', '.join(map(repr, choices))}", value)
+
+    def _check_pipelines(self) -> None:
+        """Pipeline texts parse now, not at the first step after a capture."""
+        from .pass_manager import Pipeline, PipelineError
+        for name, texts in (("pipeline", [self.pipeline] if self.pipeline else []),
+                            ("extra_passes", self.extra_passes)):
+            for text in texts:
+                try:
+                    Pipeline.parse(text)
+                except PipelineError as exc:
+                    raise PlanError(name, str(exc), text) from None
 
     def _positive_int(self, name: str) -> None:
         value = getattr(self, name)
@@ -96,7 +117,7 @@ class Plan:
         if self.zero_stage and self.dp == 1:
             raise PlanError("zero_stage", "ZeRO shards over data-parallel ranks and needs dp > 1",
                             self.zero_stage)
-        if not (isinstance(self.loss_scale_init, (int, float)) and self.loss_scale_init > 0):
+        if not (_is_number(self.loss_scale_init) and 0 < self.loss_scale_init < float("inf")):
             raise PlanError("loss_scale_init", "must be a positive number", self.loss_scale_init)
         if self.loss_scale not in ("auto", "none") and self.precision == "fp32":
             raise PlanError("loss_scale", "applies only to precision bf16 or fp16", self.loss_scale)
@@ -104,13 +125,16 @@ class Plan:
             if value not in PRECISIONS:
                 raise PlanError(f"autocast_overrides.{key}", f"must be one of {PRECISIONS}", value)
         if self.accumulate_target is not None and (not isinstance(self.accumulate_target, int)
+                                                   or isinstance(self.accumulate_target, bool)
                                                    or self.accumulate_target < 1):
             raise PlanError("accumulate_target", "must be a positive integer (samples per step)",
                             self.accumulate_target)
-        if not (isinstance(self.bucket_mb, (int, float)) and self.bucket_mb > 0):
+        if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
+            raise PlanError("dump_dir", "must be a directory path", self.dump_dir)
+        if not (_is_number(self.bucket_mb) and self.bucket_mb > 0):
             raise PlanError("bucket_mb", "must be a positive number of MiB", self.bucket_mb)
         budget = self.recompute_budget
-        if budget is not None and (not isinstance(budget, (int, float)) or budget < 0):
+        if budget is not None and (not _is_number(budget) or budget < 0):
             raise PlanError("recompute_budget", "must be a fraction in [0, 1] or a byte count > 1",
                             budget)
         if self.recompute == "budget" and budget is None:
@@ -143,6 +167,10 @@ class Plan:
                 raise NotImplementedError(
                     f"plan field '{field_name}' = {getattr(self, field_name)!r} asks for {capability}, "
                     f"which is not built yet (no '{pass_name}' pass is registered)")
+        if self.grad_reduce_dtype != "fp32":
+            raise NotImplementedError(
+                f"plan field 'grad_reduce_dtype' = {self.grad_reduce_dtype!r} asks for gradient "
+                "reduction in low precision, which is not built yet (gradients are reduced in fp32)")
         if self.pipeline_schedule != "1f1b" and self.pp == 1:
             raise PlanError("pipeline_schedule", "only applies when pp > 1", self.pipeline_schedule)
 
@@ -162,7 +190,11 @@ class Plan:
     def load(cls, path: str | os.PathLike) -> "Plan":
         """A plan from a .yaml/.yml or .json file."""
         text = open(path, encoding="utf-8").read()
-        data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+        try:
+            data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+        except (json.JSONDecodeError, yaml.YAMLError) as exc:
+            raise PlanError("<file>", f"{path} is not valid {'JSON' if str(path).endswith('.json') else 'YAML'}: "
+                            f"{exc}") from None
         return cls.from_dict(data or {})
 
     @property

@@ -6,7 +6,9 @@ TrainGraph (every node tagged with its region) that runs through the same
 pass manager and lowering as a whole step. Passes that need the whole step
 (optimizer sharding, gradient all-reduce placement) do not apply here; the
 pipeline is the plan's ``pipeline`` text, else ``cleanup`` plus the plan's
-extra passes.
+extra passes. A plan that asks for a whole-step capability (precision,
+recompute, parallelism, accumulation) is refused here rather than ignored:
+those passes rewrite the step, which this backend never sees whole.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from graph_ir.signature import InputKind, OutputKind, Spec, StepSignature
 
 from .lowering import get_lowering, resolve_backend
 from .pass_manager import PassContext, PassManager, Pipeline
-from .plan import Plan
+from .plan import Plan, PlanError
 
 
 def _as_train_graph(gm: torch.fx.GraphModule, region: Region, name: str) -> TrainGraph:
@@ -46,8 +48,21 @@ def _module_path(stack: dict) -> str:
     return path.replace("[", ".").replace("]", "").replace("'", "")
 
 
+_APPLIES = {"backend", "pipeline", "extra_passes", "verify", "device_profile", "torchair", "dump_dir"}
+
+
+def _refuse_whole_step_fields(plan: Plan) -> None:
+    default = Plan()
+    for name, value in plan.to_dict().items():
+        if name not in _APPLIES and value != getattr(default, name):
+            raise PlanError(name, "applies to whole compiled steps (compile_for_npu), not to the "
+                            "torch.compile backend's forward/backward graphs", value)
+
+
 def make_backend(plan: Plan):
     from torch._dynamo.backends.common import aot_autograd
+
+    _refuse_whole_step_fields(plan)
 
     lowering_name = resolve_backend(plan.backend)
     pipeline = Pipeline.parse(plan.pipeline) if plan.pipeline else Pipeline.of("cleanup", *plan.extra_passes)

@@ -1,6 +1,7 @@
 """Pipelines as text, user passes, instrumentation, analyses caching and failure reports."""
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -53,6 +54,7 @@ def test_pipeline_text_round_trips_with_typed_options():
     ("cleanup{nope=1}", "pass 'cleanup' has no option 'nope'"),
     ("test_scale_loss{factor=abc}", "option 'factor' must be float"),
     ("cleanup,,", "cannot parse pipeline"),
+    ("cleanup,", "ends with a comma"),
 ])
 def test_bad_pipeline_text_names_the_problem(text, message):
     with pytest.raises(PipelineError, match=message):
@@ -94,12 +96,14 @@ def test_pipeline_given_as_text_runs_and_records_every_pass():
 def test_failing_pass_is_named_with_a_reproducer(tmp_path):
     manager = PassManager("cleanup,test_broken", reproducer_dir=str(tmp_path))
     with pytest.raises(PassFailure) as info:
-        manager.run(_mlp_graph(), PassContext())
+        manager.run(_mlp_graph(), PassContext(plan=Plan(recompute_bans=["lm_head"])))
     err = info.value
     assert err.pass_name == "test_broken" and "deliberate failure" in str(err)
     assert err.pipeline == "cleanup,test_broken"
     assert open(os.path.join(err.reproducer_dir, "pipeline.txt")).read().strip() == "test_broken"
     assert os.path.exists(os.path.join(err.reproducer_dir, "input.py"))
+    with open(os.path.join(err.reproducer_dir, "plan.json")) as f:
+        assert json.load(f)["recompute_bans"] == ["lm_head"]   # passes read options from the plan
 
 
 def test_pass_producing_an_invalid_graph_fails_verification_by_name(tmp_path):
@@ -136,3 +140,9 @@ def test_dump_dir_from_environment(tmp_path, monkeypatch):
     compile_for_npu(model, Plan(backend="eager"), optimizer=make_optimizer("sgd", model.parameters()),
                     loss_fn=loss_fn)(mlp_batches(1)[0])
     assert (tmp_path / "000_capture.json").exists()
+
+
+def test_compile_for_npu_names_a_missing_optimizer():
+    model, loss_fn = tiny_mlp()
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
+        compile_for_npu(model, Plan(), optimizer=None, loss_fn=loss_fn)

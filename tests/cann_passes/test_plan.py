@@ -73,3 +73,32 @@ def test_auto_backend_without_npu_picks_inductor_or_eager_and_torchair_explains(
     assert resolve_backend("auto") in ("inductor", "eager")
     with pytest.raises(BackendUnavailable, match="torch_npu"):
         resolve_backend("torchair")
+
+
+@pytest.mark.parametrize("fields, name", [
+    ({"extra_passes": "cleanup"}, "extra_passes"),          # a string is not a list of passes
+    ({"recompute_bans": "attn"}, "recompute_bans"),
+    ({"autocast_overrides": ["lm_head"]}, "autocast_overrides"),
+    ({"torchair": [1]}, "torchair"),
+    ({"pipeline": "cleanup,autocst"}, "pipeline"),         # parsed when the plan is made
+    ({"extra_passes": ["cleanup{nope=1}"]}, "extra_passes"),
+    ({"accumulate_target": True}, "accumulate_target"),
+    ({"loss_scale_init": float("inf"), "precision": "fp16"}, "loss_scale_init"),
+    ({"dump_dir": 3}, "dump_dir"),
+])
+def test_malformed_values_are_refused_when_the_plan_is_made(fields, name):
+    with pytest.raises(PlanError) as info:
+        Plan(**fields)
+    assert info.value.field == name
+
+
+def test_a_plan_file_that_does_not_parse_is_named(tmp_path):
+    path = tmp_path / "plan.json"
+    path.write_text("{precision: bf16")
+    with pytest.raises(PlanError, match="plan.json is not valid JSON"):
+        Plan.load(path)
+
+
+def test_low_precision_gradient_reduction_is_not_built():
+    with pytest.raises(NotImplementedError, match="grad_reduce_dtype"):
+        Plan(grad_reduce_dtype="bf16")

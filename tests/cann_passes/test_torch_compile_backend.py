@@ -21,3 +21,9 @@ def test_torch_compile_backend_matches_eager_gradients_and_runs_the_passes():
     names = [name for name, _ in backend.records]
     assert names[0].startswith("forward") and names[1].startswith("backward")
     assert all(records[0].name == "cleanup" for _, records in backend.records)
+
+
+def test_whole_step_fields_are_refused_not_ignored():
+    import pytest
+    with pytest.raises(cann_passes.PlanError, match="recompute"):
+        cann_passes.backend(cann_passes.Plan(recompute="full"))

@@ -125,7 +125,7 @@ def replay(directory: str, out: str | None = None, verify: str = "deep") -> str:
     import json
     import torch
     from cann_passes.dump import DumpWriter
-    from cann_passes.pass_manager import PassManager
+    from cann_passes.pass_manager import PassContext, PassManager
     from graph_ir.serialize import from_json
     graph_file, pipeline_file = os.path.join(directory, "input.json"), os.path.join(directory, "pipeline.txt")
     for path in (graph_file, pipeline_file):
@@ -138,7 +138,14 @@ def replay(directory: str, out: str | None = None, verify: str = "deep") -> str:
     pipeline = open(pipeline_file, encoding="utf-8").read().strip()
     dump = DumpWriter(out, pipeline) if out else None
     manager = PassManager(pipeline, verify_level=verify, dump=dump)
-    manager.run(graph)
+    plan_file = os.path.join(directory, "plan.json")
+    plan = None
+    if os.path.exists(plan_file):
+        from cann_passes import Plan
+        with open(plan_file, encoding="utf-8") as f:
+            # The pipeline to replay is the reproducer's, not the plan's own.
+            plan = Plan.from_dict({**json.load(f), "pipeline": None, "dump_dir": None})
+    manager.run(graph, PassContext(plan=plan))
     return "\n".join(f"{r.index} {r.spec}: {'changed' if r.changed else 'unchanged'}, "
                      f"nodes {r.nodes_before} -> {r.nodes_after}" for r in manager.records)
 
