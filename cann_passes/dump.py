@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from graph_ir.meta import is_fake
 from graph_ir.printer import to_python_module
 from graph_ir.serialize import to_json
 
@@ -72,14 +73,9 @@ def write_graph(directory: str, stem: str, tg, *, extra: dict[str, Any] | None =
     with open(os.path.join(directory, f"{stem}.json"), "w", encoding="utf-8") as f:
         write_json(data, f)
     constants = _constants(tg)
-    if constants and not any(t.is_meta or _is_fake(t) for t in constants.values()):
+    if constants and not any(t.is_meta or is_fake(t) for t in constants.values()):
         torch.save(constants, os.path.join(directory, constants_name))
     return os.path.join(directory, stem)
-
-
-def _is_fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-    return isinstance(t, FakeTensor)
 
 
 def write_reproducer(directory: str, tg, pass_text: str, index: int, *, plan: dict | None = None) -> str:
@@ -120,7 +116,7 @@ class DumpWriter:
     def write_capture(self, tg, analyses, inputs: list[torch.Tensor] | None = None) -> None:
         write_graph(self.directory, self._stem(0, "capture"), tg, extra=self._extra(analyses, tg),
                     costs=self._costs(analyses, tg))
-        if inputs is not None and not any(t.is_meta or _is_fake(t) for t in inputs):
+        if inputs is not None and not any(t.is_meta or is_fake(t) for t in inputs):
             # Keyed by "kind:name" so that graphs whose passes reordered or added
             # inputs still find theirs.
             named = {f"{s.kind}:{s.name}": t.detach().clone() for s, t in zip(tg.signature.inputs, inputs)}

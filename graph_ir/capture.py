@@ -71,7 +71,8 @@ def optimizer_param_names(model: torch.nn.Module, optimizer: torch.optim.Optimiz
     return group_of
 
 
-def _batch_path(path) -> str:
+def batch_path(path) -> str:
+    """The signature name of a batch leaf from its pytree path: ``batch[0]``, ``batch['ids']``."""
     return "batch" + "".join(f"[{k.key!r}]" if isinstance(k, pytree.MappingKey) else
                              f"[{getattr(k, 'idx', k)}]" for k in path)
 
@@ -87,11 +88,11 @@ def plan_layout(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch:
     leaves, spec = pytree.tree_flatten_with_path(batch)
     for path, leaf in leaves:
         if not isinstance(leaf, torch.Tensor):
-            raise CaptureError(f"{_batch_path(path)} is a {type(leaf).__name__}; "
+            raise CaptureError(f"{batch_path(path)} is a {type(leaf).__name__}; "
                                "every leaf of a batch must be a tensor")
     state_keys = {n: rule.state_keys(optimizer.param_groups[group_of[n]]) for n in trainable}
     return StepLayout(trainable, frozen, [n for n, _ in model.named_buffers()], state_keys,
-                      {n: group_of[n] for n in trainable}, [_batch_path(p) for p, _ in leaves], spec)
+                      {n: group_of[n] for n in trainable}, [batch_path(p) for p, _ in leaves], spec)
 
 
 def build_signature(layout: StepLayout, num_groups: int) -> StepSignature:

@@ -40,6 +40,17 @@ class Region(str, enum.Enum):
         return self.value
 
 
+# dtype spellings used in JSON, dumps and step-state declarations ("float32", "bfloat16", ...).
+DTYPES_BY_NAME = {str(d).removeprefix("torch."): d for d in (
+    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64)}
+
+
+def is_fake(value: Any) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+    return isinstance(value, FakeTensor)
+
+
 def region_of(node: torch.fx.Node) -> Region:
     value = node.meta.get(REGION)
     if value is None:

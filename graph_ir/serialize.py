@@ -18,14 +18,12 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from .meta import MODULE_PATH, REGION, describe_value, tensors_of
+from .meta import DTYPES_BY_NAME, MODULE_PATH, REGION, describe_value, tensors_of
 from .signature import StepSignature
 from .train_graph import TrainGraph
 
 FORMAT_VERSION = 1
-_DTYPES = {str(d).replace("torch.", ""): d for d in (
-    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64)}
+_DTYPES = DTYPES_BY_NAME
 
 
 def target_name(target: Any) -> str:

@@ -16,13 +16,8 @@ from typing import Any, Iterator
 import torch
 import torch.fx
 
-from .meta import MODULE_PATH, REGION, Region, region_of
+from .meta import MODULE_PATH, REGION, Region, is_fake, region_of
 from .signature import Spec, StepSignature
-
-
-def _is_fake(t) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-    return isinstance(t, FakeTensor)
 
 
 class TrainGraph:
@@ -79,7 +74,7 @@ class TrainGraph:
             node = self.graph.placeholder(name or "".join(c if c.isalnum() else "_" for c in
                                                            f"{spec.kind}_{spec.name}"))
         mode = self.fake_mode()
-        node.meta["val"] = mode.from_tensor(value) if mode is not None and not _is_fake(value) else value
+        node.meta["val"] = mode.from_tensor(value) if mode is not None and not is_fake(value) else value
         node.meta[REGION] = Region.IO.value
         self.signature.inputs.append(spec)
         return node

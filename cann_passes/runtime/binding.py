@@ -12,11 +12,9 @@ import torch
 import torch.utils._pytree as pytree
 
 from graph_ir import TrainGraph
-from graph_ir.capture import _batch_path
+from graph_ir.capture import batch_path
+from graph_ir.meta import DTYPES_BY_NAME
 from graph_ir.signature import InputKind, OutputKind, split_state_name
-
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64,
-           "int32": torch.int32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class StepState:
@@ -31,7 +29,7 @@ class StepState:
             if declared is None:
                 raise KeyError(f"graph input step_state '{name}' is not declared in graph.attrs['step_state']")
             self.values[name] = torch.full(declared.get("shape", []), declared["value"],
-                                           dtype=_DTYPES[declared.get("dtype", "float32")], device=device)
+                                           dtype=DTYPES_BY_NAME[declared.get("dtype", "float32")], device=device)
         return self.values[name]
 
 
@@ -62,7 +60,7 @@ def bind_inputs(graph: TrainGraph, model: torch.nn.Module, optimizer: torch.opti
     live in ``param_shards``)."""
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
-    leaves = {_batch_path(path): leaf for path, leaf in pytree.tree_flatten_with_path(batch)[0]}
+    leaves = {batch_path(path): leaf for path, leaf in pytree.tree_flatten_with_path(batch)[0]}
     device = next(iter(params.values())).device
     flat = []
     for position, spec in enumerate(graph.signature.inputs):
