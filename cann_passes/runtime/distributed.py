@@ -215,7 +215,20 @@ class DistributedRuntime:
     def __enter__(self) -> "DistributedRuntime":
         return self
 
+    def _published_failure(self) -> str | None:
+        try:
+            return self.store.get("failed").decode() if self.store.check(["failed"]) else None
+        except Exception:  # the store is gone with the failed rank
+            return None
+
     def __exit__(self, exc_type, exc, tb) -> bool:
+        earlier = self._published_failure() if exc is not None else None
+        if earlier:
+            # Another rank failed first and this rank's error (a closed connection in a
+            # collective, most often) follows from it: report the cause, like the watchdog.
+            sys.stderr.write(f"[rank {self.rank}] stopping: {earlier} (here: {type(exc).__name__})\n")
+            sys.stderr.flush()
+            os._exit(FAULT_EXIT_CODE)
         if exc is not None:
             sys.stderr.write(f"[rank {self.rank}] failed:\n{''.join(traceback.format_exception(exc))}")
             self.fail(exc)
