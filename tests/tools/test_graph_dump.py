@@ -246,3 +246,117 @@ def test_replay_reruns_a_reproducer(tmp_path, capsys):
     out = _stdout(capsys, ["replay", path, "--out", str(tmp_path / "replayed")])
     assert re.match(rf"1 cleanup: (un)?changed, nodes {graph.num_nodes()} -> \d+", out)
     assert [p.stem for p in DumpDir(str(tmp_path / "replayed")).passes] == ["001_cleanup"]
+
+
+# -- the GE lowering section (torchair's converters, offline) ------------------------------------
+
+@pytest.fixture(scope="module")
+def torchair():
+    from cann_passes.lowering.ge_offline import TorchairUnavailable, load_torchair
+    try:
+        return load_torchair()
+    except TorchairUnavailable as e:
+        pytest.skip(f"torchair (torch_npu wheel) unavailable: {e}")
+
+
+def _main_stdout(argv) -> str:
+    import contextlib
+    import io
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def ge_legal(torchair, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("ge_legal"))
+    stdout = _main_stdout(["run", "gpt-tiny", "--pipeline", "cleanup,npu_legalize,cleanup", "--ge", "--no-svg",
+                           "--out", out])
+    return out, stdout
+
+
+@pytest.fixture(scope="module")
+def ge_sdpa(torchair, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("ge_sdpa"))
+    stdout = _main_stdout(["run", "gpt-tiny", "--set", "attention=sdpa", "--pipeline", "cleanup", "--ge",
+                           "--no-svg", "--out", out])
+    return out, stdout
+
+
+def _page_and_report(directory):
+    page = open(os.path.join(directory, "index.html"), encoding="utf-8").read()
+    report = json.load(open(os.path.join(directory, "ge", "report.json")))
+    section = page[page.index('<section id="ge-section">'):].split("</section>")[0]
+    return page, report, section
+
+
+def _histogram_rows(section) -> list[tuple[str, int]]:
+    table = re.search(r'<table class="small ge-ops">.*?<tbody>(.*?)</tbody>', section, re.S).group(1)
+    return [(op, int(n)) for op, n in re.findall(r'<tr><td>([^<]+)</td><td class="num">(\d+)</td></tr>', table)]
+
+
+class TestGeSection:
+    def test_legalized_step_lowers_with_nothing_unsupported(self, ge_legal):
+        directory, stdout = ge_legal
+        page, report, section = _page_and_report(directory)
+        last = DumpDir(directory).last
+        assert report["ok"] and report["unsupported"] == []
+        assert report["graphs"]["step"]["source"] == f"{last.stem}.json" == "003_cleanup.json"
+        assert "GE lowering (offline, torchair converters): ok" in stdout
+        assert "not a compile on an NPU" in section and "0 unsupported" in section
+        assert "ge-unsupported" not in section and "Possibly stale" not in section
+        # The page's histogram is the report's, most frequent first.
+        rows = _histogram_rows(section)
+        assert dict(rows) == report["op_histogram"]
+        assert [n for _, n in rows] == sorted((n for _, n in rows), reverse=True)
+        matmuls = {op: n for op, n in rows if op in ("MatMul", "MatMulV2", "BatchMatMul", "BatchMatMulV2")}
+        mm_nodes = sum(1 for n in last.nodes if n["target"] in ("aten.mm.default", "aten.addmm.default",
+                                                                   "aten.bmm.default"))
+        assert sum(matmuls.values()) == mm_nodes > 0
+        ge_txt = os.path.join(directory, "ge", "step.ge.txt")
+        assert '<a href="ge/step.ge.txt">' in section and os.path.getsize(ge_txt) > 0
+        assert "GE lowering (offline): ok" in page.split("</header>")[0]
+
+    def test_unsupported_ops_are_listed_with_their_module(self, ge_sdpa):
+        directory, stdout = ge_sdpa
+        page, report, section = _page_and_report(directory)
+        nodes = {n["name"]: n for n in DumpDir(directory).last.nodes}
+        bad = report["unsupported"]
+        assert not report["ok"] and len(bad) >= 2          # forward and backward attention of each layer
+        assert f"{len(bad)} unsupported" in stdout and f"GE lowering (offline): {len(bad)} unsupported" in page
+        listed = re.findall(r'<a class="module-link" href="#module=([^"]+)" data-node="([^"]+)">', section)
+        assert sorted(listed) == sorted((u["module_path"], u["node"]) for u in bad)
+        for path, name in listed:      # each links to the module its node belongs to in the final graph
+            assert nodes[name]["module_path"] == path and re.fullmatch(r"layers\.\d+\.attn", path)
+            assert "scaled_dot_product" in nodes[name]["target"]
+        assert "no torchair FX-&gt;GE converter registered" in section
+
+    def test_stale_and_dropped_reports(self, ge_sdpa, tmp_path):
+        directory = str(tmp_path / "copy")
+        shutil.copytree(ge_sdpa[0], directory)
+        last = DumpDir(directory).last.path(".json")
+        os.utime(last, (os.path.getmtime(last) + 60,) * 2)     # the dump rewritten after the lowering
+        _main_stdout(["report", directory, "--no-svg"])
+        assert "Possibly stale" in _page_and_report(directory)[2]
+        # A new run into the directory removes the old lowering with the old dumps.
+        _main_stdout(["run", "mlp", "--pipeline", "cleanup", "--no-svg", "--out", directory])
+        assert not os.path.exists(os.path.join(directory, "ge", "report.json"))
+        assert not os.path.exists(os.path.join(directory, "ge", "step.ge.txt"))
+        assert 'id="no-ge"' in open(os.path.join(directory, "index.html")).read()
+
+
+def test_ge_unavailable_is_a_note_not_a_failure(gpt_dump, tmp_path, monkeypatch):
+    from cann_passes.lowering import ge_offline
+
+    def unavailable(directory):
+        raise ge_offline.TorchairUnavailable("could not download torch_npu==2.13.0 wheel\nmore detail")
+
+    monkeypatch.setattr(ge_offline, "write_ge_report", unavailable)
+    directory = str(tmp_path / "copy")
+    shutil.copytree(gpt_dump.directory, directory)
+    out = _main_stdout(["report", directory, "--ge", "--no-svg"])
+    assert "cann-graph-dump: no GE lowering section: could not download torch_npu==2.13.0 wheel\n" in out
+    assert out.strip().endswith("index.html")
+    page = open(os.path.join(directory, "index.html")).read()
+    assert 'id="no-ge"' in page and "GE lowering (offline):" not in page

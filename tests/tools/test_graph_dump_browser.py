@@ -5,6 +5,8 @@ where it is not installed.
 """
 from __future__ import annotations
 
+import json
+import os
 import re
 import struct
 
@@ -22,7 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def page(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("browser_dump"))
-    run_target("gpt-tiny", out, svg=False)
+    run_target("gpt-tiny", out, svg=False, ge=True)   # the GE section, when torchair loads
     return DumpDir(out), f"{out}/index.html"
 
 
@@ -64,6 +66,23 @@ def test_module_navigation_lists_the_nodes_of_a_module(page):
     expected = [n for n in dump.last.nodes if (n["module_path"] + ".").startswith("layers.1.mlp.")]
     shown = re.findall(r'<tr><td><code>([^<]+)</code>', nodes)
     assert shown == [n["name"] for n in expected][:300]
+
+
+def test_ge_section_renders_with_links_into_module_navigation(page):
+    dump, index = page
+    report_file = os.path.join(dump.directory, "ge", "report.json")
+    if not os.path.exists(report_file):
+        pytest.skip("torchair unavailable: the page has no GE section")
+    report = json.load(open(report_file))
+    dom = _rendered(load(index, "module=layers.0.attn"))
+    section = dom[dom.index('id="ge-section"'):].split("</section>")[0]
+    assert "not a compile on an NPU" in section
+    histogram = re.search(r'<table class="small ge-ops">.*?<tbody>(.*?)</tbody>', section, re.S).group(1)
+    rows = re.findall(r'<tr><td>([^<]+)</td><td class="num">(\d+)</td></tr>', histogram)
+    assert {op: int(n) for op, n in rows} == report["op_histogram"]
+    links = re.findall(r'<a class="module-link" href="#module=([^"]+)"', section)
+    assert len(links) == sum(1 for u in report["unsupported"] if u["module_path"])
+    assert "layers.0.attn · " in dom[dom.index('id="module-nodes"'):]
 
 
 def test_screenshot(page, tmp_path):

@@ -5,6 +5,7 @@
     cann-graph-dump run model.py --pipeline "cleanup,cleanup" --out /tmp/mine
     cann-graph-dump run gpt-7b-meta --capture-only --out /tmp/7b   # shapes only, no run
     cann-graph-dump report DIR            # diffs, Graphviz and index.html for any dump directory
+    cann-graph-dump report DIR --ge       # ... plus the final graph lowered to GE offline (torchair)
     cann-graph-dump diff DIR_A DIR_B      # two plans of one model, pass by pass
     cann-graph-dump show DIR [--pass NAME] [--module PATH]
     cann-graph-dump screenshot DIR --png page.png [--open pass=001_cleanup]
@@ -54,10 +55,12 @@ def make_plan(plan_file: str | None, pipeline: str | None, backend: str | None, 
 
 
 def clear_dump(directory: str) -> None:
+    from .ge import clear_ge
     os.makedirs(directory, exist_ok=True)
     for name in os.listdir(directory):
         if _STALE.match(name):
             os.remove(os.path.join(directory, name))
+    clear_ge(directory)
 
 
 def capture_and_dump(target, plan, directory: str) -> None:
@@ -79,7 +82,7 @@ def capture_and_dump(target, plan, directory: str) -> None:
 
 def run_target(target_name: str, out: str, *, plan_file: str | None = None, pipeline: str | None = None,
                steps: int = 1, backend: str | None = None, capture_only: bool = False,
-               overrides: list[str] = (), svg: bool = True) -> RunResult:
+               overrides: list[str] = (), svg: bool = True, ge: bool = False) -> RunResult:
     from cann_passes import compile_for_npu
     from .targets import resolve
     result = RunResult(out)
@@ -98,19 +101,26 @@ def run_target(target_name: str, out: str, *, plan_file: str | None = None, pipe
             result.losses.append(float(step(target.batch(i))))
     t2 = time.perf_counter()
     result.seconds["compile_and_dump"] = t2 - t1
-    report(out, svg=svg)
+    report(out, svg=svg, ge=ge)
     result.seconds["report"] = time.perf_counter() - t2
     return result
 
 
 # -- report ----------------------------------------------------------------------------------------
 
-def report(directory: str, *, svg: bool = True) -> str:
-    """Diffs, Graphviz files and index.html for a dump directory; returns the page's path."""
+def report(directory: str, *, svg: bool = True, ge: bool = False) -> str:
+    """Diffs, Graphviz files and index.html for a dump directory; returns the page's path.
+
+    ``ge``: first lower the final graph(s) to GE offline (``DIR/ge/``); the page shows a
+    ``DIR/ge/report.json`` whether written now or earlier by ``cann-lower-check DIR``.
+    """
     from .artifacts import write_diffs, write_graphviz
     from .dumpdir import DumpDir
     from .html import write_index
     dump = DumpDir(directory)
+    if ge:
+        from .ge import lower
+        lower(directory)
     diffs = write_diffs(dump)
     svgs = write_graphviz(dump, svg=svg)
     for p in dump.passes[:-1]:     # big graphs: keep only the final one loaded
@@ -152,6 +162,10 @@ def replay(directory: str, out: str | None = None, verify: str = "deep") -> str:
 
 # -- the command line ------------------------------------------------------------------------------
 
+_GE_HELP = ("also lower the final graph to a GE GraphDef with torchair's converters, offline (no NPU), "
+            "into DIR/ge/, and add a GE section to the page")
+
+
 def _parser() -> argparse.ArgumentParser:
     from .targets import RECIPES
     recipes = "; ".join(f"{name}: {about}" for name, (about, _) in RECIPES.items())
@@ -174,10 +188,12 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="recipe option, e.g. --set n_layer=8 --set batch_size=4")
     run.add_argument("--no-svg", action="store_true", help="skip rendering Graphviz SVGs")
+    run.add_argument("--ge", action="store_true", help=_GE_HELP)
 
     rep = sub.add_parser("report", help="add diffs, Graphviz and index.html to a dump directory")
     rep.add_argument("dir")
     rep.add_argument("--no-svg", action="store_true")
+    rep.add_argument("--ge", action="store_true", help=_GE_HELP)
 
     diff = sub.add_parser("diff", help="compare two dump directories pass by pass")
     diff.add_argument("dir_a")
@@ -204,7 +220,7 @@ def _parser() -> argparse.ArgumentParser:
 def _run_command(args) -> None:
     result = run_target(args.target, args.out, plan_file=args.plan, pipeline=args.pipeline, steps=args.steps,
                         backend=args.backend, capture_only=args.capture_only, overrides=args.overrides,
-                        svg=not args.no_svg)
+                        svg=not args.no_svg, ge=args.ge)
     for i, loss in enumerate(result.losses, start=1):
         print(f"step {i}: loss {loss:.6f}")
     s = result.seconds
@@ -222,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "run":
             _run_command(args)
         elif args.command == "report":
-            print(report(args.dir, svg=not args.no_svg))
+            print(report(args.dir, svg=not args.no_svg, ge=args.ge))
         elif args.command == "diff":
             from .compare import compare
             sys.stdout.write(compare(args.dir_a, args.dir_b))

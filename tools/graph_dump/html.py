@@ -15,6 +15,7 @@ import os
 from collections import Counter
 
 from .dumpdir import DumpDir, PassDump, short_target
+from .ge import ge_headline, ge_section
 
 MAX_DIFF_LINES = 20000       # embedded per pass; the .diff file beside the page has all of it
 MAX_EXPLAIN_CHARS = 20000
@@ -225,7 +226,8 @@ def _summary(dump: DumpDir) -> str:
             f'pipeline <code>{_esc(dump.pipeline)}</code></p>'
             f'<p>captured {m0["nodes"]} nodes → final {m1["nodes"]} nodes ({len(ops)} distinct ops) · '
             f'peak {fmt_bytes(m1["peak_bytes"])} · saved activations {fmt_bytes(m1["saved_bytes"])} · '
-            f'{fmt_flops(m1["flops"])} · communication {fmt_bytes(m1["comm_bytes"])}</p>')
+            f'{fmt_flops(m1["flops"])} · communication {fmt_bytes(m1["comm_bytes"])}'
+            f'{ge_headline(dump.directory)}</p>')
 
 
 def render(dump: DumpDir, diffs: dict[str, str], svgs: set[str] = frozenset()) -> str:
@@ -244,6 +246,7 @@ def render(dump: DumpDir, diffs: dict[str, str], svgs: set[str] = frozenset()) -
                        ("PLOT_NOTE", _esc(f"{before.stem} vs {after.stem}" + (
                            " (around recompute)" if after.name == "recompute" else " (first vs last)"))),
                        ("COLLECTIVES", collectives_section(dump.last)),
+                       ("GE", ge_section(dump.directory, dump.last.stem)),
                        ("PASSES_JSON", _json_script("passes-data", infos)),
                        ("MODULES_JSON", _json_script("modules-data", module_index(dump.last))),
                        ("DIFFS_JSON", diff_scripts(diffs)), ("JS", _JS)):
@@ -292,6 +295,9 @@ window.addEventListener("error", function (e) {
 <section id="collectives-section"><h2>Collectives</h2>
 @@COLLECTIVES@@
 </section>
+<section id="ge-section"><h2>GE lowering (offline)</h2>
+@@GE@@
+</section>
 <section id="modules-section"><h2>Final graph by module</h2>
 <div class="row"><input id="module-filter" placeholder="filter module paths (prefix, e.g. layers.3.attn)" size="50">
 <span id="module-count" class="muted"></span></div>
@@ -327,7 +333,9 @@ svg line.grid{stroke:#e5e7eb}
 #module-tree{min-width:320px;max-height:520px;overflow:auto;border:1px solid #eee;padding:4px}
 #module-tree details{margin-left:12px}#module-tree summary{cursor:pointer}
 #module-tree .path.selected{background:#e0e7ff}.path{cursor:pointer}
-#module-nodes{flex:1;min-width:400px;max-height:520px;overflow:auto}
+#module-nodes{flex:1;min-width:400px;max-height:520px;overflow:auto}#module-nodes tr.hit{background:#fef3c7}
+.ge-ok{color:#15803d}.ge-bad{color:#b91c1c}.ge-stale{background:#fef3c7;padding:4px}
+.ge-ops-box{max-height:420px;overflow:auto}table.ge-unsupported{margin-bottom:10px}.ge-graph h3{font-size:14px}
 """
 
 _JS = r"""
@@ -481,14 +489,19 @@ function matches(path, prefix) {
   return prefix === "" ? path === "" : path === prefix || path.startsWith(prefix + ".");
 }
 
+let wantedNode = null;     // set by a GE-table link: the node to mark in the module's list
+
 function showModule(prefix) {
   document.querySelectorAll("#module-tree .path").forEach((el) => el.classList.toggle("selected", el.dataset.path === prefix));
   const wanted = new Set(); MODULES.paths.forEach((p, i) => { if (matches(p, prefix)) wanted.add(i); });
   const rows = MODULES.nodes.filter((n) => wanted.has(n[4]));
   const box = $("module-nodes"); box.innerHTML = "<h3>" + esc(prefix || "(no module)") + " · " + rows.length +
     " nodes in " + esc(MODULES.stem) + "</h3>";
-  paged(box, rows, (n) => "<tr><td><code>" + esc(n[0]) + "</code></td><td>" + esc(n[1]) + "</td><td>" + esc(n[2]) +
-    "</td><td>" + n[3] + '</td><td class="muted">' + esc(MODULES.paths[n[4]]) + "</td></tr>");
+  const hit = wantedNode; wantedNode = null;
+  paged(box, rows, (n) => (n[0] === hit ? '<tr class="hit">' : "<tr>") + "<td><code>" + esc(n[0]) + "</code></td><td>" +
+    esc(n[1]) + "</td><td>" + esc(n[2]) + "</td><td>" + n[3] + '</td><td class="muted">' + esc(MODULES.paths[n[4]]) +
+    "</td></tr>");
+  const row = box.querySelector("tr.hit"); if (row) row.scrollIntoView({block: "nearest"});
 }
 
 function renderTree(filter) {
@@ -511,6 +524,12 @@ $("module-tree").addEventListener("click", (e) => {
   const el = e.target.closest(".path"); if (el) { e.preventDefault(); showModule(el.dataset.path); }
 });
 $("module-filter").addEventListener("input", (e) => renderTree(e.target.value.trim()));
+document.querySelectorAll("a.module-link").forEach((a) => a.addEventListener("click", () => {
+  wantedNode = a.dataset.node;
+  // The same hash again fires no hashchange: open it here, and scroll to the list either way.
+  if (decodeURIComponent(location.hash) === a.getAttribute("href")) openFromHash();
+  $("modules-section").scrollIntoView();
+}));
 window.addEventListener("hashchange", openFromHash);
 renderTree("");
 openFromHash();
