@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from .build import propagate_fake_values
 from .meta import DTYPES_BY_NAME, MODULE_PATH, REGION, describe_value, tensors_of
 from .signature import StepSignature
 from .train_graph import TrainGraph
@@ -152,12 +152,10 @@ def from_json(data: dict, constants: dict[str, torch.Tensor] | None = None) -> T
 
 def _propagate_fake_values(gm: torch.fx.GraphModule, placeholders: list[dict]) -> None:
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    inputs = []
-    for item in placeholders:
-        value = item["value"]
-        with mode:
-            inputs.append(torch.empty(value["shape"], dtype=_DTYPES[value["dtype"]]))
-    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
+    with mode:
+        inputs = [torch.empty(item["value"]["shape"], dtype=_DTYPES[item["value"]["dtype"]])
+                  for item in placeholders]
+    propagate_fake_values(gm, inputs, mode)
 
 
 def value_matches(a: Any, b: Any) -> bool:

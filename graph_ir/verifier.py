@@ -17,9 +17,8 @@ import copy
 
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from .build import propagate_fake_values
 from .meta import MODULE_PATH, REGION, Region, describe_value
 from .serialize import value_matches
 from .signature import InputKind, OutputKind
@@ -92,13 +91,9 @@ def _check_nodes(tg: TrainGraph) -> list[str]:
 def _check_values(tg: TrainGraph) -> list[str]:
     gm = torch.fx.GraphModule(tg.gm, copy.deepcopy(tg.graph))
     recorded = {n.name: n.meta.get("val") for n in tg.graph.nodes}
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    inputs = []
-    for node in tg.placeholders():
-        val = node.meta["val"]
-        inputs.append(mode.from_tensor(val) if isinstance(val, torch.Tensor) else val)
+    inputs = [node.meta["val"] for node in tg.placeholders()]
     try:
-        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
+        propagate_fake_values(gm, inputs)
     except Exception as exc:  # the graph cannot even run on fake tensors
         return [f"fake-tensor propagation fails: {type(exc).__name__}: {exc}"]
     problems = []

@@ -62,9 +62,7 @@ def _trace(fn, example_args):
 
 
 def _with_meta(gm, example_inputs):
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+    from graph_ir.build import propagate_fake_values
 
     if all("val" in n.meta for n in gm.graph.nodes if n.op != "output"):
         return gm
@@ -73,10 +71,7 @@ def _with_meta(gm, example_inputs):
             "lower_check: the GraphModule has no node.meta['val'] (lost when pickled); "
             'save {"gm": gm, "example_inputs": [...]} instead'
         )
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fake = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
-    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake)
-    return gm
+    return propagate_fake_values(gm, example_inputs)
 
 
 def load_graph(target: str):

@@ -16,7 +16,8 @@ import torch
 import torch.fx
 
 from graph_ir import TrainGraph
-from graph_ir.meta import GRADIENT_OF, MODULE_PATH, ORIGIN_PASS, REGION, Region, region_of
+from graph_ir.build import fake_value, tag
+from graph_ir.meta import GRADIENT_OF, Region, region_of
 from graph_ir.signature import OutputKind
 
 aten = torch.ops.aten
@@ -110,21 +111,15 @@ def optimizer_subgraph(tg: TrainGraph, names: Iterable[str]) -> list[torch.fx.No
 
 # -- building nodes -----------------------------------------------------------------------------
 
-def _val(a):
-    return a.meta["val"] if isinstance(a, torch.fx.Node) else a
-
-
 def recompute_val(tg: TrainGraph, node: torch.fx.Node) -> None:
     """Recompute ``node.meta['val']`` from its inputs' fake values (after its inputs changed shape)."""
-    args = torch.fx.node.map_aggregate(node.args, _val)
-    kwargs = torch.fx.node.map_aggregate(node.kwargs, _val)
-    with tg.fake_mode():
-        try:
-            node.meta["val"] = node.target(*args, **kwargs)
-        except Exception as exc:
-            raise DistributedRewriteError(
-                f"node {node.name} ({node.target}) cannot run on sharded inputs: {exc} "
-                "(rule: the optimizer update must be elementwise to be sharded)") from None
+    mode = tg.fake_mode()
+    try:
+        node.meta["val"] = fake_value(node.target, node.args, node.kwargs, mode=mode)
+    except Exception as exc:
+        raise DistributedRewriteError(
+            f"node {node.name} ({node.target}) cannot run on sharded inputs: {exc} "
+            "(rule: the optimizer update must be elementwise to be sharded)") from None
 
 
 class NodeBuilder:
@@ -136,9 +131,7 @@ class NodeBuilder:
     def __call__(self, target, *args, **kwargs) -> torch.fx.Node:
         with self.tg.graph.inserting_before(self.anchor):
             node = self.tg.graph.call_function(target, args, kwargs)
-        node.meta[REGION] = self.region.value
-        node.meta[MODULE_PATH] = ""
-        node.meta[ORIGIN_PASS] = self.origin
+        tag(node, region=self.region, module_path="", origin=self.origin)
         recompute_val(self.tg, node)
         return node
 

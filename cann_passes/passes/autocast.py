@@ -47,6 +47,7 @@ import torch.fx
 from torch.fx.node import map_arg
 
 from graph_ir import TrainGraph
+from graph_ir.build import add_node, fake_value
 from graph_ir.meta import MODULE_PATH, ORIGIN_PASS, REGION, Region, region_of
 
 from ..pass_manager import PassContext, register_pass
@@ -183,35 +184,28 @@ class _Rewriter:
             where, region, path = self.graph.inserting_after(value), region_of(value), \
                 value.meta.get(MODULE_PATH, "")
         with where:
-            cast = self.graph.call_function(CAST, (value,), {"dtype": dtype})
-        self._stamp(cast, region, path)
-        self._refresh(cast)
+            cast = self._add(CAST, (value,), {"dtype": dtype}, region, path)
         self.cast_source[cast] = value
         self.counts["casts_inserted"] += 1
         return cast
 
     def _replay(self, view: torch.fx.Node, new_base: torch.fx.Node) -> torch.fx.Node:
         with self.graph.inserting_after(new_base):
-            node = self.graph.call_function(view.target, (new_base, *view.args[1:]), dict(view.kwargs))
-        self._stamp(node, region_of(new_base) if new_base.op != "placeholder" else region_of(view),
-                    view.meta.get(MODULE_PATH, ""))
-        self._refresh(node)
+            return self._add(view.target, (new_base, *view.args[1:]), dict(view.kwargs),
+                             region_of(new_base) if new_base.op != "placeholder" else region_of(view),
+                             view.meta.get(MODULE_PATH, ""))
+
+    # -- new nodes and fake values --------------------------------------------------------------
+    def _add(self, target, args: tuple, kwargs: dict, region: Region, path: str) -> torch.fx.Node:
+        """A node of this pass at the insertion point; one asked for in region io computes in forward."""
+        region = Region.FORWARD if region == Region.IO else region
+        node = add_node(self.graph, target, args, kwargs, region=region, module_path=path, origin="autocast",
+                        mode=self.mode)
+        self.touched.add(node)
         return node
 
-    def _stamp(self, node: torch.fx.Node, region: Region, path: str) -> None:
-        node.meta[REGION] = (Region.FORWARD if region == Region.IO else region).value
-        node.meta[MODULE_PATH] = path
-        node.meta[ORIGIN_PASS] = "autocast"
-
-    # -- fake values ----------------------------------------------------------------------------
-    def _evaluate(self, node: torch.fx.Node):
-        args = map_arg(node.args, lambda n: n.meta["val"])
-        kwargs = map_arg(node.kwargs, lambda n: n.meta["val"])
-        with self.mode:
-            return node.target(*args, **kwargs)
-
     def _refresh(self, node: torch.fx.Node) -> None:
-        node.meta["val"] = self._evaluate(node)
+        node.meta["val"] = fake_value(node.target, node.args, node.kwargs, mode=self.mode)
         self.touched.add(node)
 
     # -- rewriting ------------------------------------------------------------------------------
@@ -385,19 +379,16 @@ class _Rewriter:
     def _widen(self, low: torch.fx.Node, reader: torch.fx.Node) -> torch.fx.Node:
         # Deliberately cast(cast(x)): the narrow copy is the saved activation.
         with self.graph.inserting_before(reader):
-            wide = self.graph.call_function(CAST, (low,), {"dtype": torch.float32})
-        self._stamp(wide, Region.BACKWARD, reader.meta.get(MODULE_PATH, ""))
+            wide = self._add(CAST, (low,), {"dtype": torch.float32}, Region.BACKWARD,
+                             reader.meta.get(MODULE_PATH, ""))
         wide.meta[WIDENS_SAVED] = True
-        self._refresh(wide)
         self.counts["casts_inserted"] += 1
         return wide
 
     def _replay_before(self, view: torch.fx.Node, base: torch.fx.Node, reader: torch.fx.Node) -> torch.fx.Node:
         with self.graph.inserting_before(reader):
-            node = self.graph.call_function(view.target, (base, *view.args[1:]), dict(view.kwargs))
-        self._stamp(node, Region.BACKWARD, view.meta.get(MODULE_PATH, ""))
-        self._refresh(node)
-        return node
+            return self._add(view.target, (base, *view.args[1:]), dict(view.kwargs), Region.BACKWARD,
+                             view.meta.get(MODULE_PATH, ""))
 
     def _restore_boundary(self, node: torch.fx.Node) -> None:
         """Values read by the optimizer or the outputs keep the dtype they had before."""

@@ -35,10 +35,10 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.fx.node import map_arg
 
 from graph_ir import TrainGraph
-from graph_ir.meta import MODULE_PATH, ORIGIN_PASS, REGION, Region, region_of
+from graph_ir.build import add_node
+from graph_ir.meta import Region, region_of
 from graph_ir.signature import InputKind, OutputKind, Spec
 
 from ..pass_manager import PassContext, register_pass
@@ -63,14 +63,8 @@ class _Emitter:
         self.graph, self.mode = tg.graph, tg.fake_mode()
 
     def __call__(self, target, args: tuple, region: Region, kwargs: dict | None = None) -> torch.fx.Node:
-        node = self.graph.call_function(target, args, kwargs or {})
-        node.meta[REGION] = region.value
-        node.meta[MODULE_PATH] = ""
-        node.meta[ORIGIN_PASS] = "loss_scale"
-        vals = map_arg((args, kwargs or {}), lambda n: n.meta["val"])
-        with self.mode:
-            node.meta["val"] = target(*vals[0], **vals[1])
-        return node
+        return add_node(self.graph, target, args, kwargs, region=region, module_path="",
+                        origin="loss_scale", mode=self.mode)
 
 
 def _backward_seed(tg: TrainGraph) -> torch.fx.Node:

@@ -43,6 +43,7 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from graph_ir import TrainGraph
+from graph_ir.build import fake_value
 from graph_ir.meta import MODULE_PATH, ORIGIN_PASS, REGION
 
 from ..pass_manager import PassContext, register_pass
@@ -391,9 +392,7 @@ class _Legalizer:
         if node.op == "get_attr":
             value = getattr(self.tg.gm, node.target)
             return self.mode.from_tensor(value) if self.mode is not None else value
-        args, kwargs = torch.fx.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
-        with self.mode if self.mode is not None else _nullcontext():
-            return node.target(*args, **kwargs)
+        return fake_value(node.target, node.args, node.kwargs, mode=self.mode)
 
     @staticmethod
     def _check_users(node: torch.fx.Node) -> None:
@@ -464,14 +463,6 @@ class _Legalizer:
             self.replace_with(bwd, _fusion_attention_backward, b_args, {})
         self._rewire(fwd, (attn_out, None))
         self.rewritten["npu.npu_fusion_attention"] = self.rewritten.get("npu.npu_fusion_attention", 0) + 1
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 _getitem = __import__("operator").getitem
