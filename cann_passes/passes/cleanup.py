@@ -16,7 +16,7 @@ import torch
 import torch.fx
 
 from graph_ir import TrainGraph
-from graph_ir.meta import REGION
+from graph_ir.meta import RECOMPUTE, REGION
 
 from ..pass_manager import PassContext, register_pass
 
@@ -27,6 +27,10 @@ def _mergeable(node: torch.fx.Node) -> bool:
     # Functional collectives are not marked impure, but two of them are two
     # communications (ZeRO-3 gathers a parameter again for backward on purpose).
     if getattr(node.target, "namespace", "") == "_c10d_functional":
+        return False
+    # Recomputed copies are placed per block on purpose: merging two of them
+    # would keep one alive across the blocks in between.
+    if node.meta.get(RECOMPUTE):
         return False
     tags = getattr(node.target, "tags", ())
     return torch.Tag.nondeterministic_seeded not in tags and torch.Tag.inplace_view not in tags
