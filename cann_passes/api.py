@@ -1,22 +1,38 @@
 """The public entry points: compile a whole training step, or serve as a torch.compile backend."""
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
 import torch
 
-from .plan import Plan
+from .lowering import resolve_backend
+from .plan import Plan, PlanError
 from .runtime import CompiledStep
 
 
-def _as_plan(plan: Plan | dict | str | None) -> Plan:
+def _as_plan(plan: Plan | dict | str | os.PathLike | None, caller: str) -> Plan:
     if plan is None:
         return Plan()
     if isinstance(plan, Plan):
         return plan
     if isinstance(plan, dict):
         return Plan.from_dict(plan)
-    return Plan.load(plan)
+    if isinstance(plan, (str, os.PathLike)):
+        return Plan.load(plan)
+    hint = (" (optimizer= and loss_fn= are keyword arguments)"
+            if isinstance(plan, torch.optim.Optimizer) or callable(plan) else "")
+    # open() would take an int (False, 0) as a file descriptor and read standard input.
+    raise TypeError(f"{caller}: plan must be a Plan, a dict of plan fields, or the path of a YAML/JSON "
+                    f"plan file, got {type(plan).__name__} {plan!r}{hint}")
+
+
+def _check_backend_options(plan: Plan, backend_name: str) -> None:
+    """``torchair`` options with backend 'auto' apply only where 'auto' picks torchair."""
+    if plan.torchair and backend_name != "torchair":
+        raise PlanError("torchair", f"options apply only to the torchair backend; backend "
+                        f"{plan.backend!r} is {backend_name!r} here (no NPU): drop the options or "
+                        "run where torch_npu is available", plan.torchair)
 
 
 def compile_for_npu(model: torch.nn.Module, plan: Plan | dict | str | None = None, *,
@@ -37,10 +53,16 @@ def compile_for_npu(model: torch.nn.Module, plan: Plan | dict | str | None = Non
                         f"parameters, got {type(optimizer).__name__}")
     if not callable(loss_fn):
         raise TypeError("compile_for_npu: loss_fn must be callable as loss_fn(model, batch) -> scalar")
-    return CompiledStep(model, _as_plan(plan), optimizer=optimizer, loss_fn=loss_fn)
+    plan = _as_plan(plan, "compile_for_npu")
+    if plan.torchair:
+        _check_backend_options(plan, resolve_backend(plan.backend))
+    return CompiledStep(model, plan, optimizer=optimizer, loss_fn=loss_fn)
 
 
 def backend(plan: Plan | dict | str | None = None):
     """A ``torch.compile`` backend that runs the plan's passes on forward and backward graphs."""
     from .torch_compile_backend import make_backend
-    return make_backend(_as_plan(plan))
+    plan = _as_plan(plan, "cann_passes.backend")
+    if plan.torchair:
+        _check_backend_options(plan, resolve_backend(plan.backend))
+    return make_backend(plan)

@@ -1,15 +1,30 @@
 """The Plan: one typed, validated description of how to compile a training step.
 
 Every field is checked when the plan is made; an invalid value raises
-:class:`PlanError` naming the field and the rule. Fields for capabilities
-that need a pass which is not registered accept only their default and
-otherwise raise ``NotImplementedError`` naming the capability, so a plan never
-silently ignores what it asks for.
+:class:`PlanError` naming the field and the rule. A field that cannot apply
+given another field (``recompute_every_n`` without the ``every_n_layers``
+policy, ``loss_scale_init`` without loss scaling, ``torchair`` options for
+another backend) is refused naming both: a plan never accepts a value and then
+ignores it. With ``pipeline`` text the text decides which passes run, so every
+field that shapes the pipeline must agree with the text.
+
+Fields for capabilities that need a pass which is not registered accept only
+their default and otherwise raise ``NotImplementedError`` naming the
+capability.
+
+Types are strict: booleans and floats are not integers, NaN and infinity are
+not numbers here. Files are read as YAML 1.1 (PyYAML), which turns unquoted
+``off``/``no``/``false`` into ``False``: an enum field whose choices include
+``off`` or ``none`` takes ``False`` as that choice; any other boolean for an
+enum field is refused saying what YAML did.
 """
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
+import math
+import numbers
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,9 +40,21 @@ LOSS_SCALES = ("auto", "none", "static", "dynamic", "adaptive")
 DEVICE_PROFILES = ("auto", "cpu", "ascend_910b", "ascend_a3", "a100", "h100", "h200")
 ALLREDUCE_ALGOS = ("auto", "ring", "tree")
 
+_ENUMS = {"precision": PRECISIONS, "recompute": RECOMPUTE_POLICIES, "backend": BACKENDS,
+          "pipeline_schedule": PIPELINE_SCHEDULES, "verify": VERIFY_LEVELS,
+          "allreduce_algo": ALLREDUCE_ALGOS, "loss_scale": LOSS_SCALES,
+          "device_profile": DEVICE_PROFILES, "grad_reduce_dtype": ("fp32", "bf16")}
+_POSITIVE_INTS = ("dp", "tp", "pp", "microbatches", "recompute_every_n", "loss_scale_growth_interval")
+
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A finite real number; booleans are not numbers."""
+    return (isinstance(value, numbers.Real) and not isinstance(value, bool)
+            and math.isfinite(float(value)))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 class PlanError(ValueError):
@@ -35,7 +62,10 @@ class PlanError(ValueError):
 
     def __init__(self, field_name: str, rule: str, value: Any = None):
         self.field = field_name
-        super().__init__(f"plan field '{field_name}' = {value!r}: {rule}")
+        if field_name == "<file>":   # the file itself, not one of its fields
+            super().__init__(f"plan file {value!r}: {rule}" if value is not None else f"plan file: {rule}")
+        else:
+            super().__init__(f"plan field '{field_name}' = {value!r}: {rule}")
 
 
 @dataclass(frozen=True)
@@ -68,28 +98,57 @@ class Plan:
     torchair: dict = field(default_factory=dict)  # CompilerConfig options, see lowering/torchair_config
 
     def __post_init__(self):
+        self._normalize()
+        self._check_values()
+        self._check_capabilities()
+        self._check_pipelines()
+        self._check_dependencies()
+        if self.pipeline is not None:
+            self._check_against_pipeline_text()
+
+    # -- validation -------------------------------------------------------------------------
+    def _set(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+
+    def _normalize(self) -> None:
+        """Container and number types the rules below can rely on."""
         for name in ("extra_passes", "recompute_bans"):
             value = getattr(self, name)
             if isinstance(value, str) or not isinstance(value, (list, tuple)):
                 raise PlanError(name, "must be a list of strings", value)
-            object.__setattr__(self, name, tuple(value))
+            if not all(isinstance(v, str) for v in value):
+                raise PlanError(name, "must be a list of strings", value)
+            self._set(name, tuple(value))
         for name in ("autocast_overrides", "torchair"):
             if not isinstance(getattr(self, name), dict):
                 raise PlanError(name, "must be a mapping", getattr(self, name))
-            object.__setattr__(self, name, dict(getattr(self, name)))
-        self._check_values()
-        self._check_capabilities()
-        self._check_pipelines()
+            self._set(name, dict(getattr(self, name)))
+        for name, choices in _ENUMS.items():
+            value = getattr(self, name)
+            if isinstance(value, bool):
+                off = next((c for c in ("off", "none") if c in choices), None)
+                if value is False and off is not None:
+                    self._set(name, off)       # YAML 1.1 reads `verify: off` as False
+                    continue
+                raise PlanError(name, f"must be one of {', '.join(map(repr, choices))}; a boolean is "
+                                "none of them (YAML 1.1 reads unquoted on/off/yes/no/true/false as "
+                                "booleans: quote the value)", value)
+        for name in _POSITIVE_INTS + ("zero_stage", "accumulate_target"):
+            value = getattr(self, name)
+            if _is_int(value) and type(value) is not int:
+                self._set(name, int(value))     # numpy and other integral types
 
-    # -- validation -------------------------------------------------------------------------
     def _one_of(self, name: str, choices: tuple) -> None:
         value = getattr(self, name)
-        if value not in choices:
+        if not isinstance(value, str) or value not in choices:
             raise PlanError(name, f"must be one of {', '.join(map(repr, choices))}", value)
 
     def _check_pipelines(self) -> None:
         """Pipeline texts parse now, not at the first step after a capture."""
         from .pass_manager import Pipeline, PipelineError
+        if self.pipeline is not None and (not isinstance(self.pipeline, str) or not self.pipeline.strip()):
+            raise PlanError("pipeline", "must be non-empty pipeline text such as 'cleanup,cleanup' "
+                            "(or null for the pipeline built from the plan's fields)", self.pipeline)
         for name, texts in (("pipeline", [self.pipeline] if self.pipeline else []),
                             ("extra_passes", self.extra_passes)):
             for text in texts:
@@ -100,55 +159,60 @@ class Plan:
 
     def _positive_int(self, name: str) -> None:
         value = getattr(self, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        if not _is_int(value) or value < 1:
             raise PlanError(name, "must be an integer >= 1", value)
 
     def _check_values(self) -> None:
-        for name, choices in (("precision", PRECISIONS), ("recompute", RECOMPUTE_POLICIES),
-                              ("backend", BACKENDS), ("pipeline_schedule", PIPELINE_SCHEDULES),
-                              ("verify", VERIFY_LEVELS), ("allreduce_algo", ALLREDUCE_ALGOS),
-                              ("loss_scale", LOSS_SCALES), ("device_profile", DEVICE_PROFILES),
-                              ("grad_reduce_dtype", ("fp32", "bf16"))):
+        for name, choices in _ENUMS.items():
             self._one_of(name, choices)
-        for name in ("dp", "tp", "pp", "microbatches", "recompute_every_n", "loss_scale_growth_interval"):
+        for name in _POSITIVE_INTS:
             self._positive_int(name)
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise PlanError("zero_stage", "must be 0, 1, 2 or 3", self.zero_stage)
+        if not _is_int(self.zero_stage) or self.zero_stage not in (0, 1, 2, 3):
+            raise PlanError("zero_stage", "must be the integer 0, 1, 2 or 3", self.zero_stage)
         if self.zero_stage and self.dp == 1:
             raise PlanError("zero_stage", "ZeRO shards over data-parallel ranks and needs dp > 1",
                             self.zero_stage)
-        if not (_is_number(self.loss_scale_init) and 0 < self.loss_scale_init < float("inf")):
-            raise PlanError("loss_scale_init", "must be a positive number", self.loss_scale_init)
+        if not (_is_number(self.loss_scale_init) and self.loss_scale_init > 0):
+            raise PlanError("loss_scale_init", "must be a finite positive number", self.loss_scale_init)
         if self.loss_scale not in ("auto", "none") and self.precision == "fp32":
-            raise PlanError("loss_scale", "applies only to precision bf16 or fp16", self.loss_scale)
+            raise PlanError("loss_scale", "applies only to precision bf16 or fp16 (precision = 'fp32')",
+                            self.loss_scale)
         for key, value in self.autocast_overrides.items():
-            if value not in PRECISIONS:
+            if not isinstance(key, str) or not key:
+                raise PlanError("autocast_overrides", "keys must be op names or module paths", key)
+            if not isinstance(value, str) or value not in PRECISIONS:
                 raise PlanError(f"autocast_overrides.{key}", f"must be one of {PRECISIONS}", value)
-        if self.accumulate_target is not None and (not isinstance(self.accumulate_target, int)
-                                                   or isinstance(self.accumulate_target, bool)
+        if self.accumulate_target is not None and (not _is_int(self.accumulate_target)
                                                    or self.accumulate_target < 1):
             raise PlanError("accumulate_target", "must be a positive integer (samples per step)",
                             self.accumulate_target)
-        if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
+        if self.dump_dir is not None and (not isinstance(self.dump_dir, (str, os.PathLike))
+                                          or not str(self.dump_dir).strip()):
             raise PlanError("dump_dir", "must be a directory path", self.dump_dir)
         if not (_is_number(self.bucket_mb) and self.bucket_mb > 0):
-            raise PlanError("bucket_mb", "must be a positive number of MiB", self.bucket_mb)
-        budget = self.recompute_budget
-        if budget is not None and (not _is_number(budget) or budget < 0):
-            raise PlanError("recompute_budget", "must be a fraction in [0, 1] or a byte count > 1",
-                            budget)
-        if self.recompute == "budget" and budget is None:
-            raise PlanError("recompute_budget", "is required when recompute is 'budget'", budget)
-        if self.recompute != "budget" and budget is not None:
-            raise PlanError("recompute_budget", "only applies when recompute is 'budget'", budget)
+            raise PlanError("bucket_mb", "must be a finite positive number of MiB", self.bucket_mb)
+        self._check_budget()
         from .lowering.torchair_config import config_assignments
         try:
             config_assignments(self.torchair)
         except ValueError as exc:
             raise PlanError("torchair", str(exc), self.torchair) from None
-        if not all(isinstance(p, str) and p.strip() for p in self.extra_passes):
+        if not all(p.strip() for p in self.extra_passes):
             raise PlanError("extra_passes", "must be a list of non-empty pipeline texts",
                             self.extra_passes)
+
+    def _check_budget(self) -> None:
+        budget = self.recompute_budget
+        rule = "must be a fraction in [0, 1] of the saved activations or a whole byte count > 1"
+        if budget is not None and (not _is_number(budget) or budget < 0
+                                   or (budget > 1 and float(budget) != int(budget))):
+            raise PlanError("recompute_budget", rule, budget)
+        if self.recompute == "budget" and budget is None:
+            raise PlanError("recompute_budget", "is required when recompute is 'budget'", budget)
+        if self.recompute != "budget" and budget is not None:
+            raise PlanError("recompute_budget",
+                            f"only applies when recompute is 'budget' (recompute = {self.recompute!r})",
+                            budget)
 
     def _check_capabilities(self) -> None:
         from .pass_manager import is_registered
@@ -172,7 +236,118 @@ class Plan:
                 f"plan field 'grad_reduce_dtype' = {self.grad_reduce_dtype!r} asks for gradient "
                 "reduction in low precision, which is not built yet (gradients are reduced in fp32)")
         if self.pipeline_schedule != "1f1b" and self.pp == 1:
-            raise PlanError("pipeline_schedule", "only applies when pp > 1", self.pipeline_schedule)
+            raise PlanError("pipeline_schedule", "only applies when pp > 1 (pp = 1)",
+                            self.pipeline_schedule)
+
+    def _changed(self, name: str) -> bool:
+        """Whether a field differs from its default: only such a field can be ignored."""
+        f = next(f for f in dataclasses.fields(self) if f.name == name)
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        return getattr(self, name) != default
+
+    def _check_dependencies(self) -> None:
+        """Fields that apply only together with another field's value, named together."""
+        if self.microbatches > 1 and self.accumulate_target is not None:
+            raise PlanError("microbatches", "cannot be combined with accumulate_target "
+                            f"(= {self.accumulate_target}): static accumulation splits each batch into "
+                            "microbatches, dynamic accumulation takes each batch as one; choose one",
+                            self.microbatches)
+        if self.torchair and self.backend not in ("torchair", "auto"):
+            raise PlanError("torchair", "options apply only to backend 'torchair' "
+                            f"(backend = {self.backend!r})", self.torchair)
+        for name in ("bucket_mb", "allreduce_algo"):
+            if self._changed(name) and self.dp == 1:
+                raise PlanError(name, "applies only to gradient reduction across data-parallel ranks "
+                                "(dp = 1)", getattr(self, name))
+        if self.pipeline is not None:
+            return   # the text decides the passes: _check_against_pipeline_text
+        if self._changed("recompute_every_n") and self.recompute != "every_n_layers":
+            raise PlanError("recompute_every_n", "only applies when recompute is 'every_n_layers' "
+                            f"(recompute = {self.recompute!r})", self.recompute_every_n)
+        if self.recompute_bans and self.recompute == "none":
+            raise PlanError("recompute_bans", "only applies when recompute is not 'none' "
+                            "(recompute = 'none')", self.recompute_bans)
+        if self.autocast_overrides and self.precision == "fp32":
+            raise PlanError("autocast_overrides", "only applies to precision bf16 or fp16 "
+                            "(precision = 'fp32')", self.autocast_overrides)
+        scaling = self.effective_loss_scale
+        for name in ("loss_scale_init", "loss_scale_growth_interval"):
+            if not self._changed(name):
+                continue
+            if scaling == "none":
+                why = ("precision = 'fp32' has no loss scaling" if self.precision == "fp32" else
+                       f"loss_scale = {self.loss_scale!r} means no loss scaling for precision "
+                       f"{self.precision!r}")
+                raise PlanError(name, f"applies only with loss scaling ({why})", getattr(self, name))
+            if name == "loss_scale_growth_interval" and scaling != "dynamic":
+                raise PlanError(name, f"applies only when loss_scale is 'dynamic' (loss_scale = "
+                                f"{self.loss_scale!r}: {scaling})", getattr(self, name))
+
+    def _check_against_pipeline_text(self) -> None:
+        """With ``pipeline`` text, a field that shapes the pipeline must be what the text does."""
+        from .pass_manager import Pipeline, get_pass
+        passes = Pipeline.parse(self.pipeline).passes
+
+        def find(pass_name: str):
+            found = [p for p in passes if p.name == pass_name]
+            if not found:
+                return None
+            defaults = {k: o.default for k, o in get_pass(pass_name).options.items()}
+            return defaults | dict(found[0].options)
+
+        def refuse(name: str, rule: str) -> None:
+            raise PlanError(name, f"{rule} in the plan's pipeline text {self.pipeline!r}; with pipeline "
+                            "text the text decides the passes, so this field would be ignored",
+                            getattr(self, name))
+
+        def agree(name: str, pass_name: str, option: str | None = None, value: Any = None) -> None:
+            options = find(pass_name)
+            if options is None:
+                refuse(name, f"needs the pass '{pass_name}'")
+            if option is not None and options[option] != value:
+                refuse(name, f"disagrees with {pass_name}{{{option}={options[option]}}}")
+
+        if self.precision != "fp32":
+            agree("precision", "autocast", "dtype", self.precision)
+        if self.autocast_overrides:
+            agree("autocast_overrides", "autocast")
+        if self.loss_scale == "none" and find("loss_scale") is not None:
+            refuse("loss_scale", "is 'none' but there is a 'loss_scale' pass")
+        elif self.loss_scale not in ("auto", "none"):
+            agree("loss_scale", "loss_scale", "mode", self.loss_scale)
+        if self._changed("loss_scale_init"):
+            agree("loss_scale_init", "loss_scale", "init", self.loss_scale_init)
+        if self._changed("loss_scale_growth_interval"):
+            agree("loss_scale_growth_interval", "loss_scale", "growth_interval",
+                  self.loss_scale_growth_interval)
+        if self.recompute != "none":
+            agree("recompute", "recompute", "policy", self.recompute)
+        if self.recompute_budget is not None:
+            agree("recompute_budget", "recompute", "budget", self.recompute_budget)
+        if self._changed("recompute_every_n"):
+            agree("recompute_every_n", "recompute", "every_n", self.recompute_every_n)
+        if self.recompute_bans:
+            agree("recompute_bans", "recompute")
+        texts = {str(p) for p in passes}
+        for extra in self.extra_passes:
+            if not {str(p) for p in Pipeline.parse(extra).passes} <= texts:
+                refuse("extra_passes", f"{extra!r} is not")
+        accumulation = find("grad_accumulation")
+        if self.microbatches > 1:
+            agree("microbatches", "grad_accumulation", "microbatches", self.microbatches)
+        if self.accumulate_target is not None:
+            agree("accumulate_target", "grad_accumulation", "target", self.accumulate_target)
+        if accumulation is not None and self.microbatches == 1 and self.accumulate_target is None:
+            raise PlanError("pipeline", "has a 'grad_accumulation' pass, which needs microbatches > 1 "
+                            "or accumulate_target (microbatches = 1, accumulate_target = None)",
+                            self.pipeline)
+        if self.zero_stage:
+            agree("zero_stage", "optimizer_shard", "stage", self.zero_stage)
+        elif self.dp > 1:
+            agree("dp", "data_parallel")
+        if self._changed("bucket_mb"):
+            agree("bucket_mb", "optimizer_shard" if self.zero_stage else "data_parallel", "bucket_mb",
+                  self.bucket_mb)
 
     # -- loading ----------------------------------------------------------------------------
     @classmethod
@@ -180,22 +355,36 @@ class Plan:
         if not isinstance(data, dict):
             raise PlanError("<plan>", "a plan must be a mapping of field names to values", data)
         known = {f.name for f in dataclasses.fields(cls)}
+        for key in data:
+            if not isinstance(key, str):
+                raise PlanError(str(key), "is not a plan field: field names are strings", data[key])
         unknown = sorted(set(data) - known)
         if unknown:
-            raise PlanError(unknown[0], f"is not a plan field; fields are: {', '.join(sorted(known))}",
+            close = difflib.get_close_matches(unknown[0], sorted(known), n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise PlanError(unknown[0], f"is not a plan field; {hint}fields are: {', '.join(sorted(known))}",
                             data[unknown[0]])
         return cls(**data)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Plan":
-        """A plan from a .yaml/.yml or .json file."""
-        text = open(path, encoding="utf-8").read()
+        """A plan from a .yaml/.yml or .json file; an empty file is an error, ``{}`` the default plan."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"Plan.load: path must be a file path, got {type(path).__name__} {path!r}")
+        kind = "JSON" if str(path).endswith(".json") else "YAML"
         try:
-            data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
-        except (json.JSONDecodeError, yaml.YAMLError) as exc:
-            raise PlanError("<file>", f"{path} is not valid {'JSON' if str(path).endswith('.json') else 'YAML'}: "
-                            f"{exc}") from None
-        return cls.from_dict(data or {})
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise PlanError("<file>", f"cannot be read: {exc.strerror or exc}", str(path)) from None
+        try:
+            data = (json.loads(text, object_pairs_hook=_unique_keys) if kind == "JSON"
+                    else yaml.load(text, Loader=_UniqueKeyLoader))
+        except (json.JSONDecodeError, yaml.YAMLError, _DuplicateKey) as exc:
+            raise PlanError("<file>", f"{path} is not valid {kind}: {exc}") from None
+        if data is None:
+            raise PlanError("<file>", "is empty (or null): write {} for the default plan", str(path))
+        return cls.from_dict(data)
 
     @property
     def effective_loss_scale(self) -> str:
@@ -208,3 +397,29 @@ class Plan:
 
     def replace(self, **changes) -> "Plan":
         return dataclasses.replace(self, **changes)
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs):
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(f"field {key!r} is given twice")
+        out[key] = value
+    return out
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise _DuplicateKey(f"field {key!r} is given twice (line {key_node.start_mark.line + 1})")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)

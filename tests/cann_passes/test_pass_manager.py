@@ -96,7 +96,7 @@ def test_pipeline_given_as_text_runs_and_records_every_pass():
 def test_failing_pass_is_named_with_a_reproducer(tmp_path):
     manager = PassManager("cleanup,test_broken", reproducer_dir=str(tmp_path))
     with pytest.raises(PassFailure) as info:
-        manager.run(_mlp_graph(), PassContext(plan=Plan(recompute_bans=["lm_head"])))
+        manager.run(_mlp_graph(), PassContext(plan=Plan(recompute="full", recompute_bans=["lm_head"])))
     err = info.value
     assert err.pass_name == "test_broken" and "deliberate failure" in str(err)
     assert err.pipeline == "cleanup,test_broken"
