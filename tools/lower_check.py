@@ -19,7 +19,8 @@ GRAPH lowers a single FX graph: ``pkg.module:factory`` (a GraphModule with ``met
 or of ``{"gm": gm, "example_inputs": [...]}``), or ``demo`` (a small MLP step); it writes
 ``DIR/<name>.ge.txt`` and ``DIR/<name>.ge_ops.json``.
 
-Exit status: 0 if every node lowered, 1 if some were unsupported, 2 on usage/load errors.
+Exit status: 0 if every node lowered, 1 if some were unsupported, 2 on usage/load errors (one line on
+stderr; ``CANN_PASSES_TRACEBACK=1`` shows the traceback instead).
 How torchair is obtained without torch_npu / CANN: ``cann_passes/lowering/ge_offline/_loader.py``.
 """
 
@@ -29,6 +30,7 @@ import argparse
 import dataclasses
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -150,7 +152,8 @@ def torchair_plan(plan):
     """The plan as the torchair backend would compile it, run on CPU: same pipeline, eager lowering."""
     from cann_passes.pipeline import build_pipeline
 
-    return plan.replace(pipeline=str(build_pipeline(plan, "torchair")), backend="eager")
+    # torchair's CompilerConfig options do not apply to the eager lowering that stands in for GE.
+    return plan.replace(pipeline=str(build_pipeline(plan, "torchair")), backend="eager", torchair={})
 
 
 def compile_recipe(target: str, plan, out_dir, *, loss: str = "recipes.models.gpt:gpt_loss",
@@ -226,15 +229,27 @@ def _graph_main(argv) -> int:
     return 0 if report.ok else 1
 
 
+# Bad input, not bugs: a plan or pipeline that breaks a rule, a path that cannot be read or
+# written, a TARGET that does not import, a capability or backend missing here.
+_USER_ERRORS = (ValueError, RuntimeError, OSError, ImportError, AttributeError, TypeError)
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if argv[:1] == ["run"]:
             return _run_main(argv[1:])
         return _graph_main(argv)
-    except (RuntimeError, FileNotFoundError) as e:  # torchair unavailable, no dumps, ...
-        print(f"lower_check: {e}", file=sys.stderr)
+    except _USER_ERRORS as e:  # torchair unavailable, no dumps, missing plan file, unwritable --out ...
+        if os.environ.get("CANN_PASSES_TRACEBACK"):
+            raise
+        print(f"lower_check: error: {_one_line(e)}", file=sys.stderr)
         return 2
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if isinstance(exc, (ValueError, RuntimeError)) else f"{type(exc).__name__}: {text}"
 
 
 if __name__ == "__main__":

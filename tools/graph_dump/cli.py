@@ -172,7 +172,8 @@ def _parser() -> argparse.ArgumentParser:
     first, _, rest = __doc__.partition("\n")
     parser = argparse.ArgumentParser(prog="cann-graph-dump", description=first,
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=rest)
-    parser.add_argument("-v", "--verbose", action="store_true", help="log every pass")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log every pass; on an error show the traceback")
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="compile a target with dumps on, run it, and report")
@@ -252,7 +253,18 @@ def main(argv: list[str] | None = None) -> int:
                              width=width, height=height))
         elif args.command == "replay":
             print(replay(args.dir, args.out, args.verify))
-    except (DumpError, TargetError, PlanError, PipelineError) as exc:
-        print(f"cann-graph-dump: error: {exc}", file=sys.stderr)
+    except (DumpError, TargetError, PlanError, PipelineError, *_USER_ERRORS) as exc:
+        if args.verbose or os.environ.get("CANN_PASSES_TRACEBACK"):
+            raise
+        text = " ".join(str(exc).split()) or type(exc).__name__
+        if not isinstance(exc, (ValueError, RuntimeError)):
+            text = f"{type(exc).__name__}: {text}"
+        print(f"cann-graph-dump: error: {text}", file=sys.stderr)
         return 2
     return 0
+
+
+# Bad input, not bugs: a plan that breaks a rule, a path that cannot be read or written, a model
+# file that does not import, a model that refuses the batch, a backend missing here. With -v (or
+# $CANN_PASSES_TRACEBACK) the traceback is shown instead of the one line.
+_USER_ERRORS = (ValueError, RuntimeError, OSError, ImportError, SyntaxError, TypeError)
