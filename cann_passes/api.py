@@ -24,7 +24,13 @@ def _as_plan(plan: Plan | dict | str | os.PathLike | None, caller: str) -> Plan:
             if isinstance(plan, torch.optim.Optimizer) or callable(plan) else "")
     # open() would take an int (False, 0) as a file descriptor and read standard input.
     raise TypeError(f"{caller}: plan must be a Plan, a dict of plan fields, or the path of a YAML/JSON "
-                    f"plan file, got {type(plan).__name__} {plan!r}{hint}")
+                    f"plan file, got {_describe(plan)}{hint}")
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    short = len(text) <= 60 and "\n" not in text
+    return f"{type(value).__name__} {text}" if short else f"a value of type {type(value).__name__}"
 
 
 def _check_backend_options(plan: Plan, backend_name: str) -> None:
