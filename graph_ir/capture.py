@@ -151,6 +151,22 @@ def _tag_backward_with_forward_module(loss: torch.Tensor) -> None:
         setup_stacktrace_preservation_hooks([loss.grad_fn])
 
 
+def _update_keeping_dtype(rule: UpdateRule, p, g, state, lr, group):
+    """``rule.update``, with a 0-dim parameter (CLIP's ``logit_scale``) seen as shape (1,).
+
+    The rules compute their scalars as float64 0-dim tensors, standing in for
+    torch.optim's Python floats; against a 0-dim float32 tensor that promotes
+    the update to float64, where a Python float would not. As a 1-element
+    tensor the parameter is "dimensioned" and keeps its dtype, with the same
+    arithmetic as every other parameter.
+    """
+    if p.dim() != 0:
+        return rule.update(p, g, state, lr, group)
+    shaped = {k: v if k in rule.scalar_state else v.reshape(1) for k, v in state.items()}
+    new_p, new_s = rule.update(p.reshape(1), g.reshape(1), shaped, lr, group)
+    return new_p.reshape(()), {k: v if k in rule.scalar_state else v.reshape(()) for k, v in new_s.items()}
+
+
 def _make_step_fn(model, optimizer, loss_fn, layout: StepLayout, rule: UpdateRule):
     n_train, n_frozen, n_buf = len(layout.trainable), len(layout.frozen), len(layout.buffers)
     groups = optimizer.param_groups
@@ -189,7 +205,7 @@ def _make_step_fn(model, optimizer, loss_fn, layout: StepLayout, rule: UpdateRul
             for name, p, g, s in zip(layout.trainable, trainable, grads, states):
                 group = groups[layout.group_of[name]]
                 with fx_traceback.annotate({MODULE_PATH: name.rpartition(".")[0]}):
-                    new_p, new_s = rule.update(p, g, s, lrs[layout.group_of[name]], group)
+                    new_p, new_s = _update_keeping_dtype(rule, p, g, s, lrs[layout.group_of[name]], group)
                 new_params.append(new_p)
                 new_states.extend(new_s[k] for k in layout.state_keys[name])
         return [loss, *new_params, *new_buffers, *new_states]
@@ -242,6 +258,47 @@ def _functionalize_batch_norm(gm: torch.fx.GraphModule) -> None:
             stat.meta["val"] = source.meta["val"]
             # The buffer's output was the copy the kernel used to update in place.
             output.args = ([stat if v is source else v for v in output.args[0]],)
+
+
+def _inline_constants(gm: torch.fx.GraphModule) -> None:
+    """Tensor constants made in ``forward`` (``torch.tensor(...)``, ``torch.tensor([])``) become
+    creation ops.
+
+    make_fx stores them as ``_tensor_constant*`` attributes read by ``get_attr`` and
+    copied by ``lift_fresh_copy``. Those are not values of the step's dataflow: a
+    graph split in parts (gradient accumulation), serialized or lowered per part
+    would lose them. A constant whose elements are all equal (every one the models
+    users bring make: empty tensors, scalars, fills) is the same as
+    ``aten.full(shape, value)``, a node like any other, tagged with the region and
+    module of its first use. Others stay ``get_attr`` reads of the graph module.
+    """
+    aten = torch.ops.aten
+    for node in list(gm.graph.nodes):
+        if node.op != "get_attr":
+            continue
+        value = getattr(gm, node.target, None)
+        if not isinstance(value, torch.Tensor) or value.is_complex() or value.is_quantized:
+            continue
+        flat = value.reshape(-1)
+        if flat.numel() and not bool((flat == flat[0]).all()):
+            continue
+        fill = flat[0].item() if flat.numel() else 0
+        first_use = next(iter(node.users), None)
+        with gm.graph.inserting_before(node):
+            full = gm.graph.call_function(aten.full.default, (list(value.shape), fill),
+                                          {"dtype": value.dtype, "device": value.device})
+        source = first_use if first_use is not None else node
+        full.meta.update({k: v for k, v in source.meta.items() if k in (REGION, MODULE_PATH, "val")})
+        if "val" not in full.meta and "val" in node.meta:
+            full.meta["val"] = node.meta["val"]
+        for user in list(node.users):
+            if user.target == aten.lift_fresh_copy.default:
+                user.replace_all_uses_with(full)
+                gm.graph.erase_node(user)
+            else:
+                user.replace_input_with(node, full)
+        gm.graph.erase_node(node)
+        delattr(gm, node.target)
 
 
 def _prune_unmutated_buffers(gm: torch.fx.GraphModule, signature: StepSignature) -> None:
@@ -321,9 +378,28 @@ def _unused_parameters(gm: torch.fx.GraphModule, signature: StepSignature,
                        for u in placeholders[Spec(InputKind.PARAM, name)].users)}
 
 
+@contextlib.contextmanager
+def _tracing_state():
+    """Tell the model it is being traced, as ``torch.export``'s non-strict mode does.
+
+    Libraries test ``torch.compiler.is_compiling()`` / ``is_exporting()`` to leave out
+    shortcuts that read tensor values: transformers' attention-mask builders skip
+    the mask when ``attention_mask.all()`` (is_causal instead), which would need
+    the batch's data at capture. Traced this way the step always builds the mask,
+    so one graph is right for all-ones and padded masks alike and a change of mask
+    kind never recompiles (a guard on the mask's kind would double compilations).
+    """
+    old = torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag
+    torch.compiler._is_compiling_flag = torch.compiler._is_exporting_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag = old
+
+
 def _trace(step, flat: list, layout: StepLayout) -> torch.fx.GraphModule:
     try:
-        with fx_traceback.preserve_node_meta():
+        with fx_traceback.preserve_node_meta(), _tracing_state():
             return make_fx(torch.func.functionalize(step), tracing_mode="fake",
                            _allow_non_fake_inputs=True)(*flat)
     except CaptureError:
@@ -362,6 +438,7 @@ def capture_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             optimizer.state.pop(params[param_name], None)
         return capture_train_step(model, optimizer, loss_fn, batch, name=name,
                                   unused=unused | frozenset(newly_unused))
+    _inline_constants(gm)
     _functionalize_batch_norm(gm)
     _prune_unmutated_buffers(gm, signature)
     _name_placeholders(gm, signature)

@@ -37,6 +37,8 @@ class UpdateRule:
     # Hyperparameters that are baked into the graph: a change after compile
     # needs a recompile, unlike ``lr`` which is an input.
     baked: tuple[str, ...]
+    # State entries that are one scalar per parameter whatever its shape.
+    scalar_state: tuple[str, ...] = ("step",)
 
 
 def _sgd_keys(group: dict) -> tuple[str, ...]:

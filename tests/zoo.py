@@ -32,7 +32,8 @@ Batches: token models get right padding on some rows (``attention_mask`` 0,
 deterministic in ``seed`` and never touches the global RNG.
 
 ``compare`` builds the model once, deep-copies it for the eager reference, runs
-``steps`` steps of plain ``torch.optim`` (optionally under ``torch.autocast`` with
+``steps`` steps of plain ``torch.optim`` (with the plan's ``microbatches`` N: N
+row chunks accumulated, each loss weighted by its share of the rows; optionally under ``torch.autocast`` with
 ``autocast=torch.bfloat16``: master weights stay fp32, as the compiled plan
 keeps them) and ``steps`` compiled steps of ``compile_for_npu`` on the same
 batches (``make_batch(1000 + i)``). ``optimizer`` is a factory
@@ -51,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, FFN = 96, 32, 4, 2, 64
-BATCH, SEQ = 3, 12
+BATCH, SEQ = 4, 12
 IMAGE, PATCH, CHANNELS, CLASSES = 16, 8, 3, 5
 PAD_ID = 0
 
@@ -280,22 +281,40 @@ def _params(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def split_rows(batch, n: int) -> list:
+    """``batch`` cut into ``n`` equal row chunks (as the plan's ``microbatches`` cuts it)."""
+    import torch.utils._pytree as pytree
+    leaves, spec = pytree.tree_flatten(batch)
+    pieces = [leaf.chunk(n) for leaf in leaves]
+    return [pytree.tree_unflatten([p[i] for p in pieces], spec) for i in range(n)]
+
+
 def eager_steps(model, loss_fn, optimizer, batches, autocast: torch.dtype | None = None,
-                clip_norm: float | None = None) -> list[float]:
-    """Plain PyTorch training: zero_grad, forward (optionally autocast), backward, [clip], step."""
+                clip_norm: float | None = None, microbatches: int = 1) -> list[float]:
+    """Plain PyTorch training: zero_grad, forward (optionally autocast), backward, [clip], step.
+
+    With ``microbatches`` N, gradient accumulation as users write it: each of the N
+    row chunks' losses, weighted by its share of the rows, is backpropagated, then
+    one optimizer step; the step's loss is the weighted sum.
+    """
     losses = []
     for b in batches:
         optimizer.zero_grad(set_to_none=True)
         ctx = (torch.autocast("cpu", dtype=autocast) if autocast is not None
                else contextlib.nullcontext())
-        with ctx:
-            loss = loss_fn(model, b)
-        loss.backward()
+        parts = split_rows(b, microbatches) if microbatches > 1 else [b]
+        rows = [len(next(iter(p.values())) if isinstance(p, dict) else p[0]) for p in parts]
+        loss = 0.0
+        for part, r in zip(parts, rows):
+            with ctx:
+                part_loss = loss_fn(model, part) * (r / sum(rows)) if len(parts) > 1 else loss_fn(model, part)
+            part_loss.backward()
+            loss = loss + part_loss.detach()
         if clip_norm is not None:
             torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]],
                                            clip_norm)
         optimizer.step()
-        losses.append(loss.item())
+        losses.append(float(loss))
     return losses
 
 
@@ -318,7 +337,9 @@ def compare(entry: str | ZooModel, plan=None, *, steps: int = 3, optimizer=defau
         batches = [entry.make_batch(1000 + i, pad=pad) for i in range(steps)]
     ref_opt = optimizer(ref if param_groups else ref.parameters())
     opt = optimizer(model if param_groups else model.parameters())
-    eager = eager_steps(ref, entry.loss_fn, ref_opt, batches, autocast=autocast, clip_norm=clip_norm)
+    microbatches = getattr(plan, "microbatches", 1)
+    eager = eager_steps(ref, entry.loss_fn, ref_opt, batches, autocast=autocast, clip_norm=clip_norm,
+                        microbatches=microbatches)
     step = compile_for_npu(model, plan, optimizer=opt, loss_fn=entry.loss_fn)
     compiled = [float(step(b)) for b in batches]
     if hasattr(step, "sync_model"):
