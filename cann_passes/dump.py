@@ -8,9 +8,15 @@ Layout (``NNN`` is the pass's position; ``000`` is the captured graph)::
     DIR/NNN_<pass>.py           readable, runnable code of the graph after the pass
     DIR/NNN_<pass>.json         every node: op, inputs, value, region, module path, cost
     DIR/NNN_<pass>.constants.pt graph constants, where the graph has any
+    DIR/program.txt, .json      the compiled Program: its graphs, schedule, flows, placements
+    DIR/<graph>/...             the same files for each further graph of the program (the grad
+                                and apply graphs of accumulation), from the pass that made it on;
+                                they run on DIR/inputs.pt
 
-The dump tool (``tools/graph_dump``) reads this layout; it adds diffs, Graphviz
-and the HTML page on top.
+The whole-step graph dumps at the top, so a directory of a one-graph program
+reads as before; each graph a split creates has its own subdirectory, itself
+a dump directory. The dump tool (``tools/graph_dump``) reads this layout; it
+adds diffs, Graphviz and the HTML page on top.
 """
 from __future__ import annotations
 
@@ -61,12 +67,12 @@ def write_json(data: dict, f) -> None:
 
 
 def write_graph(directory: str, stem: str, tg, *, extra: dict[str, Any] | None = None,
-                costs: dict | None = None) -> str:
+                costs: dict | None = None, inputs_file: str = "inputs.pt") -> str:
     """``costs`` (node name -> NodeCost), when the caller has them, spares recomputing them."""
     os.makedirs(os.path.dirname(os.path.join(directory, stem)), exist_ok=True)
     constants_name = f"{os.path.basename(stem)}.constants.pt"
     with open(os.path.join(directory, f"{stem}.py"), "w", encoding="utf-8") as f:
-        f.write(to_python_module(tg, constants_file=constants_name))
+        f.write(to_python_module(tg, constants_file=constants_name, inputs_file=inputs_file))
     data = to_json(tg, costs=costs)
     if extra:
         data.update(extra)
@@ -94,15 +100,14 @@ def write_reproducer(directory: str, tg, pass_text: str, index: int, *, plan: di
 class DumpWriter:
     def __init__(self, directory: str, pipeline_text: str, *, graph_name: str = "step"):
         self.directory = directory
-        self.graph_name = graph_name
-        self.records: list[dict] = []
+        self.graph_name = graph_name          # the graph that dumps at the top of the directory
+        self.records: dict[str, list[dict]] = {}
         os.makedirs(directory, exist_ok=True)
         with open(os.path.join(directory, "pipeline.txt"), "w", encoding="utf-8") as f:
             f.write(pipeline_text + "\n")
 
-    def _stem(self, index: int, name: str) -> str:
-        prefix = "" if self.graph_name == "step" else f"{self.graph_name}/"
-        return f"{prefix}{index:03d}_{name}"
+    def graph_directory(self, graph: str) -> str:
+        return self.directory if graph == self.graph_name else os.path.join(self.directory, graph)
 
     def _costs(self, analyses, tg) -> dict:
         return analyses.get("cost", tg).per_node
@@ -111,28 +116,53 @@ class DumpWriter:
         memory = analyses.get("memory", tg)
         cost = analyses.get("cost", tg)
         return {"memory": memory.to_json(), "flops": cost.total_flops,
-                "flops_by_region": cost.flops_by_region}
+                "flops_by_region": cost.flops_by_region, "state_bytes": analyses.get("state_bytes", tg).to_json()}
+
+    def _write(self, graph: str, index: int, name: str, tg, analyses, extra: dict | None = None) -> None:
+        top = graph == self.graph_name
+        write_graph(self.graph_directory(graph), f"{index:03d}_{name}", tg,
+                    extra=self._extra(analyses, tg) | (extra or {}), costs=self._costs(analyses, tg),
+                    inputs_file="inputs.pt" if top else os.path.join("..", "inputs.pt"))
 
     def write_capture(self, tg, analyses, inputs: list[torch.Tensor] | None = None) -> None:
-        write_graph(self.directory, self._stem(0, "capture"), tg, extra=self._extra(analyses, tg),
-                    costs=self._costs(analyses, tg))
+        self._write(self.graph_name, 0, "capture", tg, analyses)
         if inputs is not None and not any(t.is_meta or is_fake(t) for t in inputs):
             # Keyed by "kind:name" so that graphs whose passes reordered or added
             # inputs still find theirs.
             named = {f"{s.kind}:{s.name}": t.detach().clone() for s, t in zip(tg.signature.inputs, inputs)}
             torch.save(named, os.path.join(self.directory, "inputs.pt"))
-        self.records.append({"index": 0, "name": "capture", "spec": "capture", "seconds": 0.0,
-                             "changed": True, "nodes_before": 0, "nodes_after": tg.num_nodes(),
-                             "ops_added": {}, "ops_removed": {}, "stats": {}})
-        self._write_records()
+        self.records[self.graph_name] = [{
+            "index": 0, "name": "capture", "spec": "capture", "seconds": 0.0, "changed": True,
+            "nodes_before": 0, "nodes_after": tg.num_nodes(), "ops_added": {}, "ops_removed": {}, "stats": {},
+            "graph": self.graph_name}]
+        self._write_records(self.graph_name)
 
-    def write_pass(self, record, tg, ctx) -> None:
-        write_graph(self.directory, self._stem(record.index, record.name), tg,
-                    extra=self._extra(ctx.analyses, tg) | {"explain": ctx.explain.get(record.name)},
-                    costs=self._costs(ctx.analyses, tg))
-        self.records.append(record.to_json())
-        self._write_records()
+    def write_pass(self, record, tg, ctx, graph: str | None = None) -> None:
+        graph = graph or self.graph_name
+        self._write(graph, record.index, record.name, tg, ctx.analyses, {"explain": ctx.explain.get(record.name)})
+        self.records.setdefault(graph, []).append(record.to_json())
+        self._write_records(graph)
 
-    def _write_records(self) -> None:
-        with open(os.path.join(self.directory, "passes.json"), "w", encoding="utf-8") as f:
-            json.dump(self.records, f, indent=1, default=str)
+    def write_program_pass(self, record, program, ctx) -> None:
+        """A program pass (a split): every graph of the program it returned, each in its directory."""
+        for name, tg in program.graphs.items():
+            self._write(name, record.index, record.name, tg, ctx.analyses,
+                        {"explain": ctx.explain.get(record.name)})
+            self.records.setdefault(name, []).append(dict(record.to_json(), graph=name,
+                                                          nodes_after=tg.num_nodes()))
+            self._write_records(name)
+        self.write_program(program)
+
+    def write_program(self, program) -> None:
+        with open(os.path.join(self.directory, "program.txt"), "w", encoding="utf-8") as f:
+            f.write(str(program) + "\n")
+        with open(os.path.join(self.directory, "program.json"), "w", encoding="utf-8") as f:
+            json.dump(program.to_json() | {"directories": {
+                n: os.path.relpath(self.graph_directory(n), self.directory) for n in program.graphs}},
+                f, indent=1, default=str)
+
+    def _write_records(self, graph: str) -> None:
+        directory = self.graph_directory(graph)
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, "passes.json"), "w", encoding="utf-8") as f:
+            json.dump(self.records[graph], f, indent=1, default=str)

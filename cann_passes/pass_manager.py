@@ -2,17 +2,24 @@
 
 A pass is a function ``fn(graph: TrainGraph, ctx: PassContext, *, <options>) -> TrainGraph``
 registered with :func:`register_pass`. Its keyword-only parameters, with their
-annotations and defaults, are its typed options. A pipeline is a list of
-passes with options and has a text form that parses back to itself::
+annotations and defaults, are its typed options. A pass registered with
+``on="program"`` takes and returns the whole :class:`~graph_ir.program.Program`
+instead (a split: one graph in, several out). A pipeline is a list of passes
+with options and has a text form that parses back to itself::
 
-    cleanup,autocast{dtype=bf16},recompute{budget=0.5,policy=budget}
+    cleanup,autocast{dtype=bf16},grad_accumulation{microbatches=4},split_grad_apply,apply(cleanup)
 
-The manager runs a pipeline with instrumentation around every pass: timing,
-the verifier, statistics (changed or not, nodes and ops added/removed, the
-pass's own counters) and dumps. Analyses are cached per graph version and
-dropped when a pass changes the graph, unless the pass declares it preserves
-them. A failing pass is reported by name, with the graph it was given dumped
-and the pipeline text that reproduces the failure.
+A graph pass runs on every graph of the program; ``kind(p1,p2)`` nests
+passes so that they run only on the graphs of that kind (MLIR's ``nest``).
+
+The manager's loop only runs passes; everything around a pass is an
+:class:`Instrument` (MLIR's PassInstrumentation): :class:`Timing`,
+:class:`Verify`, :class:`Statistics` (changed or not, nodes and ops
+added/removed, the pass's own counters, analysis invalidation),
+:class:`Dump` and :class:`Reproducer` (on failure: the graph the pass was
+given and the one-pass pipeline, so the text alone reproduces it). Analyses
+are cached per graph version and dropped when a pass changes the graph,
+unless the pass declares it preserves them.
 """
 from __future__ import annotations
 
@@ -27,7 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from graph_ir import TrainGraph
-from graph_ir.verifier import VerificationError, verify
+from graph_ir.program import Program
+from graph_ir.verifier import VerificationError, verify, verify_program
 
 log = logging.getLogger("cann_passes")
 
@@ -48,6 +56,7 @@ class PassInfo:
     options: dict[str, PassOption]
     preserves: tuple[str, ...]
     doc: str
+    on: str = "graph"          # "graph": fn(TrainGraph, ctx) | "program": fn(Program, ctx)
 
     def coerce(self, options: dict[str, Any]) -> dict[str, Any]:
         """Options converted to their declared types; unknown names are refused."""
@@ -111,8 +120,11 @@ def _convert(pass_name: str, option: PassOption, value: Any) -> Any:
                             f"{option.type.__name__}, got {value!r}") from None
 
 
-def register_pass(name: str | None = None, *, preserves: tuple[str, ...] = ()):
-    """Register ``fn(graph, ctx, *, options...) -> TrainGraph`` as a pass named ``name``."""
+def register_pass(name: str | None = None, *, preserves: tuple[str, ...] = (), on: str = "graph"):
+    """Register ``fn(graph, ctx, *, options...) -> TrainGraph`` as a pass named ``name``
+    (``on="program"``: ``fn(program, ctx, *, options...) -> Program``)."""
+    if on not in ("graph", "program"):
+        raise PipelineError(f"register_pass on={on!r}: must be 'graph' or 'program'")
 
     def decorate(fn: PassFn) -> PassFn:
         pass_name = name or fn.__name__.removesuffix("_pass")
@@ -132,7 +144,7 @@ def register_pass(name: str | None = None, *, preserves: tuple[str, ...] = ()):
                 raise PipelineError(f"pass '{pass_name}' option '{p.name}' needs a default")
             options[p.name] = PassOption(p.name, _option_type(hints.get(p.name, p.annotation)), p.default)
         _REGISTRY[pass_name] = PassInfo(pass_name, fn, options, tuple(preserves),
-                                        inspect.getdoc(fn) or "")
+                                        inspect.getdoc(fn) or "", on)
         return fn
 
     return decorate
@@ -170,15 +182,69 @@ def _format_value(value: Any) -> str:
 class PassSpec:
     name: str
     options: tuple[tuple[str, Any], ...] = ()
+    # Run only on the program's graphs of this kind (or of this name): ``apply(cleanup)``.
+    nest: str | None = None
 
-    def __str__(self) -> str:
+    def text(self) -> str:
         if not self.options:
             return self.name
         return self.name + "{" + ",".join(f"{k}={_format_value(v)}" for k, v in self.options) + "}"
 
+    def __str__(self) -> str:
+        return f"{self.nest}({self.text()})" if self.nest else self.text()
 
-_TOKEN = re.compile(r'\s*([a-z][a-z0-9_]*)\s*(\{([^{}]*)\})?\s*(,|$)')
+
+_NAME = re.compile(r'\s*([a-z][a-z0-9_]*)\s*')
 _OPTION = re.compile(r'\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*("([^"]*)"|[^,"]*)\s*(,|$)')
+
+
+def _parse_options(info: PassInfo, body: str) -> tuple[tuple[str, Any], ...]:
+    raw, opos = {}, 0
+    while opos < len(body.strip()):
+        om = _OPTION.match(body, opos)
+        if not om or om.end() == opos:
+            raise PipelineError(f"cannot parse options of pass '{info.name}': {body!r}")
+        raw[om.group(1)] = om.group(3) if om.group(3) is not None else om.group(2).strip()
+        opos = om.end()
+    return tuple(sorted(info.coerce(raw).items()))
+
+
+def _parse_list(text: str, pos: int, nest: str | None, specs: list[PassSpec]) -> int:
+    """Parse ``item,item,...`` from ``pos`` up to the end or a closing parenthesis; returns the end."""
+    while True:
+        m = _NAME.match(text, pos)
+        if not m or m.end() == pos:
+            raise PipelineError(f"cannot parse pipeline at column {pos}: {text[pos:pos + 30]!r} "
+                                "(expected name, name{option=value,...} or kind(passes))")
+        pos = m.end()
+        if text.startswith("(", pos):
+            if nest is not None:
+                raise PipelineError(f"cannot parse pipeline at column {pos}: nests do not nest "
+                                    f"('{m.group(1)}(' inside '{nest}(')")
+            pos = _parse_list(text, pos + 1, m.group(1), specs)
+            if not text.startswith(")", pos):
+                raise PipelineError(f"cannot parse pipeline: '{m.group(1)}(' is not closed")
+            pos += 1
+        else:
+            info = get_pass(m.group(1))
+            options: tuple = ()
+            if text.startswith("{", pos):
+                close = text.find("}", pos)
+                if close < 0:
+                    raise PipelineError(f"cannot parse options of pass '{info.name}': no closing brace")
+                options = _parse_options(info, text[pos + 1:close])
+                pos = close + 1
+            specs.append(PassSpec(info.name, options, nest))
+        while pos < len(text) and text[pos].isspace():
+            pos += 1
+        if pos >= len(text) or text[pos] == ")":
+            return pos
+        if text[pos] != ",":
+            raise PipelineError(f"cannot parse pipeline at column {pos}: {text[pos:pos + 30]!r} "
+                                "(expected ',' between passes)")
+        pos += 1
+        if pos >= len(text.rstrip()):
+            raise PipelineError(f"cannot parse pipeline {text!r}: it ends with a comma")
 
 
 @dataclass(frozen=True)
@@ -187,27 +253,16 @@ class Pipeline:
 
     @classmethod
     def parse(cls, text: str) -> "Pipeline":
-        """Parse ``name{opt=value,...},name,...``; option values are typed by each pass."""
-        specs, pos, text = [], 0, text.strip()
-        while pos < len(text):
-            m = _TOKEN.match(text, pos)
-            if not m or m.end() == pos:
-                raise PipelineError(f"cannot parse pipeline at column {pos}: {text[pos:pos + 30]!r} "
-                                    "(expected name or name{option=value,...})")
-            info = get_pass(m.group(1))
-            raw = {}
-            body = m.group(3) or ""
-            opos = 0
-            while opos < len(body.strip()):
-                om = _OPTION.match(body, opos)
-                if not om or om.end() == opos:
-                    raise PipelineError(f"cannot parse options of pass '{info.name}': {body!r}")
-                raw[om.group(1)] = om.group(3) if om.group(3) is not None else om.group(2).strip()
-                opos = om.end()
-            specs.append(PassSpec(info.name, tuple(sorted(info.coerce(raw).items()))))
-            pos = m.end()
+        """Parse ``name{opt=value,...},kind(name,...),...``; option values are typed by each pass."""
+        text = text.strip()
+        if not text:
+            return cls(())
         if text.endswith(","):
             raise PipelineError(f"cannot parse pipeline {text!r}: it ends with a comma")
+        specs: list[PassSpec] = []
+        pos = _parse_list(text, 0, None, specs)
+        if pos < len(text):
+            raise PipelineError(f"cannot parse pipeline at column {pos}: unmatched {text[pos]!r}")
         return cls(tuple(specs))
 
     @classmethod
@@ -218,7 +273,17 @@ class Pipeline:
         return cls(tuple(specs))
 
     def __str__(self) -> str:
-        return ",".join(str(p) for p in self.passes)
+        parts: list[str] = []
+        i = 0
+        while i < len(self.passes):
+            nest = self.passes[i].nest
+            j = i
+            while j < len(self.passes) and self.passes[j].nest == nest:
+                j += 1
+            texts = [p.text() for p in self.passes[i:j]]
+            parts.extend([f"{nest}({','.join(texts)})"] if nest else texts)
+            i = j
+        return ",".join(parts)
 
     def __len__(self) -> int:
         return len(self.passes)
@@ -241,9 +306,13 @@ class AnalysisManager:
     @staticmethod
     def _compute(name: str, graph: TrainGraph) -> Any:
         from graph_ir.analysis import graph_cost, memory_profile, to_networkx
+        from graph_ir.analysis.collectives import collectives
+        from graph_ir.analysis.memory import state_bytes
         analyses = {"cost": lambda: graph_cost(graph.graph),
                     "memory": lambda: memory_profile(graph.graph),
-                    "networkx": lambda: to_networkx(graph.graph)}
+                    "networkx": lambda: to_networkx(graph.graph),
+                    "collectives": lambda: collectives(graph.graph),
+                    "state_bytes": lambda: state_bytes(graph)}
         if name not in analyses:
             raise KeyError(f"unknown analysis '{name}'; known: {', '.join(analyses)}")
         return analyses[name]()
@@ -268,7 +337,7 @@ class AnalysisManager:
 
 @dataclass
 class PassContext:
-    """What a pass may read besides the graph: the plan, analyses, the world, its own counters."""
+    """What a pass may read besides the graph: the plan, analyses, the mesh, its own counters."""
 
     plan: Any = None
     analyses: AnalysisManager = field(default_factory=AnalysisManager)
@@ -276,11 +345,13 @@ class PassContext:
     world_size: int = 1
     device_profile: Any = None
     stats: dict[str, Any] = field(default_factory=dict)
-    # The device mesh, for distributed passes: duck-typed with group_name(dim), size(dim) and
-    # local_rank(dim) (see cann_passes.runtime.distributed.MeshInfo); None in a single process.
+    # The mesh description (graph_ir.mesh.MeshDesc: size(axis), local_rank(axis), group_name(axis),
+    # group_size(group_name)); a fake one for compiling without processes. None: a single process.
     mesh: Any = None
     # Per-pass explanations for the dump tool (e.g. why a value was recomputed).
     explain: dict[str, Any] = field(default_factory=dict)
+    # The name of the program's graph the running pass was given ("step", "grad", ...).
+    graph_name: str = "step"
 
     def stat(self, key: str, value: Any) -> None:
         self.stats[key] = value
@@ -299,77 +370,215 @@ class PassRecord:
     ops_removed: dict[str, int]
     stats: dict[str, Any]
     verify_seconds: float = 0.0
+    graph: str = "step"          # the program's graph it ran on; "program" for a program pass
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
 
 
-def _op_counts(graph: TrainGraph) -> Counter:
-    return Counter(str(n.target) for n in graph.compute_nodes())
+def _graphs_of(ir) -> list[TrainGraph]:
+    return list(ir.graphs.values()) if isinstance(ir, Program) else [ir]
+
+
+def _op_counts(ir) -> Counter:
+    return Counter(str(n.target) for g in _graphs_of(ir) for n in g.compute_nodes())
+
+
+def _fingerprint(ir) -> str:
+    if isinstance(ir, Program):
+        return "|".join(f"{k}:{g.fingerprint()}" for k, g in ir.graphs.items())
+    return ir.fingerprint()
+
+
+def _num_nodes(ir) -> int:
+    return sum(g.num_nodes() for g in _graphs_of(ir))
+
+
+@dataclass
+class PassRun:
+    """One pass applied to one graph (or to the program), as the instruments see it."""
+
+    index: int
+    spec: PassSpec
+    info: PassInfo
+    target: str                 # the graph's name in the program, or "program"
+    given: Any                  # the TrainGraph or Program handed to the pass
+    ctx: PassContext
+    pipeline: Pipeline
+    result: Any = None
+    seconds: float = 0.0
+    verify_seconds: float = 0.0
+    record: PassRecord | None = None
+    scratch: dict[str, Any] = field(default_factory=dict)   # per-instrument state
+
+
+class Instrument:
+    """Hooks around every pass. ``before_pass`` runs in list order, ``after_pass`` and
+    ``after_failure`` in reverse order, so an instrument wraps those after it."""
+
+    def before_pass(self, run: PassRun) -> None:
+        pass
+
+    def after_pass(self, run: PassRun) -> None:
+        pass
+
+    def after_failure(self, run: PassRun, exc: Exception) -> Exception | None:
+        """Return an exception to raise instead of the pass's own (the last one returned wins)."""
+        return None
+
+
+class Timing(Instrument):
+    """The pass's own time (innermost: nothing else is timed with it)."""
+
+    def before_pass(self, run: PassRun) -> None:
+        log.info("pass %d/%d on %s: %s", run.index, len(run.pipeline), run.target, run.spec)
+        run.scratch["timing"] = time.perf_counter()
+
+    def after_pass(self, run: PassRun) -> None:
+        run.seconds = time.perf_counter() - run.scratch["timing"]
+
+
+class Verify(Instrument):
+    """The verifier after every pass: each graph by its kind, and a program's flows."""
+
+    def __init__(self, level: str = "shallow"):
+        self.level = level
+
+    def after_pass(self, run: PassRun) -> None:
+        if self.level == "off":
+            return
+        start = time.perf_counter()
+        if isinstance(run.result, Program):
+            verify_program(run.result, deep=self.level == "deep")
+        else:
+            verify(run.result, deep=self.level == "deep")
+        run.verify_seconds = time.perf_counter() - start
+
+
+class Statistics(Instrument):
+    """Changed or not (structural fingerprint), node and op deltas, the pass's counters; bumps the
+    graph version and drops the analyses the pass did not preserve."""
+
+    def before_pass(self, run: PassRun) -> None:
+        run.ctx.stats = {}
+        run.scratch["stats"] = (_fingerprint(run.given), _op_counts(run.given), _num_nodes(run.given))
+
+    def after_pass(self, run: PassRun) -> None:
+        before_fp, before_ops, before_nodes = run.scratch["stats"]
+        result, ctx = run.result, run.ctx
+        changed = _fingerprint(result) != before_fp
+        if changed:
+            for graph in _graphs_of(result):
+                old = graph.version
+                graph.version = old + 1
+                ctx.analyses.advance(graph, old, run.info.preserves)
+        after_ops = _op_counts(result)
+        run.record = PassRecord(run.index, run.info.name, run.spec.text(), run.seconds, changed, before_nodes,
+                                _num_nodes(result), dict(after_ops - before_ops), dict(before_ops - after_ops),
+                                dict(ctx.stats), run.verify_seconds, run.target)
+        if ctx.explain.get(run.info.name) is not None:
+            run.record.stats.setdefault("explained", True)
+
+
+class Dump(Instrument):
+    """Every pass's graph(s) into the dump directory (a cann_passes.dump.DumpWriter)."""
+
+    def __init__(self, writer):
+        self.writer = writer
+
+    def after_pass(self, run: PassRun) -> None:
+        if isinstance(run.result, Program):
+            self.writer.write_program_pass(run.record, run.result, run.ctx)
+        else:
+            self.writer.write_pass(run.record, run.result, run.ctx, graph=run.target)
+
+
+class Reproducer(Instrument):
+    """On failure: the graph the pass was given and the one-pass pipeline, as a directory."""
+
+    def __init__(self, directory: str | None = None, fallback=None):
+        self.directory = directory
+        self.fallback = fallback        # () -> a directory, asked only when a pass fails
+
+    def before_pass(self, run: PassRun) -> None:
+        run.scratch["given"] = run.given.copy()
+
+    def after_failure(self, run: PassRun, exc: Exception) -> Exception:
+        from .dump import write_reproducer
+        if isinstance(exc, VerificationError):
+            log.error("pass %s produced an invalid graph", run.spec)
+        directory = self.directory or (self.fallback() if self.fallback else None)
+        directory = directory or tempfile.mkdtemp(prefix="cann_passes_repro_")
+        given = run.scratch.get("given", run.given)
+        graph = given.main if isinstance(given, Program) else given
+        plan = run.ctx.plan
+        try:
+            path = write_reproducer(directory, graph, run.spec.text(), run.index,
+                                    plan=plan.to_dict() if plan is not None else None)
+        except Exception:  # never hide the pass's own error behind a dump error
+            log.exception("could not write the reproducer")
+            path = None
+        return PassFailure(run.info.name, run.index, str(run.pipeline), path, exc)
 
 
 class PassManager:
+    """Runs a pipeline over a graph or a program, with instruments around every pass."""
+
     def __init__(self, pipeline: Pipeline | str, *, verify_level: str = "shallow",
-                 dump=None, reproducer_dir: str | None = None):
+                 dump=None, reproducer_dir: str | None = None, instruments: list[Instrument] | None = None):
         self.pipeline = Pipeline.parse(pipeline) if isinstance(pipeline, str) else pipeline
         self.verify_level = verify_level
         self.dump = dump                      # a DumpWriter, or None
         self.reproducer_dir = reproducer_dir
         self.records: list[PassRecord] = []
+        if instruments is None:
+            instruments = [Reproducer(reproducer_dir, lambda: self.dump.directory if self.dump else None)]
+            instruments += [Dump(dump)] if dump is not None else []
+            instruments += [Statistics(), Verify(verify_level), Timing()]
+        self.instruments = instruments
 
-    def run(self, graph: TrainGraph, ctx: PassContext | None = None) -> TrainGraph:
+    def run(self, graph: TrainGraph | Program, ctx: PassContext | None = None):
+        """Run the pipeline. Given one graph, returns the graph (or the Program, if a pass split it)."""
+        if isinstance(graph, Program):
+            return self.run_program(graph, ctx)
+        program = self.run_program(Program.of_step(graph), ctx)
+        return program.graphs["step"] if list(program.graphs) == ["step"] else program
+
+    def run_program(self, program: Program, ctx: PassContext | None = None) -> Program:
         ctx = ctx or PassContext()
         log.info("pipeline: %s", self.pipeline)
-        for i, pass_spec in enumerate(self.pipeline.passes, start=1):
-            log.info("pass %d/%d: %s", i, len(self.pipeline), pass_spec)
-            graph = self._run_one(i, pass_spec, graph, ctx)
-        return graph
+        for index, pass_spec in enumerate(self.pipeline.passes, start=1):
+            info = get_pass(pass_spec.name)
+            if info.on == "program":
+                ctx.graph_name = "program"
+                program = self._run_one(index, pass_spec, info, "program", program, ctx)
+                continue
+            for name in list(program.graphs):
+                if pass_spec.nest and pass_spec.nest not in (name, program.kind(name).value):
+                    continue
+                ctx.graph_name = name
+                program.graphs[name] = self._run_one(index, pass_spec, info, name, program.graphs[name], ctx)
+        return program
 
-    def _run_one(self, index: int, pass_spec: PassSpec, graph: TrainGraph, ctx: PassContext) -> TrainGraph:
-        info = get_pass(pass_spec.name)
-        given = graph.copy()
-        before_fp, before_ops, before_nodes = graph.fingerprint(), _op_counts(graph), graph.num_nodes()
-        ctx.stats = {}
-        start = time.perf_counter()
+    def _run_one(self, index: int, pass_spec: PassSpec, info: PassInfo, target: str, given, ctx: PassContext):
+        run = PassRun(index, pass_spec, info, target, given, ctx, self.pipeline)
         try:
-            result = info.fn(graph, ctx, **dict(pass_spec.options))
-            if not isinstance(result, TrainGraph):
-                raise TypeError(f"a pass must return a TrainGraph, got {type(result).__name__}")
-            result.recompile()
-            seconds = time.perf_counter() - start
-            changed = result.fingerprint() != before_fp
-            if changed:
-                old = result.version
-                result.version = old + 1
-                ctx.analyses.advance(result, old, info.preserves)
-            verify_start = time.perf_counter()
-            if self.verify_level != "off":
-                verify(result, deep=self.verify_level == "deep")
-            verify_seconds = time.perf_counter() - verify_start
+            for instrument in self.instruments:
+                instrument.before_pass(run)
+            result = info.fn(given, ctx, **dict(pass_spec.options))
+            expected = Program if info.on == "program" else TrainGraph
+            if not isinstance(result, expected):
+                raise TypeError(f"a {info.on} pass must return a {expected.__name__}, got {type(result).__name__}")
+            for graph in _graphs_of(result):
+                graph.recompile()
+            run.result = result
+            for instrument in reversed(self.instruments):
+                instrument.after_pass(run)
         except Exception as exc:
-            raise self._failure(index, pass_spec, given, exc, ctx) from exc
-        after_ops = _op_counts(result)
-        record = PassRecord(index, info.name, str(pass_spec), seconds, changed, before_nodes,
-                            result.num_nodes(), dict(after_ops - before_ops),
-                            dict(before_ops - after_ops), dict(ctx.stats), verify_seconds)
-        if ctx.explain.get(info.name) is not None:
-            record.stats.setdefault("explained", True)
-        self.records.append(record)
-        if self.dump is not None:
-            self.dump.write_pass(record, result, ctx)
-        return result
-
-    def _failure(self, index: int, pass_spec: PassSpec, given: TrainGraph, exc: Exception,
-                 ctx: PassContext) -> PassFailure:
-        from .dump import write_reproducer
-        if isinstance(exc, VerificationError):
-            log.error("pass %s produced an invalid graph", pass_spec.name)
-        directory = self.reproducer_dir or (self.dump.directory if self.dump else None)
-        directory = directory or tempfile.mkdtemp(prefix="cann_passes_repro_")
-        try:
-            path = write_reproducer(directory, given, str(pass_spec), index,
-                                    plan=ctx.plan.to_dict() if ctx.plan is not None else None)
-        except Exception:  # never hide the pass's own error behind a dump error
-            log.exception("could not write the reproducer")
-            path = None
-        return PassFailure(pass_spec.name, index, str(self.pipeline), path, exc)
+            failure: Exception | None = None
+            for instrument in reversed(self.instruments):
+                failure = instrument.after_failure(run, exc) or failure
+            raise (failure or PassFailure(info.name, index, str(self.pipeline), None, exc)) from exc
+        if run.record is not None:
+            self.records.append(run.record)
+        return run.result

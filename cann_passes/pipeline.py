@@ -10,6 +10,8 @@
     <plan.extra_passes>          the user's own passes
     npu_legalize                 Ascend converter coverage   (backend torchair)
     cleanup
+    split_grad_apply             grad / apply graphs         (accumulating plans)
+    spell_out_alpha              inductor's addmm pattern    (backend inductor)
 
 A plan's ``pipeline`` field replaces all of this with its own text.
 """
@@ -42,4 +44,8 @@ def build_pipeline(plan: Plan, backend: str) -> Pipeline:
     if backend == "torchair" and is_registered("npu_legalize"):
         steps.append("npu_legalize")
     steps.append("cleanup")
+    if plan.microbatches > 1 or plan.accumulate_target is not None:
+        steps.append("split_grad_apply")
+    if backend == "inductor":
+        steps.append("spell_out_alpha")
     return Pipeline.of(*steps)

@@ -20,6 +20,7 @@ from graph_ir.meta import MODULE_PATH, REGION, Region
 from graph_ir.signature import InputKind, OutputKind, Spec, StepSignature
 
 from .lowering import get_lowering, resolve_backend
+from .compile import with_required_passes
 from .pass_manager import PassContext, PassManager, Pipeline
 from .plan import Plan, PlanError
 
@@ -66,6 +67,7 @@ def make_backend(plan: Plan):
 
     lowering_name = resolve_backend(plan.backend)
     pipeline = Pipeline.parse(plan.pipeline) if plan.pipeline else Pipeline.of("cleanup", *plan.extra_passes)
+    pipeline = with_required_passes(pipeline, lowering_name)
     records: list = []
 
     def compiler(region: Region):
@@ -78,9 +80,6 @@ def make_backend(plan: Plan):
             records.append((graph.name, manager.records))
             if lowering_name == "inductor":
                 from torch._inductor.compile_fx import compile_fx_inner
-
-                from .lowering.inductor import spell_out_alpha
-                spell_out_alpha(graph)
                 return compile_fx_inner(graph.gm, example_inputs)
             from functorch.compile import make_boxed_func
             return make_boxed_func(get_lowering(lowering_name).compile(graph, example_inputs, plan))

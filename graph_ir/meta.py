@@ -27,6 +27,52 @@ RECOMPUTE = "recompute"
 ORIGIN_PASS = "origin_pass"
 # On a backward node that yields a parameter's gradient: the parameter's name.
 GRADIENT_OF = "gradient_of"
+# ``SHARDING`` holds a node's placement on the mesh (:mod:`graph_ir.placement`), as JSON.
+
+
+class GraphAttr:
+    """Keys of ``TrainGraph.attrs``: the facts passes and the runtime tell each other about a graph.
+
+    Defined once here so that a pass marking a graph and the code reading the
+    mark cannot drift apart. Values are JSON-serializable.
+    """
+
+    NAME = "name"                      # the graph's name ("step", "step.grad", ...)
+    KIND = "kind"                      # a GraphKind: what the graph computes, how it is verified
+    STEP_STATE = "step_state"          # runtime-carried state a pass declares: name -> {value, dtype, shape}
+    PLACEMENTS = "placements"          # "kind:name" of an input/output -> placement JSON (graph_ir.placement)
+    SHARDED_STATE = "sharded_state"    # True: state inputs/outputs may be shards of the model's tensors
+    DATA_PARALLEL = "data_parallel"    # {dp, buckets, algo}: gradients all-reduced (data_parallel)
+    ZERO = "zero"                      # {stage, dp, rank, params}: ZeRO rewrite done (optimizer_shard)
+    GRAD_ACCUMULATION = "grad_accumulation"  # {microbatches, target}: accumulating step
+    MESH = "mesh"                      # the mesh description the graph was compiled for (JSON)
+    RANK = "rank"                      # the global rank a per-rank graph belongs to
+
+
+class GraphKind(str, enum.Enum):
+    """What a graph of a program computes; the verifier checks each kind by its own rules."""
+
+    STEP = "step"            # a whole step: forward, loss, backward, optimizer
+    GRAD = "grad"            # one microbatch: forward, loss, backward, gradient accumulation
+    APPLY = "apply"          # once per optimizer step: gradient sync and optimizer; no loss
+    FORWARD = "forward"      # torch.compile's forward half (AOTAutograd)
+    BACKWARD = "backward"    # torch.compile's backward half
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def graph_kind(attrs: dict) -> GraphKind:
+    return GraphKind(attrs.get(GraphAttr.KIND, GraphKind.STEP.value))
+
+
+# Step-state names of gradient accumulation, shared by the pass that adds them and the runtime
+# that sets them: the microbatch's sample count, 1 / samples of the optimizer step, and the
+# per-parameter accumulators under their own prefix (so a parameter named "weight" cannot collide).
+ACCUMULATION_PREFIX = "grad_accumulation:"
+ACCUMULATION_WEIGHT = ACCUMULATION_PREFIX + "weight"
+ACCUMULATION_SCALE = ACCUMULATION_PREFIX + "scale"
+ACCUMULATOR_PREFIX = ACCUMULATION_PREFIX + "grad/"
 
 
 class Region(str, enum.Enum):

@@ -90,7 +90,11 @@ def main(argv=None):
         else:
             raise SystemExit(f"{{inputs_file}} has no value for input {{key}}")
     outputs = Step()(*inputs)
-    print("loss", float(outputs[0]))
+    if LOSS_INDEX is not None:
+        print("loss", float(outputs[LOSS_INDEX]))
+    else:  # a graph without a loss (the apply graph of accumulation): what it updated
+        print("outputs", len(outputs), "first", OUTPUT_SPECS[0] if OUTPUT_SPECS else None,
+              "sum", float(outputs[0].double().sum()) if outputs else None)
     return outputs
 
 
@@ -110,6 +114,8 @@ def to_python_module(tg, *, inputs_file: str = "inputs.pt", constants_file: str 
             "import torch.utils._pytree as pytree  # noqa: F401",
             "import operator  # noqa: F401", "",
             f"INPUT_SPECS = {[(s.kind, s.name) for s in tg.signature.inputs]!r}",
-            f"STEP_STATE = {tg.attrs.get('step_state', {})!r}"]
+            f"STEP_STATE = {tg.attrs.get('step_state', {})!r}",
+            f"OUTPUT_SPECS = {[(s.kind, s.name) for s in tg.signature.outputs]!r}",
+            f"LOSS_INDEX = {next((i for i, s in enumerate(tg.signature.outputs) if s.kind == 'loss'), None)!r}"]
     body = _RUNNER.format(forward=forward, inputs=inputs_file, constants=constants_file)
     return "\n".join(head) + "\n" + body

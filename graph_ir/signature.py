@@ -92,8 +92,9 @@ class StepSignature:
     def from_json(cls, data: dict) -> "StepSignature":
         return cls([Spec(**s) for s in data["inputs"]], [Spec(**s) for s in data["outputs"]])
 
-    def check(self) -> list[str]:
-        """Rule violations of the signature on its own (no graph needed)."""
+    def check(self, *, losses: int = 1) -> list[str]:
+        """Rule violations of the signature on its own (no graph needed); ``losses``: how many loss
+        outputs the graph's kind has (1 for a step or a microbatch's grad graph, 0 for an apply graph)."""
         problems = []
         for label, specs in (("input", self.inputs), ("output", self.outputs)):
             seen = set()
@@ -101,8 +102,10 @@ class StepSignature:
                 if spec in seen:
                     problems.append(f"{label} {spec.kind} '{spec.name}' appears twice")
                 seen.add(spec)
-        if sum(s.kind == OutputKind.LOSS for s in self.outputs) != 1:
-            problems.append("the outputs must hold exactly one loss")
+        found = sum(s.kind == OutputKind.LOSS for s in self.outputs)
+        if found != losses:
+            problems.append("the outputs must hold exactly one loss" if losses == 1 else
+                            f"the outputs hold {found} loss(es); this kind of graph has {losses}")
         params_in = {s.name for s in self.inputs if s.kind == InputKind.PARAM}
         for spec in self.outputs:
             if spec.kind == OutputKind.PARAM and spec.name not in params_in:

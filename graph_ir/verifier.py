@@ -7,6 +7,10 @@ Rules (each failure names the node and the rule):
 - Every computing node has a fake value, a known region and a module path.
 - Regions flow forward: a forward node reads no backward or optimizer value,
   and a backward node reads no optimizer value.
+- Each graph is checked by its kind (``attrs['kind']``, :class:`GraphKind`):
+  a step, a microbatch's grad graph and torch.compile's halves have exactly
+  one loss; an apply graph has none and no forward or backward node; a grad
+  graph has no optimizer node.
 - With ``deep=True``: fake-tensor propagation from the inputs reproduces every
   node's recorded shape and dtype (catches a pass that edited a node but not
   its metadata). It costs about a millisecond per node.
@@ -19,7 +23,7 @@ import torch
 import torch.fx
 
 from .build import propagate_fake_values
-from .meta import MODULE_PATH, REGION, Region, describe_value
+from .meta import MODULE_PATH, REGION, GraphAttr, GraphKind, Region, describe_value, graph_kind
 from .serialize import value_matches
 from .signature import InputKind, OutputKind
 from .train_graph import TrainGraph
@@ -35,8 +39,13 @@ class VerificationError(ValueError):
         super().__init__(f"graph {graph_name!r} fails verification:\n  - {shown}{more}")
 
 
+# Regions a graph of each kind may compute in (None: any).
+_REGIONS_OF_KIND = {GraphKind.GRAD: {Region.FORWARD, Region.BACKWARD},
+                    GraphKind.APPLY: {Region.OPTIMIZER}}
+
+
 def _check_signature(tg: TrainGraph) -> list[str]:
-    problems = list(tg.signature.check())
+    problems = list(tg.signature.check(losses=0 if graph_kind(tg.attrs) == GraphKind.APPLY else 1))
     placeholders, outputs = tg.placeholders(), tg.output_values()
     if len(placeholders) != len(tg.signature.inputs):
         problems.append(f"{len(placeholders)} placeholders but the signature names "
@@ -53,7 +62,7 @@ def _check_signature(tg: TrainGraph) -> list[str]:
                 j = tg.signature.input_index(in_kind, spec.name)
             except ValueError:
                 continue  # per-rank graphs may output state they were not given (sharded)
-            if tg.attrs.get("sharded_state"):
+            if tg.attrs.get(GraphAttr.SHARDED_STATE):
                 continue
             out_val = outputs[i].meta.get("val") if isinstance(outputs[i], torch.fx.Node) else None
             in_val = placeholders[j].meta.get("val")
@@ -65,6 +74,11 @@ def _check_signature(tg: TrainGraph) -> list[str]:
 
 def _check_nodes(tg: TrainGraph) -> list[str]:
     problems = []
+    try:
+        kind = graph_kind(tg.attrs)
+    except ValueError:
+        return [f"graph kind {tg.attrs.get(GraphAttr.KIND)!r} is not one of {[k.value for k in GraphKind]}"]
+    allowed = _REGIONS_OF_KIND.get(kind)
     for node in tg.graph.nodes:
         if node.op in ("output",):
             continue
@@ -78,6 +92,10 @@ def _check_nodes(tg: TrainGraph) -> list[str]:
             problems.append(f"node {node.name} has region {node.meta.get(REGION)!r}; "
                             f"expected one of {[r.value for r in Region]}")
             continue
+        if allowed is not None and region not in allowed:
+            problems.append(f"node {node.name} is in region {region.value}, which a {kind.value} graph "
+                            f"does not compute (rule: {kind.value} graphs hold only "
+                            f"{', '.join(sorted(r.value for r in allowed))})")
         if not isinstance(node.meta.get(MODULE_PATH, ""), str):
             problems.append(f"node {node.name} has a non-string module path")
         for arg in node.all_input_nodes:
@@ -119,3 +137,12 @@ def verify(tg: TrainGraph, *, deep: bool = False) -> None:
         problems += _check_values(tg)
     if problems:
         raise VerificationError(tg.name, problems)
+
+
+def verify_program(program, *, deep: bool = False) -> None:
+    """Every graph by its kind, then the program's flows and schedule."""
+    for graph in program.graphs.values():
+        verify(graph, deep=deep)
+    problems = program.check_flows()
+    if problems:
+        raise VerificationError("program", problems)

@@ -24,6 +24,9 @@ class BackendUnavailable(RuntimeError):
 
 class Lowering(Protocol):
     name: str
+    # Passes the backend needs at the end of every pipeline (named passes, so they show in the
+    # pipeline text, the records and the dumps); the compile driver appends any that are missing.
+    required_passes: tuple[str, ...]
 
     def available(self) -> tuple[bool, str]:
         """Whether this backend can run here, and if not, what is missing."""
@@ -51,6 +54,11 @@ def cxx_compiler_available() -> tuple[bool, str]:
         if shutil.which(cc):
             return True, ""
     return False, "no C++ compiler (g++/clang++) on PATH; inductor's CPU backend needs one"
+
+
+def required_passes(name: str) -> tuple[str, ...]:
+    """The passes backend ``name`` needs at the end of a pipeline."""
+    return tuple(getattr(get_lowering(name), "required_passes", ()))
 
 
 def get_lowering(name: str) -> Lowering:

@@ -4,7 +4,7 @@ Collectives are torch's functional ones (``torch.ops._c10d_functional``):
 each returns a new tensor and a ``wait_tensor`` node marks where the result
 is needed, so a backend may overlap the communication with whatever sits
 between the two nodes. They name their process group by string
-(``ProcessGroup.group_name``), which the runtime passes in ``ctx.mesh``.
+(``ProcessGroup.group_name``), which the mesh description in ``ctx.mesh`` gives.
 """
 from __future__ import annotations
 
@@ -16,8 +16,10 @@ import torch
 import torch.fx
 
 from graph_ir import TrainGraph
+from graph_ir.analysis.collectives import collective_elements as graph_collective_elements
+from graph_ir.analysis.gradients import GradientNotFound, find_gradients, optimizer_subgraph  # noqa: F401
 from graph_ir.build import fake_value, tag
-from graph_ir.meta import GRADIENT_OF, Region, region_of
+from graph_ir.meta import GRADIENT_OF, Region, region_of  # noqa: F401  (GRADIENT_OF: passes' import)
 from graph_ir.signature import OutputKind
 
 aten = torch.ops.aten
@@ -42,14 +44,15 @@ class MeshDim:
 def mesh_dim(ctx: Any, dim: str, pass_name: str, *, expected_size: int | None = None) -> MeshDim:
     """``ctx.mesh``'s ``dim``: a process group name, its size and this rank's index in it.
 
-    ``ctx.mesh`` is duck-typed (``group_name(dim)``, ``size(dim)``, ``local_rank(dim)``) so that a
-    pass can run without any process group, e.g. to count communication in a benchmark.
+    ``ctx.mesh`` is the mesh description (:class:`graph_ir.mesh.MeshDesc`, a real or a fake mesh),
+    so a pass runs without any process group, e.g. to compile a 64-rank plan in one process.
     """
     mesh = getattr(ctx, "mesh", None)
     if mesh is None:
         raise DistributedRewriteError(
             f"pass '{pass_name}' needs ctx.mesh (the device mesh with a '{dim}' dimension); "
-            "compile through a step after cann_passes.runtime.distributed.init_distributed(plan)")
+            "compile with cann_passes.compile_program(captured, plan, MeshDesc.fake(dp=...)) or through a "
+            "step after cann_passes.runtime.distributed.init_distributed(plan)")
     found = MeshDim(mesh.group_name(dim), int(mesh.size(dim)), int(mesh.local_rank(dim)))
     if expected_size is not None and found.size != expected_size:
         raise DistributedRewriteError(
@@ -58,55 +61,14 @@ def mesh_dim(ctx: Any, dim: str, pass_name: str, *, expected_size: int | None = 
     return found
 
 
-# -- gradients ----------------------------------------------------------------------------------
-
-def _optimizer_ancestors(node: torch.fx.Node) -> list[torch.fx.Node]:
-    seen, stack, out = set(), [node], []
-    while stack:
-        n = stack.pop()
-        if n in seen or n.op != "call_function" or region_of(n) != Region.OPTIMIZER:
-            continue
-        seen.add(n)
-        out.append(n)
-        stack.extend(n.all_input_nodes)
-    return out
-
+# -- gradients (the analysis lives in graph_ir) ------------------------------------------------
 
 def gradients(tg: TrainGraph) -> dict[str, torch.fx.Node]:
-    """Trainable parameter name -> the value its optimizer update reads as its gradient.
-
-    Marked nodes (``GRADIENT_OF``) win; otherwise the gradient is the one value
-    that the parameter's optimizer subgraph reads from outside the optimizer
-    region and that is not a graph input. The result is marked for later passes.
-    """
-    marked = {n.meta[GRADIENT_OF]: n for n in tg.graph.nodes if GRADIENT_OF in n.meta}
-    outputs = tg.output_values()
-    found: dict[str, torch.fx.Node] = {}
-    for i, spec in tg.signature.outputs_of(OutputKind.PARAM):
-        if spec.name in marked:
-            found[spec.name] = marked[spec.name]
-            continue
-        reads = {a for n in _optimizer_ancestors(outputs[i]) for a in n.all_input_nodes
-                 if a.op != "placeholder" and region_of(a) != Region.OPTIMIZER}
-        if len(reads) != 1:
-            raise DistributedRewriteError(
-                f"cannot find the gradient of '{spec.name}': its optimizer update reads "
-                f"{len(reads)} computed values from outside the optimizer region "
-                f"({sorted(a.name for a in reads)}); expected exactly one")
-        found[spec.name] = reads.pop()
-        found[spec.name].meta[GRADIENT_OF] = spec.name
-    return found
-
-
-def optimizer_subgraph(tg: TrainGraph, names: Iterable[str]) -> list[torch.fx.Node]:
-    """Optimizer-region nodes computing the given parameters' and their state's outputs, in order."""
-    wanted = set(names)
-    outputs = tg.output_values()
-    roots = [outputs[i] for i, s in enumerate(tg.signature.outputs)
-             if (s.kind == OutputKind.PARAM and s.name in wanted)
-             or (s.kind == OutputKind.OPT_STATE and s.name.rpartition(":")[0] in wanted)]
-    members = {n for r in roots for n in _optimizer_ancestors(r)}
-    return [n for n in tg.graph.nodes if n in members]
+    """Trainable parameter name -> the value its optimizer update reads as its gradient (marked)."""
+    try:
+        return find_gradients(tg)
+    except GradientNotFound as exc:
+        raise DistributedRewriteError(str(exc)) from None
 
 
 # -- building nodes -----------------------------------------------------------------------------
@@ -192,20 +154,8 @@ def make_buckets(names: list[str], sizes: dict[str, int], bucket_bytes: float) -
 
 
 def collective_elements(tg: TrainGraph) -> dict[str, int]:
-    """Elements each rank moves per step, by collective, under the usual accounting.
-
-    An all-reduce moves twice its size (a reduce-scatter then an all-gather,
-    as in ring all-reduce); a reduce-scatter its input; an all-gather its output.
-    """
-    volume = {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0}
-    for node in tg.graph.nodes:
-        if node.target is c10d.all_reduce.default:
-            volume["all_reduce"] += 2 * node.meta["val"].numel()
-        elif node.target is c10d.reduce_scatter_tensor.default:
-            volume["reduce_scatter"] += node.args[0].meta["val"].numel()
-        elif node.target is c10d.all_gather_into_tensor.default:
-            volume["all_gather"] += node.meta["val"].numel()
-    return volume
+    """Elements each rank moves per step, by collective (graph_ir.analysis.collectives' accounting)."""
+    return graph_collective_elements(tg.graph)
 
 
 def average_loss(tg: TrainGraph, group: MeshDim, origin: str) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from graph_ir import TrainGraph
-from graph_ir.meta import Region, nbytes, region_of
+from graph_ir.meta import GraphAttr, Region, nbytes, region_of
 
 from ..pass_manager import PassContext, register_pass
 from ._collectives import (DistributedRewriteError, MeshDim, NodeBuilder, after, aten, average_loss, c10d,
@@ -59,10 +59,10 @@ def data_parallel_pass(graph: TrainGraph, ctx: PassContext, *, bucket_mb: float 
         raise DistributedRewriteError(f"data_parallel option bucket_mb={bucket_mb} must be > 0")
     plan = getattr(ctx, "plan", None)
     group = mesh_dim(ctx, "dp", "data_parallel", expected_size=getattr(plan, "dp", None))
-    if "zero" in graph.attrs:
+    if GraphAttr.ZERO in graph.attrs:
         raise DistributedRewriteError("data_parallel after optimizer_shard would reduce gradients "
                                       "twice (rule: use one of the two)")
-    accumulating = "grad_accumulation" in graph.attrs
+    accumulating = GraphAttr.GRAD_ACCUMULATION in graph.attrs
     grads = gradients(graph)
     position = position_map(graph)
     order = sorted(grads, key=lambda n: position[grads[n]])
@@ -70,7 +70,7 @@ def data_parallel_pass(graph: TrainGraph, ctx: PassContext, *, bucket_mb: float 
     for bucket in buckets:
         _all_reduce_bucket(graph, bucket, grads, group, "sum" if accumulating else "avg")
     average_loss(graph, group, "data_parallel")
-    graph.attrs["data_parallel"] = {"dp": group.size, "buckets": len(buckets), "algo": algo}
+    graph.attrs[GraphAttr.DATA_PARALLEL] = {"dp": group.size, "buckets": len(buckets), "algo": algo}
     ctx.stat("buckets", len(buckets))
     ctx.stat("all_reduce_elements", collective_elements(graph)["all_reduce"])
     return graph

@@ -9,8 +9,8 @@ count) and ``grad_accumulation:scale`` (1 / samples of the optimizer step):
     optimizer:  reads scale * acc as the gradient
 
 Run whole with ``acc_in = 0, weight = scale * samples = 1`` it is the original
-step. The runtime cuts it at the optimizer region into a "grad" graph, run once
-per microbatch, and an "apply" graph, run once per optimizer step; because
+step. The ``split_grad_apply`` pass cuts it at the optimizer region into a "grad"
+graph, run once per microbatch, and an "apply" graph, run once per optimizer step; because
 ``data_parallel`` and ``optimizer_shard`` see the ``grad_accumulation`` mark
 and synchronize the optimizer's gradients at the start of the optimizer
 region, gradients cross ranks once per optimizer step, not per microbatch.
@@ -25,22 +25,20 @@ from __future__ import annotations
 import torch
 
 from graph_ir import TrainGraph
-from graph_ir.meta import Region, region_of
+from graph_ir.meta import (ACCUMULATION_PREFIX, ACCUMULATION_SCALE, ACCUMULATION_WEIGHT, ACCUMULATOR_PREFIX,
+                           GraphAttr, Region, region_of)
 from graph_ir.signature import InputKind, OutputKind, Spec
 
 from ..pass_manager import PassContext, register_pass
 from ._collectives import (GRADIENT_OF, DistributedRewriteError, NodeBuilder, after, aten, first_node_of,
                            gradients, position_map, redirect)
 
-PREFIX = "grad_accumulation:"
-# Runtime-set scalars, and the per-parameter accumulators under their own
-# prefix so that a parameter named "weight" cannot collide with a scalar.
-WEIGHT, SCALE = PREFIX + "weight", PREFIX + "scale"
-ACCUMULATOR = PREFIX + "grad/"
+# The step-state names are graph_ir vocabulary: the runtime sets and carries them too.
+PREFIX, WEIGHT, SCALE, ACCUMULATOR = ACCUMULATION_PREFIX, ACCUMULATION_WEIGHT, ACCUMULATION_SCALE, ACCUMULATOR_PREFIX
 
 
 def _scalar_input(tg: TrainGraph, key: str, like: torch.Tensor) -> torch.fx.Node:
-    tg.attrs.setdefault("step_state", {})[PREFIX + key] = {"value": 1.0, "dtype": "float32", "shape": []}
+    tg.attrs.setdefault(GraphAttr.STEP_STATE, {})[PREFIX + key] = {"value": 1.0, "dtype": "float32", "shape": []}
     with tg.fake_mode():
         value = torch.empty((), dtype=torch.float32, device=like.device)
     return tg.add_input(Spec(InputKind.STEP_STATE, PREFIX + key), value)
@@ -48,7 +46,7 @@ def _scalar_input(tg: TrainGraph, key: str, like: torch.Tensor) -> torch.fx.Node
 
 def _accumulator(tg: TrainGraph, name: str, grad: torch.fx.Node) -> torch.fx.Node:
     val = grad.meta["val"]
-    tg.attrs.setdefault("step_state", {})[ACCUMULATOR + name] = {
+    tg.attrs.setdefault(GraphAttr.STEP_STATE, {})[ACCUMULATOR + name] = {
         "value": 0.0, "dtype": str(val.dtype).removeprefix("torch."), "shape": list(val.shape)}
     with tg.fake_mode():
         value = torch.empty(val.shape, dtype=val.dtype, device=val.device)
@@ -62,7 +60,7 @@ def grad_accumulation_pass(graph: TrainGraph, ctx: PassContext, *, microbatches:
     if microbatches < 1 or target < 0:
         raise DistributedRewriteError(f"grad_accumulation options microbatches={microbatches} (>= 1) "
                                       f"and target={target} (>= 0, 0 = static) are out of range")
-    if any(k in graph.attrs for k in ("data_parallel", "zero", "grad_accumulation")):
+    if any(k in graph.attrs for k in (GraphAttr.DATA_PARALLEL, GraphAttr.ZERO, GraphAttr.GRAD_ACCUMULATION)):
         raise DistributedRewriteError("grad_accumulation must run before data_parallel and optimizer_shard "
                                       "(rule: gradients are synchronized once per optimizer step), and once")
     grads = gradients(graph)
@@ -85,6 +83,6 @@ def grad_accumulation_pass(graph: TrainGraph, ctx: PassContext, *, microbatches:
         redirect(grad, scaled, readers)
         grad.meta.pop(GRADIENT_OF, None)
         scaled.meta[GRADIENT_OF] = name
-    graph.attrs["grad_accumulation"] = {"microbatches": microbatches, "target": target}
+    graph.attrs[GraphAttr.GRAD_ACCUMULATION] = {"microbatches": microbatches, "target": target}
     ctx.stat("accumulators", len(grads))
     return graph

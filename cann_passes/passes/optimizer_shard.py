@@ -28,12 +28,11 @@ state, which the update keeps at zero; its bytes are reported in
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from graph_ir import TrainGraph
-from graph_ir.meta import Region, nbytes, region_of
+from graph_ir.meta import GRADIENT_OF, GraphAttr, Region, nbytes, region_of
+from graph_ir.placement import Placement, set_placement
 from graph_ir.signature import InputKind, OutputKind
 
 from ..pass_manager import PassContext, register_pass
@@ -43,23 +42,25 @@ from ._collectives import (DistributedRewriteError, MeshDim, NodeBuilder, after,
 from graph_ir.analysis.cost import is_view_op
 
 ORIGIN = "optimizer_shard"
+DP = "dp"
 
 
 class ShardLayout:
-    """Per-parameter shard sizes for N ranks."""
+    """Per-parameter flat shards over the dp axis: graph_ir.placement's FlatShard, sized here for N ranks."""
 
     def __init__(self, tg: TrainGraph, names: list[str], group: MeshDim):
         self.group = group
         self.shape = {n: tuple(tg.input_node(InputKind.PARAM, n).meta["val"].shape) for n in names}
-        self.numel = {n: math.prod(s) for n, s in self.shape.items()}
-        self.shard = {n: -(-self.numel[n] // group.size) for n in names}
+        self.placement = {n: Placement.flat_shard(self.shape[n], DP) for n in names}
+        self.numel = {n: p.numel for n, p in self.placement.items()}
+        self.shard = {n: p.flat_shard_numel(group.size) for n, p in self.placement.items()}
 
     def valid(self, name: str) -> int:
         """Elements of ``name`` this rank's shard holds before padding."""
-        return max(0, min(self.shard[name], self.numel[name] - self.group.rank * self.shard[name]))
+        return self.placement[name].valid_numel(self.group.size, self.group.rank)
 
     def padding(self, name: str) -> int:
-        return self.shard[name] * self.group.size - self.numel[name]
+        return self.placement[name].padding(self.group.size)
 
     def to_json(self) -> dict:
         return {n: {"shape": list(self.shape[n]), "numel": self.numel[n], "shard": self.shard[n],
@@ -92,6 +93,10 @@ def _reduce_scatter_bucket(tg: TrainGraph, bucket: list[str], grads, layout: Sha
     for name in bucket:
         shards[name] = receive(aten.slice.Tensor, mine, 0, offset, offset + layout.shard[name])
         redirect(grads[name], shards[name], readers[name])
+        # The update now reads this rank's shard: that is the gradient it holds.
+        grads[name].meta.pop(GRADIENT_OF, None)
+        shards[name].meta[GRADIENT_OF] = name
+        set_placement(tg, "grad", name, layout.placement[name], shards[name])
         offset += layout.shard[name]
     return shards
 
@@ -125,6 +130,9 @@ def _shard_inputs(tg: TrainGraph, names: list[str], layout: ShardLayout, stage: 
         if tuple(val.shape) == layout.shape[owner]:  # scalar state (the step count) stays whole
             with mode:
                 node.meta["val"] = torch.empty(layout.shard[owner], dtype=val.dtype, device=val.device)
+            # The same placement for the input and the output it becomes: binding, checkpoints and
+            # the user-facing state dicts read it (graph_ir.placement), nothing re-derives it.
+            set_placement(tg, spec.kind, spec.name, layout.placement[owner], node)
     if stage < 3:
         for name in names:
             _slice_own_shard(tg, name, layout)
@@ -247,14 +255,14 @@ def optimizer_shard_pass(graph: TrainGraph, ctx: PassContext, *, stage: int = 1,
     if stage not in (1, 2, 3):
         raise DistributedRewriteError(f"optimizer_shard option stage={stage} must be 1, 2 or 3")
     plan = getattr(ctx, "plan", None)
-    group = mesh_dim(ctx, "dp", ORIGIN, expected_size=getattr(plan, "dp", None))
+    group = mesh_dim(ctx, DP, ORIGIN, expected_size=getattr(plan, "dp", None))
     if group.size < 2:
         raise DistributedRewriteError("optimizer_shard needs a dp dimension of 2 or more ranks "
                                       "(rule: ZeRO shards over data-parallel ranks)")
-    if "data_parallel" in graph.attrs or "zero" in graph.attrs:
+    if GraphAttr.DATA_PARALLEL in graph.attrs or GraphAttr.ZERO in graph.attrs:
         raise DistributedRewriteError("optimizer_shard on a graph that already synchronizes gradients "
                                       "(rule: use one of data_parallel and optimizer_shard, once)")
-    accumulating = "grad_accumulation" in graph.attrs
+    accumulating = GraphAttr.GRAD_ACCUMULATION in graph.attrs
     bucket_bytes = bucket_mb * 2**20
     grads = gradients(graph)
     position = position_map(graph)
@@ -274,8 +282,9 @@ def optimizer_shard_pass(graph: TrainGraph, ctx: PassContext, *, stage: int = 1,
         _shard_parameters(graph, order, layout, bucket_bytes)
     average_loss(graph, group, ORIGIN)
     padding = {n: layout.padding(n) for n in order}
-    graph.attrs["sharded_state"] = True
-    graph.attrs["zero"] = {"stage": stage, "dp": group.size, "rank": group.rank, "params": layout.to_json()}
+    graph.attrs[GraphAttr.SHARDED_STATE] = True
+    graph.attrs[GraphAttr.ZERO] = {"stage": stage, "dp": group.size, "rank": group.rank, "axis": DP,
+                                   "params": layout.to_json()}
     ctx.stat("buckets", len(buckets))
     ctx.stat("padding_elements", sum(padding.values()))
     for kind, elements in collective_elements(graph).items():

@@ -1,10 +1,10 @@
-"""Gradient accumulation at run time: the grad/apply split and the microbatch loop.
+"""Gradient accumulation at run time: the microbatch loop over the program's grad and apply graphs.
 
 The ``grad_accumulation`` pass rewrites the whole step so that the optimizer
 reads ``scale * acc`` where ``acc = acc_in + weight * grad`` is runtime-owned
-step state. Cutting that graph at the optimizer region gives a "grad" graph
-(forward + backward + accumulate, run once per microbatch) and an "apply"
-graph (gradient synchronization + optimizer, run once per optimizer step).
+step state; the ``split_grad_apply`` pass cuts it into a "grad" graph (run
+once per microbatch) and an "apply" graph (run once per optimizer step), and
+the program's flows name the accumulators that pass from one to the other.
 
 Weights are sample counts, so ``acc`` holds the gradient of the *summed*
 loss, and ``scale = 1 / samples`` (over all data-parallel ranks) turns it
@@ -17,78 +17,18 @@ import contextlib
 from typing import Any
 
 import torch
-import torch.fx
 import torch.utils._pytree as pytree
 
-from graph_ir import TrainGraph
-from graph_ir.meta import Region, region_of
-from graph_ir.signature import InputKind, OutputKind, Spec, StepSignature
-
-from ..passes.grad_accumulation import ACCUMULATOR, SCALE, WEIGHT
+from graph_ir.meta import ACCUMULATION_SCALE, ACCUMULATION_WEIGHT
+from graph_ir.signature import InputKind
 
 
 class AccumulationError(RuntimeError):
     pass
 
 
-def is_split(graph: TrainGraph) -> bool:
-    return "grad_accumulation" in graph.attrs
-
-
-def _accumulator_names(graph: TrainGraph) -> set[str]:
-    return {s.name for s in graph.signature.outputs
-            if s.kind == OutputKind.STEP_STATE and s.name.startswith(ACCUMULATOR)}
-
-
-def _part(graph: TrainGraph, keep, outputs: list[tuple[Spec, torch.fx.Node]], name: str,
-          cut: dict[torch.fx.Node, Spec]) -> TrainGraph:
-    """A new TrainGraph of the nodes ``keep`` accepts; values in ``cut`` become inputs."""
-    new = torch.fx.Graph()
-    env: dict[torch.fx.Node, torch.fx.Node] = {}
-    needed = {a for n in graph.graph.nodes if n.op == "call_function" and keep(n) for a in n.all_input_nodes}
-    needed |= {node for _, node in outputs}
-    inputs = []
-    for spec, node in zip(graph.signature.inputs, graph.placeholders()):
-        if node in needed:
-            env[node] = new.node_copy(node)
-            inputs.append(spec)
-    for node, spec in cut.items():
-        if node in needed:
-            if spec in inputs:  # the cut value replaces the input of the same name
-                raise AccumulationError(f"{name} graph would read {spec.name} twice")
-            placeholder = new.placeholder("".join(c if c.isalnum() else "_" for c in spec.name))
-            placeholder.meta = {"val": node.meta["val"], "region": Region.IO.value}
-            env[node] = placeholder
-            inputs.append(spec)
-    for node in graph.graph.nodes:
-        if node.op == "call_function" and keep(node):
-            missing = [a for a in node.all_input_nodes if a not in env]
-            if missing:
-                raise AccumulationError(
-                    f"cannot split the step for gradient accumulation: {node.name} ({region_of(node).value}) "
-                    f"reads {missing[0].name} ({region_of(missing[0]).value}), which the other part computes "
-                    "(rule: the optimizer may read only accumulated gradients from backward)")
-            env[node] = new.node_copy(node, env.__getitem__)
-    new.output([env[node] for _, node in outputs])
-    gm = torch.fx.GraphModule(graph.gm, new)
-    part = TrainGraph(gm, StepSignature(inputs, [spec for spec, _ in outputs]),
-                      dict(graph.attrs, name=f"{graph.name}.{name}"))
-    # Not verify(): the apply part has no loss, which a whole step must have.
-    new.lint()
-    return part
-
-
-def split_grad_apply(graph: TrainGraph) -> tuple[TrainGraph, TrainGraph]:
-    """The per-microbatch graph and the per-optimizer-step graph of an accumulating step."""
-    accumulators = _accumulator_names(graph)
-    pairs = list(zip(graph.signature.outputs, graph.output_values()))
-    in_apply = lambda n: region_of(n) == Region.OPTIMIZER  # noqa: E731
-    grad_outputs = [(s, n) for s, n in pairs if not (isinstance(n, torch.fx.Node) and in_apply(n))]
-    apply_outputs = [(s, n) for s, n in pairs if isinstance(n, torch.fx.Node) and in_apply(n)]
-    cut = {n: Spec(InputKind.STEP_STATE, s.name) for s, n in pairs if s.name in accumulators}
-    grad = _part(graph, lambda n: not in_apply(n), grad_outputs, "grad", {})
-    apply = _part(graph, in_apply, apply_outputs, "apply", cut)
-    return grad, apply
+def _accumulator_names(program) -> set[str]:
+    return {f.input.name for f in program.flows_between("grad", "apply")}
 
 
 # -- batches --------------------------------------------------------------------------------------
@@ -109,15 +49,18 @@ def split_batch(batch: Any, n: int) -> list:
 
 
 @contextlib.contextmanager
-def full_shape_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer):
-    """Capture traces the unsharded step: stand in full-shape (zero-stride) state for ZeRO shards."""
+def full_shape_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, shards):
+    """Capture traces the unsharded step: stand in full-shape (zero-stride) state for the optimizer
+    state entries that are this rank's shards (the ShardStore knows which, and their placements)."""
     swapped = []
+    names = {id(p): n for n, p in model.named_parameters()}
     for p in model.parameters():
         state = optimizer.state.get(p, {})
         for key, value in list(state.items()):
-            if isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape != p.shape and p.dim() > 0 \
-                    and value.numel() != 1:
-                state[key] = torch.zeros((), dtype=value.dtype, device=value.device).expand(p.shape)
+            spec_key = f"{InputKind.OPT_STATE.value}:{names[id(p)]}:{key}"
+            if shards is not None and shards.holds(spec_key, value):
+                placement = shards.placements[spec_key]
+                state[key] = torch.zeros((), dtype=value.dtype, device=value.device).expand(placement.shape)
                 swapped.append((state, key, value))
     try:
         yield
@@ -148,16 +91,17 @@ class AccumulationState:
     def _grad(self, step, batch) -> torch.Tensor:
         comp = step.compile(batch)
         if not comp.parts:
-            raise AccumulationError("the pipeline has no grad_accumulation pass; the plan's pipeline "
-                                    "text must include it when microbatches > 1 or accumulate_target is set")
-        step.step_state.values[WEIGHT] = torch.tensor(float(batch_rows(batch)))
-        return step._run(comp.parts["grad"], comp.part_runners["grad"], batch)
+            raise AccumulationError("the compiled program has no grad and apply graphs; a plan pipeline given "
+                                    "as text must include grad_accumulation and split_grad_apply when "
+                                    "microbatches > 1 or accumulate_target is set")
+        step.step_state.values[ACCUMULATION_WEIGHT] = torch.tensor(float(batch_rows(batch)))
+        return step._run(comp.program["grad"], comp.runners["grad"], batch)
 
     def _apply(self, step, samples: int) -> None:
         comp = step.last
-        step.step_state.values[SCALE] = torch.tensor(1.0 / samples)
-        step._run(comp.parts["apply"], comp.part_runners["apply"], None)
-        for name in _accumulator_names(comp.graph):
+        step.step_state.values[ACCUMULATION_SCALE] = torch.tensor(1.0 / samples)
+        step._run(comp.program["apply"], comp.runners["apply"], None)
+        for name in _accumulator_names(comp.program):
             step.step_state.values.pop(name, None)
         self.history.append(samples)
         self.pending_samples = self.pending_microbatches = 0
@@ -168,7 +112,7 @@ class AccumulationState:
     def discard(self, step) -> None:
         """Forget the gradients accumulated since the last optimizer step."""
         if step._compiled:
-            for name in _accumulator_names(step.last.graph):
+            for name in _accumulator_names(step.last.program):
                 step.step_state.values.pop(name, None)
         self.pending_samples = self.pending_microbatches = 0
 

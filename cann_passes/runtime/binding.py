@@ -2,19 +2,27 @@
 
 Binding goes by the graph's signature, not by capture order, so a pass may
 add inputs (a loss scale, a shard of optimizer state) or outputs (metrics)
-and the runtime still knows what each position is.
+and the runtime still knows what each position is. Where the graph holds a
+shard of a value (its placement, recorded by the pass that sharded it), the
+:class:`ShardStore` keeps this rank's piece and :mod:`graph_ir.placement`
+cuts it from the full tensor: nothing here compares shapes to guess.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.utils._pytree as pytree
 
 from graph_ir import TrainGraph
 from graph_ir.capture import batch_path
-from graph_ir.meta import DTYPES_BY_NAME
+from graph_ir.meta import DTYPES_BY_NAME, GraphAttr
+from graph_ir.placement import Placement, placement_of, shard
 from graph_ir.signature import InputKind, OutputKind, split_state_name
+
+
+class BindingError(RuntimeError):
+    pass
 
 
 class StepState:
@@ -25,7 +33,7 @@ class StepState:
 
     def get(self, graph: TrainGraph, name: str, device: torch.device) -> torch.Tensor:
         if name not in self.values:
-            declared = graph.attrs.get("step_state", {}).get(name)
+            declared = graph.attrs.get(GraphAttr.STEP_STATE, {}).get(name)
             if declared is None:
                 raise KeyError(f"graph input step_state '{name}' is not declared in graph.attrs['step_state']")
             self.values[name] = torch.full(declared.get("shape", []), declared["value"],
@@ -33,64 +41,105 @@ class StepState:
         return self.values[name]
 
 
-def own_shard(full: torch.Tensor, rank: int, n_ranks: int) -> torch.Tensor:
-    """Rank ``rank``'s piece of ``full`` flattened and zero-padded to a multiple of ``n_ranks``
-    (the layout of the optimizer_shard pass)."""
-    flat = full.detach().reshape(-1)
-    size = -(-flat.numel() // n_ranks)
-    piece = flat[min(rank * size, flat.numel()):(rank + 1) * size]
-    return torch.nn.functional.pad(piece, (0, size - piece.numel())).clone()
+class ShardStore:
+    """This rank's pieces of the values a graph holds sharded, keyed ``kind:name``.
+
+    A sharded optimizer-state entry is also what ``optimizer.state`` holds, and
+    the store remembers that very tensor: when ``optimizer.state`` holds another
+    one (the user loaded a state dict, or capture initialised it), that one is
+    the full value and is cut again. Stage-3 parameter shards live only here;
+    the model's parameters keep the full tensors they had (see ``sync``).
+    """
+
+    def __init__(self, mesh):
+        self.mesh = mesh                                   # graph_ir.mesh.MeshDesc of this rank
+        self.local: dict[str, torch.Tensor] = {}
+        self.placements: dict[str, Placement] = {}
+        self.sources: dict[str, Any] = {}
+
+    def piece(self, key: str, placement: Placement, current: torch.Tensor, source: Any = None) -> torch.Tensor:
+        """This rank's piece for ``key``: the stored one if ``current`` is it (or, for a parameter,
+        if the model's tensor is unchanged since it was cut: same ``source`` token), else cut anew."""
+        held = self.local.get(key)
+        if held is not None and (current is held or (source is not None and self.sources.get(key) == source)):
+            return held
+        self.sources[key] = source
+        if tuple(current.shape) != placement.shape:
+            raise BindingError(f"{key}: the graph wants a shard of a value of shape {list(placement.shape)}, "
+                               f"but the model/optimizer hold shape {list(current.shape)} (rule: load full, "
+                               "unsharded tensors; the compiled step shards them)")
+        self.local[key] = shard(current, placement, self.mesh)
+        self.placements[key] = placement
+        return self.local[key]
+
+    def store(self, key: str, value: torch.Tensor, placement: Placement) -> None:
+        self.local[key] = value
+        self.placements[key] = placement
+
+    def params(self) -> dict[str, torch.Tensor]:
+        prefix = InputKind.PARAM.value + ":"
+        return {k[len(prefix):]: v for k, v in self.local.items() if k.startswith(prefix)}
+
+    def holds(self, key: str, tensor: Any) -> bool:
+        return key in self.local and self.local[key] is tensor
 
 
-def _zero_shard(graph: TrainGraph, position: int, value: torch.Tensor) -> torch.Tensor | None:
-    """``value`` cut to this rank's shard where a ZeRO graph wants a shard of a full tensor."""
-    zero = graph.attrs.get("zero")
-    if zero is None:
-        return None
-    want = graph.placeholders()[position].meta["val"].shape
-    if tuple(value.shape) == tuple(want):
-        return None
-    return own_shard(value, zero["rank"], zero["dp"])
+def source_token(param: torch.Tensor) -> tuple:
+    """What identifies a parameter's current contents: its storage and in-place version."""
+    return (param.data_ptr(), param._version)
+
+
+def _hparam(optimizer: torch.optim.Optimizer, name: str) -> float:
+    """``lr:group0`` -> group 0's lr; ``betas.1:group0`` -> group 0's betas[1]."""
+    key, _, group = name.partition(":group")
+    key, _, index = key.partition(".")
+    try:
+        value = optimizer.param_groups[int(group)][key]
+        return float(value[int(index)] if index else value)
+    except (KeyError, IndexError, ValueError, TypeError) as exc:
+        raise BindingError(f"graph input hparam '{name}': optimizer.param_groups has no such value "
+                           f"({type(exc).__name__}: {exc})") from None
 
 
 def bind_inputs(graph: TrainGraph, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                batch: Any, step_state: StepState, param_shards: dict | None = None) -> list[torch.Tensor]:
-    """The graph's flat inputs. A ZeRO graph's sharded inputs are cut from full tensors the first
-    time (optimizer state is then kept sharded in ``optimizer.state``; stage-3 parameter shards
-    live in ``param_shards``)."""
+                batch: Any, step_state: StepState, shards: ShardStore | None = None,
+                init_state: Callable[[str], None] | None = None) -> list[torch.Tensor]:
+    """The graph's flat inputs. ``init_state(param_name)`` re-creates a parameter's optimizer state
+    where it is missing (after ``optimizer.load_state_dict`` of an empty state, as eager does)."""
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     leaves = {batch_path(path): leaf for path, leaf in pytree.tree_flatten_with_path(batch)[0]}
     device = next(iter(params.values())).device
     flat = []
-    for position, spec in enumerate(graph.signature.inputs):
+    for spec in graph.signature.inputs:
         kind = spec.kind
+        placement = placement_of(graph, kind, spec.name) if shards is not None else None
+        key = f"{kind}:{spec.name}"
         if kind == InputKind.PARAM:
-            if param_shards is not None and spec.name in param_shards:
-                flat.append(param_shards[spec.name])
-                continue
-            value = params[spec.name].detach()
-            shard = _zero_shard(graph, position, value)
-            if shard is not None and param_shards is not None:
-                param_shards[spec.name] = shard
-            flat.append(value if shard is None else shard)
+            param = params[spec.name]
+            value = param.detach()
+            flat.append(value if placement is None else shards.piece(key, placement, value, source_token(param)))
         elif kind == InputKind.BUFFER:
             flat.append(buffers[spec.name])
         elif kind == InputKind.OPT_STATE:
-            name, key = split_state_name(spec.name)
-            value = optimizer.state[params[name]][key]
-            shard = _zero_shard(graph, position, value)
-            if shard is not None:
-                optimizer.state[params[name]][key] = value = shard
+            name, state_key = split_state_name(spec.name)
+            state = optimizer.state[params[name]]
+            if state_key not in state and init_state is not None:
+                init_state(name)
+            if state_key not in state:
+                raise BindingError(f"optimizer state of '{name}' has no '{state_key}' (it has {sorted(state)}); "
+                                   "load a state dict saved from the same optimizer, or an empty one")
+            value = state[state_key]
+            if placement is not None:
+                value = state[state_key] = shards.piece(key, placement, value)
             flat.append(value)
         elif kind == InputKind.HPARAM:
-            key, _, group = spec.name.partition(":group")
-            flat.append(torch.tensor(float(optimizer.param_groups[int(group)][key]),
-                                     dtype=torch.float64, device=device))
+            flat.append(torch.tensor(_hparam(optimizer, spec.name), dtype=torch.float64, device=device))
         elif kind == InputKind.BATCH:
             if spec.name not in leaves:
                 raise KeyError(f"the batch has no {spec.name}; it has {sorted(leaves)}")
-            flat.append(leaves[spec.name])
+            # Detached: a batch that requires grad must not leak autograd history into the step.
+            flat.append(leaves[spec.name].detach())
         elif kind == InputKind.STEP_STATE:
             flat.append(step_state.get(graph, spec.name, device))
         else:
@@ -99,7 +148,7 @@ def bind_inputs(graph: TrainGraph, model: torch.nn.Module, optimizer: torch.opti
 
 
 def write_back(graph: TrainGraph, outputs, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               step_state: StepState, param_shards: dict | None = None) -> dict[str, torch.Tensor]:
+               step_state: StepState, shards: ShardStore | None = None) -> dict[str, torch.Tensor]:
     """Store new parameters, buffers, optimizer and step state; return the metrics."""
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
@@ -107,8 +156,9 @@ def write_back(graph: TrainGraph, outputs, model: torch.nn.Module, optimizer: to
     with torch.no_grad():
         for spec, value in zip(graph.signature.outputs, outputs):
             kind = spec.kind
-            if kind == OutputKind.PARAM and param_shards is not None and spec.name in param_shards:
-                param_shards[spec.name] = value
+            placement = placement_of(graph, kind, spec.name) if shards is not None else None
+            if kind == OutputKind.PARAM and placement is not None:
+                shards.store(f"{kind}:{spec.name}", value, placement)
             elif kind == OutputKind.PARAM:
                 # Rebinding .data keeps the Parameter object (and so the optimizer's
                 # references and any tied modules) while taking the new storage.
@@ -116,6 +166,8 @@ def write_back(graph: TrainGraph, outputs, model: torch.nn.Module, optimizer: to
             elif kind == OutputKind.OPT_STATE:
                 name, key = split_state_name(spec.name)
                 optimizer.state[params[name]][key] = value
+                if placement is not None:
+                    shards.store(f"{kind}:{spec.name}", value, placement)
             elif kind == OutputKind.BUFFER:
                 buffers[spec.name].copy_(value)
             elif kind == OutputKind.STEP_STATE:

@@ -6,8 +6,8 @@ checks the plan against the world before any process-group work, sets the
 collective library's algorithm (``HCCL_ALGO`` on Ascend, ``NCCL_ALGO`` on GPU),
 creates the default process group with the device's backend (hccl, nccl or
 gloo) and a ``(pp, dp, tp)`` :class:`~torch.distributed.device_mesh.DeviceMesh`
-with one process group per dimension. Passes see the mesh as a
-:class:`MeshInfo` (group names, sizes, this rank's coordinates).
+with one process group per dimension. Passes see the mesh as its description,
+:class:`graph_ir.mesh.MeshDesc` (axis sizes, group names, this rank's coordinates).
 
 Faults: a watchdog thread on every rank heart-beats through the rendezvous
 store and polls it for a published failure. A rank whose code raises inside
@@ -26,13 +26,14 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
+
+from graph_ir.mesh import MeshDesc
 
 from ..plan import Plan, PlanError
 
@@ -79,26 +80,6 @@ def default_device_type() -> str:
     if torch.cuda.is_available():
         return "cuda"
     return "cpu"
-
-
-# -- what passes see ------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class MeshInfo:
-    """The mesh as plain data: per dimension its size, process-group name and this rank's index."""
-
-    sizes: dict[str, int]
-    coords: dict[str, int]
-    groups: dict[str, str] = field(default_factory=dict)
-
-    def size(self, dim: str) -> int:
-        return self.sizes[dim]
-
-    def local_rank(self, dim: str) -> int:
-        return self.coords[dim]
-
-    def group_name(self, dim: str) -> str:
-        return self.groups[dim]
 
 
 # -- the watchdog -------------------------------------------------------------------------------
@@ -172,11 +153,7 @@ class DistributedRuntime:
         self.plan, self.mesh, self.backend, self.device_type = plan, mesh, backend, device_type
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.watchdog, self.store = watchdog, store
-        names = mesh.mesh_dim_names
-        coords = mesh.get_coordinate()
-        self.info = MeshInfo({d: mesh.size(i) for i, d in enumerate(names)},
-                             {d: coords[i] for i, d in enumerate(names)},
-                             {d: mesh.get_group(d).group_name for d in names})
+        self.info = MeshDesc.from_device_mesh(mesh)
 
     def group(self, dim: str):
         return self.mesh.get_group(dim)

@@ -5,19 +5,18 @@ optimizer's state in torch.optim's own format, the current learning rates
 and the batch; then it writes the new parameters and state back. So
 ``model.state_dict()`` and ``optimizer.state_dict()`` are always those of the
 last step, and an LR scheduler that edits ``param_groups`` takes effect on
-the next call without recompiling. A new batch shape or structure, or a
-changed baked hyperparameter (betas, weight decay, ...), compiles anew; each
-compilation is kept, keyed by what it was specialised on.
+the next call without recompiling. A new batch shape or structure, a changed
+``requires_grad`` or training mode, or a changed baked hyperparameter
+(one the graph does not take as an input) compiles anew; each compilation is
+kept, keyed by what it was specialised on.
 
-Distributed plans (dp > 1, ZeRO) compile per rank: the passes get the mesh
-of :func:`cann_passes.runtime.distributed.init_distributed` and may make the
-graph rank-specific. A ZeRO graph's optimizer state is kept sharded in
-``optimizer.state`` (each rank's padded 1-D shard); with stage 3 the
-parameter shards live in ``step.param_shards`` and the model's own
-parameters are left as they were until :meth:`CompiledStep.sync_model`
-gathers them. With gradient accumulation the final graph is split into a
-"grad" graph run per microbatch and an "apply" graph run once per optimizer
-step (``step.graphs`` lists both).
+Compiling is :func:`cann_passes.compile.compile_program` for this rank's
+mesh description, which gives a :class:`~graph_ir.program.Program`; each of
+its graphs is lowered and run as its schedule says (the whole step, or the
+grad graph per microbatch and the apply graph per optimizer step). Values a
+graph holds sharded (ZeRO) are kept by a :class:`ShardStore`: optimizer
+state shards are also what ``optimizer.state`` holds; stage-3 parameter
+shards live in the store and :meth:`CompiledStep.sync_model` gathers them.
 """
 from __future__ import annotations
 
@@ -32,39 +31,53 @@ import torch.utils._pytree as pytree
 from graph_ir import TrainGraph, capture_train_step, gather_inputs
 from graph_ir.analysis import GraphCost, MemoryProfile
 from graph_ir.capture import StepLayout
+from graph_ir.mesh import MeshDesc
 from graph_ir.optimizers import rule_for
-from graph_ir.signature import OutputKind
+from graph_ir.placement import gather
+from graph_ir.program import Program
+from graph_ir.signature import InputKind, OutputKind
 
-from ..dump import DumpWriter, dump_dir_from
+from ..compile import compile_program
+from ..dump import dump_dir_from
 from ..lowering import get_lowering, resolve_backend
-from ..pass_manager import PassContext, PassManager, PassRecord, Pipeline
-from ..pipeline import build_pipeline
+from ..pass_manager import PassContext, PassRecord, Pipeline
 from ..plan import Plan
 from . import accumulation, distributed
-from .binding import StepState, bind_inputs, write_back
+from .binding import ShardStore, StepState, bind_inputs, source_token, write_back
 
 log = logging.getLogger("cann_passes")
 
 
 @dataclass
 class Compilation:
-    """What compiling for one batch signature produced."""
+    """What compiling for one batch signature produced: the program and a runner per graph."""
 
     captured: TrainGraph
-    graph: TrainGraph
+    program: Program
     layout: StepLayout
     pipeline: Pipeline
     backend: str
     records: list[PassRecord]
-    runner: Callable[..., Any]
+    runners: dict[str, Callable[..., Any]]
     capture_seconds: float
     compile_seconds: float
     cost: GraphCost
     memory: MemoryProfile
     context: PassContext = field(repr=False, default=None)
-    # With gradient accumulation: the per-microbatch and the per-optimizer-step parts of ``graph``.
-    parts: dict[str, TrainGraph] = field(default_factory=dict)
-    part_runners: dict[str, Callable[..., Any]] = field(repr=False, default_factory=dict)
+
+    @property
+    def graph(self) -> TrainGraph:
+        """The graph that computes the loss: the whole step, or the grad graph when accumulating."""
+        return self.program.main
+
+    @property
+    def parts(self) -> dict[str, TrainGraph]:
+        """With gradient accumulation: the per-microbatch ``grad`` and per-step ``apply`` graphs."""
+        return dict(self.program.graphs) if set(self.program.graphs) == {"grad", "apply"} else {}
+
+    @property
+    def runner(self) -> Callable[..., Any] | None:
+        return self.runners.get("step")
 
 
 def _batch_key(batch: Any) -> tuple:
@@ -87,64 +100,75 @@ class CompiledStep:
         self.steps_run = 0
         self.world = distributed.current()
         if (plan.dp > 1 or plan.zero_stage) and self.world is None:
-            raise RuntimeError(f"plan dp={plan.dp}, zero_stage={plan.zero_stage} needs the process groups: "
-                               "call cann_passes.runtime.distributed.init_distributed(plan) first, in a "
-                               "process launched by torchrun")
-        self.param_shards: dict[str, torch.Tensor] = {}
+            raise RuntimeError(f"plan dp={plan.dp}, zero_stage={plan.zero_stage} needs the process groups to "
+                               "run: call cann_passes.runtime.distributed.init_distributed(plan) first, in a "
+                               "process launched by torchrun (to compile without processes, use "
+                               "cann_passes.compile_program with a MeshDesc.fake mesh)")
+        self.mesh = MeshDesc.from_device_mesh(self.world.mesh) if self.world is not None else MeshDesc.single()
+        self.shards = ShardStore(self.mesh)
         self.accumulation = accumulation.AccumulationState(plan)
+
+    @property
+    def param_shards(self) -> dict[str, torch.Tensor]:
+        """ZeRO-3: this rank's parameter shards, by parameter name."""
+        return self.shards.params()
 
     # -- compilation --------------------------------------------------------------------------
     def _baked_hparams(self) -> tuple:
-        return tuple(tuple(group.get(k) for k in self.rule.baked) for group in self.optimizer.param_groups)
+        return tuple(tuple(repr(group.get(k)) for k in self.rule.baked) for group in self.optimizer.param_groups)
+
+    def cache_key(self, batch: Any) -> tuple:
+        """What a compilation is specialised on: the batch's structure and shapes, which parameters
+        train, every module's training mode, and the hyperparameters baked into the graph."""
+        return (_batch_key(batch), tuple(p.requires_grad for p in self.model.parameters()),
+                tuple(m.training for m in self.model.modules()), self._baked_hparams())
 
     def compile(self, batch: Any) -> Compilation:
         """Compile for this batch's structure and shapes (done by the first call anyway)."""
-        key = (_batch_key(batch), self._baked_hparams())
+        key = self.cache_key(batch)
         if key not in self._compiled:
             self._compiled[key] = self._compile(batch)
+        # Most recently used last: ``step.last`` is the compilation the last call ran.
+        self._compiled[key] = self._compiled.pop(key)
         return self._compiled[key]
 
     def _compile(self, batch: Any) -> Compilation:
         t0 = time.perf_counter()
-        with accumulation.full_shape_state(self.model, self.optimizer):
+        with accumulation.full_shape_state(self.model, self.optimizer, self.shards):
             captured, layout = capture_train_step(self.model, self.optimizer, self.loss_fn, batch)
+            directory = dump_dir_from(self.plan.dump_dir)
+            inputs = gather_inputs(self.model, self.optimizer, layout, batch) if directory else None
         capture_seconds = time.perf_counter() - t0
-        pipeline = build_pipeline(self.plan, self.backend)
-        ctx = PassContext(plan=self.plan)
-        if self.world is not None:
-            ctx.mesh, ctx.rank, ctx.world_size = self.world.info, self.world.rank, self.world.world_size
-        directory = dump_dir_from(self.plan.dump_dir)
-        dump = DumpWriter(directory, str(pipeline)) if directory else None
-        if dump:
-            dump.write_capture(captured, ctx.analyses,
-                               gather_inputs(self.model, self.optimizer, layout, batch))
-        manager = PassManager(pipeline, verify_level=self.plan.verify, dump=dump)
-        graph = manager.run(captured.copy(), ctx)
+        program = compile_program(captured, self.plan, self.mesh, backend=self.backend, dump_dir=directory,
+                                  inputs=inputs)
         t1 = time.perf_counter()
-        parts, part_runners, runner = {}, {}, None
-        if accumulation.is_split(graph):
-            parts = dict(zip(("grad", "apply"), accumulation.split_grad_apply(graph)))
-            for part_name, part in parts.items():
-                part_runners[part_name] = get_lowering(self.backend).compile(part, self._inputs(part, batch),
-                                                                             self.plan)
-        else:
-            runner = get_lowering(self.backend).compile(graph, self._inputs(graph, batch), self.plan)
+        lowering = get_lowering(self.backend)
+        runners = {name: lowering.compile(graph, self._inputs(graph, batch), self.plan)
+                   for name, graph in program.graphs.items()}
         compile_seconds = time.perf_counter() - t1
-        log.info("compiled %s: %d -> %d nodes, backend %s, %.2fs passes, %.2fs lowering",
-                 graph.name, captured.num_nodes(), graph.num_nodes(), self.backend,
-                 sum(r.seconds for r in manager.records), compile_seconds)
-        return Compilation(captured, graph, layout, pipeline, self.backend, manager.records, runner,
-                           capture_seconds, compile_seconds, ctx.analyses.get("cost", graph),
-                           ctx.analyses.get("memory", graph), ctx, parts, part_runners)
+        ctx = program.context
+        main = program.main
+        log.info("compiled %s: %d -> %d nodes in %d graph(s), backend %s, %.2fs passes, %.2fs lowering",
+                 captured.name, captured.num_nodes(), program.num_nodes(), len(program.graphs), self.backend,
+                 sum(r.seconds for r in program.records), compile_seconds)
+        return Compilation(captured, program, layout, Pipeline.parse(program.attrs["pipeline"]), self.backend,
+                           program.records, runners, capture_seconds, compile_seconds,
+                           ctx.analyses.get("cost", main), ctx.analyses.get("memory", main), ctx)
 
     # -- running ------------------------------------------------------------------------------
+    def _init_state(self, name: str) -> None:
+        """Optimizer state for ``name`` as a fresh optimizer makes it (after loading an empty state)."""
+        params = dict(self.model.named_parameters())
+        group = next(g for g in self.optimizer.param_groups if any(p is params[name] for p in g["params"]))
+        self.optimizer.state[params[name]].update(self.rule.init_state(params[name].detach(), group))
+
     def _inputs(self, graph: TrainGraph, batch: Any) -> list[torch.Tensor]:
-        return bind_inputs(graph, self.model, self.optimizer, batch, self.step_state, self.param_shards)
+        return bind_inputs(graph, self.model, self.optimizer, batch, self.step_state, self.shards,
+                           self._init_state)
 
     def _run(self, graph: TrainGraph, runner, batch: Any) -> torch.Tensor | None:
         outputs = runner(*self._inputs(graph, batch))
-        self.metrics = write_back(graph, outputs, self.model, self.optimizer, self.step_state,
-                                  self.param_shards)
+        self.metrics = write_back(graph, outputs, self.model, self.optimizer, self.step_state, self.shards)
         loss = [o for spec, o in zip(graph.signature.outputs, outputs) if spec.kind == OutputKind.LOSS]
         return loss[0].detach() if loss else None
 
@@ -157,7 +181,10 @@ class CompiledStep:
         if self.plan.microbatches > 1:
             return self.accumulate(accumulation.split_batch(batch, self.plan.microbatches))
         comp = self.compile(batch)
-        loss = self._run(comp.graph, comp.runner, batch)
+        if "step" not in comp.runners:
+            raise RuntimeError(f"the compiled program has graphs {', '.join(comp.program.graphs)} but no whole "
+                               "step: a pipeline that splits the step needs microbatches or accumulate_target")
+        loss = self._run(comp.program["step"], comp.runners["step"], batch)
         self.steps_run += 1
         # The step performed the optimizer's update: tell LR schedulers, which
         # otherwise warn that they stepped before the optimizer did.
@@ -170,15 +197,15 @@ class CompiledStep:
 
     def sync_model(self) -> None:
         """ZeRO-3: all-gather the parameter shards into the model's parameters (every rank must call)."""
-        comp = self.last
-        zero = comp.graph.attrs.get("zero")
-        if not zero or zero["stage"] != 3:
-            return
-        from .checkpoint import gather_full
         params = dict(self.model.named_parameters())
         with torch.no_grad():
             for name, shard in self.param_shards.items():
-                params[name].data = gather_full(shard, params[name].shape, self.world.group("dp"))
+                key = f"{InputKind.PARAM.value}:{name}"
+                placement = self.shards.placements[key]
+                (axis, _), = [(a, p) for a, p in placement.axes]
+                params[name].data = gather(shard, placement, self.world.group(axis))
+                # The model now holds exactly what the shard holds: no need to cut it again.
+                self.shards.sources[key] = source_token(params[name])
 
     def optimizer_state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (padded shards under ZeRO)."""
@@ -199,7 +226,7 @@ class CompiledStep:
     @property
     def graphs(self) -> list[TrainGraph]:
         comp = self.last
-        return list(comp.parts.values()) if comp.parts else [comp.graph]
+        return list(comp.program.graphs.values())
 
     def summary(self) -> str:
         comp = self.last

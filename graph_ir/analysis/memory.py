@@ -155,3 +155,45 @@ def memory_profile(graph: torch.fx.Graph) -> MemoryProfile:
     return MemoryProfile(resident, timeline, [n.name for n in nodes], resident + peak, peak_at,
                          sum(saved.values()), sorted(saved),
                          {r: resident + b for r, b in by_region.items()})
+
+
+@dataclass
+class StateBytes:
+    """Per-rank bytes of one graph by what they hold (read from the graph: shards count as shards).
+
+    ``params``, ``optimizer_state``, ``buffers``, ``step_state``: the graph's inputs of those kinds
+    (resident all step); ``grads``: the values the optimizer update reads as gradients (a shard each
+    under ZeRO-2/3); ``activations``: forward buffers that backward reads (after recompute).
+    """
+
+    params: int
+    grads: int
+    optimizer_state: int
+    activations: int
+    buffers: int = 0
+    step_state: int = 0
+
+    @property
+    def model_state(self) -> int:
+        return self.params + self.grads + self.optimizer_state
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__, model_state=self.model_state)
+
+
+def state_bytes(tg) -> StateBytes:
+    from ..meta import GRADIENT_OF
+    from ..signature import InputKind
+    from .gradients import GradientNotFound, find_gradients
+    by_kind: dict[str, int] = {}
+    for spec, node in zip(tg.signature.inputs, tg.placeholders()):
+        by_kind[spec.kind] = by_kind.get(spec.kind, 0) + nbytes(node.meta.get("val"))
+    marked = [n for n in tg.graph.nodes if GRADIENT_OF in n.meta]
+    if not marked:
+        try:
+            marked = list(find_gradients(tg, mark=False).values())
+        except GradientNotFound:   # no optimizer update in this graph (a grad graph, a forward half)
+            marked = []
+    return StateBytes(by_kind.get(InputKind.PARAM.value, 0), sum(nbytes(n.meta.get("val")) for n in marked),
+                      by_kind.get(InputKind.OPT_STATE.value, 0), sum(saved_activations(tg.graph).values()),
+                      by_kind.get(InputKind.BUFFER.value, 0), by_kind.get(InputKind.STEP_STATE.value, 0))

@@ -7,9 +7,8 @@ from pathlib import Path
 import torch
 
 from cann_passes import PassContext, PassManager, Plan, compile_for_npu
-from cann_passes.runtime.accumulation import split_grad_apply
-from cann_passes.runtime.distributed import MeshInfo
 from graph_ir import capture_train_step
+from graph_ir.mesh import MeshDesc
 from recipes.models.gpt import gpt_loss
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -70,11 +69,11 @@ def test_dynamic_accumulation_reaches_its_target_every_optimizer_step():
 def test_data_parallel_and_zero_sync_once_per_optimizer_step_not_per_microbatch():
     model, opt = worker.make_model()
     tg, _ = capture_train_step(model, opt, gpt_loss, worker.global_batch(0, rows=2))
-    mesh = MeshInfo({"dp": 2}, {"dp": 0}, {"dp": "dp-group"})
+    mesh = MeshDesc.fake(dp=2)
     for sync in ("data_parallel{bucket_mb=0.02}", "optimizer_shard{stage=2,bucket_mb=0.02}"):
-        graph = PassManager(f"cleanup,grad_accumulation{{microbatches=4}},{sync},cleanup",
-                            verify_level="deep").run(tg.copy(), PassContext(plan=None, mesh=mesh))
-        grad, apply = split_grad_apply(graph)
+        program = PassManager(f"cleanup,grad_accumulation{{microbatches=4}},{sync},cleanup,split_grad_apply",
+                              verify_level="deep").run(tg.copy(), PassContext(plan=None, mesh=mesh))
+        grad, apply = program["grad"], program["apply"]
         grad_collectives = [n for n in grad.graph.nodes if C10D in str(n.target) and "wait" not in str(n.target)]
         apply_collectives = [n for n in apply.graph.nodes if C10D in str(n.target) and "wait" not in str(n.target)]
         # Per microbatch: only the scalar loss is averaged; every gradient crosses ranks in "apply".

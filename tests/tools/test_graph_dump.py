@@ -205,14 +205,14 @@ class TestPageParts:
     def test_collectives_count_bytes_per_kind_and_region(self):
         c = Collectives.of(self._collective_nodes())
         assert c.count == 3 and c.bytes == 2 * 4096 + 16384
-        assert c.by_kind == {"all_reduce": [2, 8192], "all_gather_into_tensor": [1, 16384]}
+        assert c.by_kind == {"all_reduce": [2, 8192], "all_gather": [1, 16384]}
         assert c.by_region == {"backward": [2, 8192], "forward": [1, 16384]}
 
     def test_collectives_section_and_empty_graph(self, tmp_path):
         p = PassDump(str(tmp_path), {"index": 3, "name": "data_parallel"})
         p.__dict__["data"] = {"nodes": self._collective_nodes()}
         section = collectives_section(p)
-        assert "all_gather_into_tensor" in section and "24.0 KiB" in section
+        assert "all_gather" in section and "24.0 KiB" in section
         empty = PassDump(str(tmp_path), {"index": 1, "name": "cleanup"})
         empty.__dict__["data"] = {"nodes": self._collective_nodes()[:1]}
         assert 'id="no-collectives"' in collectives_section(empty)

@@ -29,7 +29,8 @@ from .dumpdir import DumpError
 log = logging.getLogger("cann_graph_dump")
 
 # Files of an earlier dump into the same directory; a shorter pipeline would leave them behind.
-_STALE = re.compile(r"^(\d{3}_.+\.(py|json|diff|dot|svg|constants\.pt)|passes\.json|index\.html|inputs\.pt)$")
+_STALE = re.compile(r"^(\d{3}_.+\.(py|json|diff|dot|svg|constants\.pt)|passes\.json|index\.html|inputs\.pt|"
+                    r"program\.(txt|json))$")
 
 
 @dataclass
@@ -58,26 +59,28 @@ def clear_dump(directory: str) -> None:
     from .ge import clear_ge
     os.makedirs(directory, exist_ok=True)
     for name in os.listdir(directory):
+        path = os.path.join(directory, name)
         if _STALE.match(name):
-            os.remove(os.path.join(directory, name))
+            os.remove(path)
+        elif os.path.isdir(path) and os.path.exists(os.path.join(path, "passes.json")):
+            clear_dump(path)      # a graph's subdirectory from an earlier program
     clear_ge(directory)
 
 
-def capture_and_dump(target, plan, directory: str) -> None:
-    """Capture and run the pipeline with dumps, without lowering: works on meta models."""
-    from cann_passes.dump import DumpWriter
-    from cann_passes.pass_manager import PassContext, PassManager
-    from cann_passes.pipeline import build_pipeline
+def capture_and_dump(target, plan, directory: str):
+    """Capture and compile the program with dumps, without lowering: works on meta models.
+
+    The plan's parallel degrees compile for rank 0 of a fake mesh of those sizes (no processes).
+    """
+    from cann_passes.compile import compile_program
     from graph_ir import capture_train_step, gather_inputs
+    from graph_ir.mesh import MeshDesc
     batch = target.batch(0)
     captured, layout = capture_train_step(target.model, target.optimizer, target.loss_fn, batch)
-    # Nothing is lowered, so the backend only decides the pipeline and need not be present.
-    pipeline = build_pipeline(plan, "eager" if plan.backend == "auto" else plan.backend)
-    ctx = PassContext(plan=plan)
-    dump = DumpWriter(directory, str(pipeline))
     inputs = None if target.meta else gather_inputs(target.model, target.optimizer, layout, batch)
-    dump.write_capture(captured, ctx.analyses, inputs)
-    PassManager(pipeline, verify_level=plan.verify, dump=dump).run(captured, ctx)
+    # Nothing is lowered, so the backend only decides the pipeline and need not be present.
+    return compile_program(captured, plan, MeshDesc.fake(dp=plan.dp, tp=plan.tp, pp=plan.pp),
+                           dump_dir=directory, inputs=inputs)
 
 
 def run_target(target_name: str, out: str, *, plan_file: str | None = None, pipeline: str | None = None,
@@ -92,7 +95,7 @@ def run_target(target_name: str, out: str, *, plan_file: str | None = None, pipe
     clear_dump(out)
     t1 = time.perf_counter()
     result.seconds["build"] = t1 - t0
-    if capture_only or target.meta:
+    if capture_only or target.meta or plan.dp * plan.tp * plan.pp > 1:
         capture_and_dump(target, plan, out)
     else:
         step = result.step = compile_for_npu(target.model, plan, optimizer=target.optimizer,
@@ -125,7 +128,10 @@ def report(directory: str, *, svg: bool = True, ge: bool = False) -> str:
     svgs = write_graphviz(dump, svg=svg)
     for p in dump.passes[:-1]:     # big graphs: keep only the final one loaded
         p.release()
-    return write_index(dump, diffs, svgs)
+    page = write_index(dump, diffs, svgs)
+    for sub in dump.graph_directories():   # the further graphs of the program, each its own page
+        report(sub, svg=svg)
+    return page
 
 
 # -- replay ----------------------------------------------------------------------------------------

@@ -13,12 +13,11 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from graph_ir.analysis.collectives import kind_of_target_name
+
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4,
                 "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8,
                 "float8_e4m3fn": 1, "float8_e5m2": 1}
-# Functional collectives; wait_tensor only waits for one and moves nothing itself.
-_COLLECTIVE_NAMESPACES = ("_c10d_functional.", "c10d_functional.")
-_NOT_COLLECTIVES = ("wait_tensor",)
 
 
 class DumpError(ValueError):
@@ -35,12 +34,11 @@ def value_bytes(value) -> int:
 
 
 def collective_kind(node: dict) -> str | None:
-    """``all_reduce`` for a functional collective node, else None."""
-    target = node.get("target", "")
-    if node.get("op") != "call_function" or not target.startswith(_COLLECTIVE_NAMESPACES):
+    """``all_reduce`` / ``all_gather`` / ... for a serialized collective node, else None (recognised by
+    graph_ir.analysis.collectives, like everywhere else; ``wait_tensor`` moves nothing)."""
+    if node.get("op") != "call_function":
         return None
-    kind = target.split(".")[1]
-    return None if kind in _NOT_COLLECTIVES else kind
+    return kind_of_target_name(node.get("target", ""))
 
 
 def collective_bytes(node: dict, by_name: dict[str, dict]) -> int:
@@ -185,6 +183,20 @@ class DumpDir:
     def pipeline(self) -> str:
         path = os.path.join(self.directory, "pipeline.txt")
         return open(path, encoding="utf-8").read().strip() if os.path.exists(path) else ""
+
+    def program(self) -> dict | None:
+        """``program.json`` of the compiled program, where the dump has one."""
+        path = os.path.join(self.directory, "program.json")
+        if not os.path.exists(path):
+            return None
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+
+    def graph_directories(self) -> list[str]:
+        """The dump directories of the program's graphs other than the one dumped here."""
+        program = self.program() or {}
+        return [os.path.join(self.directory, d) for d in (program.get("directories") or {}).values()
+                if d not in (".", "") and os.path.exists(os.path.join(self.directory, d, "passes.json"))]
 
     @property
     def last(self) -> PassDump:

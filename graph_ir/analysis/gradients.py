@@ -1,0 +1,66 @@
+"""Which value each parameter's optimizer update reads as its gradient.
+
+Read from the graph's semantics, not from names: the gradient of a trainable
+parameter is the one value its optimizer subgraph (the optimizer-region
+ancestors of its updated output) reads from outside the optimizer region
+that is not a graph input. Passes that move a gradient (accumulation, a
+reduce-scatter that leaves each rank a shard) re-mark the node the update now
+reads with ``meta[GRADIENT_OF]``, and marks win.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch.fx
+
+from ..meta import GRADIENT_OF, Region, region_of
+from ..signature import OutputKind
+
+
+class GradientNotFound(ValueError):
+    pass
+
+
+def optimizer_ancestors(node: torch.fx.Node) -> list[torch.fx.Node]:
+    seen, stack, out = set(), [node], []
+    while stack:
+        n = stack.pop()
+        if n in seen or n.op != "call_function" or region_of(n) != Region.OPTIMIZER:
+            continue
+        seen.add(n)
+        out.append(n)
+        stack.extend(n.all_input_nodes)
+    return out
+
+
+def find_gradients(tg, *, mark: bool = True) -> dict[str, torch.fx.Node]:
+    """Trainable parameter name -> the value its optimizer update reads as its gradient."""
+    marked = {n.meta[GRADIENT_OF]: n for n in tg.graph.nodes if GRADIENT_OF in n.meta}
+    outputs = tg.output_values()
+    found: dict[str, torch.fx.Node] = {}
+    for i, spec in tg.signature.outputs_of(OutputKind.PARAM):
+        if spec.name in marked:
+            found[spec.name] = marked[spec.name]
+            continue
+        reads = {a for n in optimizer_ancestors(outputs[i]) for a in n.all_input_nodes
+                 if a.op != "placeholder" and region_of(a) != Region.OPTIMIZER}
+        if len(reads) != 1:
+            raise GradientNotFound(
+                f"cannot find the gradient of '{spec.name}': its optimizer update reads "
+                f"{len(reads)} computed values from outside the optimizer region "
+                f"({sorted(a.name for a in reads)}); expected exactly one")
+        found[spec.name] = reads.pop()
+        if mark:
+            found[spec.name].meta[GRADIENT_OF] = spec.name
+    return found
+
+
+def optimizer_subgraph(tg, names: Iterable[str]) -> list[torch.fx.Node]:
+    """Optimizer-region nodes computing the given parameters' and their state's outputs, in order."""
+    wanted = set(names)
+    outputs = tg.output_values()
+    roots = [outputs[i] for i, s in enumerate(tg.signature.outputs)
+             if (s.kind == OutputKind.PARAM and s.name in wanted)
+             or (s.kind == OutputKind.OPT_STATE and s.name.rpartition(":")[0] in wanted)]
+    members = {n for r in roots for n in optimizer_ancestors(r)}
+    return [n for n in tg.graph.nodes if n in members]

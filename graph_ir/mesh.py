@@ -1,0 +1,146 @@
+"""The device mesh as data: what passes, the compile driver and the cost model read.
+
+A :class:`MeshDesc` names the mesh's axes (``pp``, ``dp``, ``tp`` by default,
+in the order of the process layout), their sizes, the coordinate of the rank
+being compiled for, and the process-group name of each axis as that rank
+sees it. It is built two ways:
+
+- :meth:`MeshDesc.from_device_mesh` from a live ``DeviceMesh`` at run time
+  (the group names are the real ``ProcessGroup.group_name``\\ s the
+  functional collectives in the graph resolve);
+- :meth:`MeshDesc.fake` for any sizes with no process at all, to compile or
+  cost a 64-rank plan in one process. Its group names are placeholders that
+  fake-tensor propagation never resolves; such a graph is for inspection,
+  not for running.
+
+Passes read only this description (``ctx.mesh``), never a process group.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+AXES = ("pp", "dp", "tp")
+
+
+@dataclass(frozen=True)
+class MeshDesc:
+    axes: tuple[str, ...]
+    shape: tuple[int, ...]
+    coords: tuple[int, ...]          # this rank's coordinate on every axis
+    groups: tuple[str, ...]          # this rank's process-group name on every axis
+    fake: bool = True
+    device_type: str = "cpu"
+
+    def __post_init__(self):
+        if not (len(self.axes) == len(self.shape) == len(self.coords) == len(self.groups)):
+            raise ValueError(f"mesh description: axes {self.axes}, shape {self.shape}, coords {self.coords} "
+                             f"and groups {self.groups} must have one entry per axis")
+        for axis, size, coord in zip(self.axes, self.shape, self.coords):
+            if size < 1 or not 0 <= coord < size:
+                raise ValueError(f"mesh axis '{axis}': size {size} must be >= 1 and the coordinate {coord} "
+                                 f"within it")
+
+    # -- making one -----------------------------------------------------------------------------
+    @classmethod
+    def fake(cls, *, dp: int = 1, tp: int = 1, pp: int = 1, rank: int = 0,
+             device_type: str = "cpu") -> "MeshDesc":
+        """A ``(pp, dp, tp)`` mesh of any size, seen from global ``rank``; no process group behind it."""
+        shape = (pp, dp, tp)
+        world = math.prod(shape)
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is outside a mesh of {world} ranks (pp={pp}, dp={dp}, tp={tp})")
+        coords = _unravel(rank, shape)
+        groups = tuple(_fake_group_name(AXES, shape, coords, i) for i in range(len(AXES)))
+        return cls(AXES, shape, coords, groups, True, device_type)
+
+    @classmethod
+    def single(cls) -> "MeshDesc":
+        return cls.fake()
+
+    @classmethod
+    def from_device_mesh(cls, mesh: Any) -> "MeshDesc":
+        """The description of a live ``torch.distributed.device_mesh.DeviceMesh``, from this rank."""
+        axes = tuple(mesh.mesh_dim_names)
+        return cls(axes, tuple(int(mesh.size(i)) for i in range(len(axes))),
+                   tuple(int(c) for c in mesh.get_coordinate()),
+                   tuple(mesh.get_group(a).group_name for a in axes), False, mesh.device_type)
+
+    def for_rank(self, rank: int) -> "MeshDesc":
+        """The same mesh seen from another rank (fake meshes only: real group names are per process)."""
+        if not self.fake:
+            raise ValueError("a live mesh is seen from its own rank only; use MeshDesc.fake(...) to "
+                             "compile for other ranks")
+        coords = _unravel(rank, self.shape)
+        groups = tuple(_fake_group_name(self.axes, self.shape, coords, i) for i in range(len(self.axes)))
+        return replace(self, coords=coords, groups=groups)
+
+    # -- reading it (the interface passes use) ----------------------------------------------------
+    def _index(self, axis: str) -> int:
+        if axis not in self.axes:
+            raise KeyError(f"the mesh has no axis '{axis}'; its axes are {', '.join(self.axes)}")
+        return self.axes.index(axis)
+
+    def size(self, axis: str) -> int:
+        return self.shape[self._index(axis)]
+
+    def local_rank(self, axis: str) -> int:
+        """This rank's coordinate on ``axis``."""
+        return self.coords[self._index(axis)]
+
+    def group_name(self, axis: str) -> str:
+        return self.groups[self._index(axis)]
+
+    def group_size(self, group_name: str) -> int | None:
+        """The size of the axis whose process group is called ``group_name`` here (None: not this mesh's)."""
+        for axis, name in zip(self.axes, self.groups):
+            if name == group_name:
+                return self.size(axis)
+        return None
+
+    @property
+    def rank(self) -> int:
+        """This rank's global rank (row-major over the axes, as ``init_device_mesh`` lays them out)."""
+        return _ravel(self.coords, self.shape)
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.shape)
+
+    def sizes(self) -> dict[str, int]:
+        return dict(zip(self.axes, self.shape))
+
+    def to_json(self) -> dict:
+        return {"axes": list(self.axes), "shape": list(self.shape), "coords": list(self.coords),
+                "groups": list(self.groups), "fake": self.fake, "device_type": self.device_type}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "MeshDesc":
+        return cls(tuple(data["axes"]), tuple(data["shape"]), tuple(data["coords"]), tuple(data["groups"]),
+                   bool(data.get("fake", True)), data.get("device_type", "cpu"))
+
+    def __str__(self) -> str:
+        sizes = " x ".join(f"{a}={s}" for a, s in zip(self.axes, self.shape))
+        return f"mesh({sizes}; rank {self.rank}{', fake' if self.fake else ''})"
+
+
+def _unravel(rank: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    coords = []
+    for size in reversed(shape):
+        coords.append(rank % size)
+        rank //= size
+    return tuple(reversed(coords))
+
+
+def _ravel(coords: tuple[int, ...], shape: tuple[int, ...]) -> int:
+    rank = 0
+    for c, size in zip(coords, shape):
+        rank = rank * size + c
+    return rank
+
+
+def _fake_group_name(axes, shape, coords, i: int) -> str:
+    # Ranks that differ only on axis i share that axis' group: name it by the other coordinates.
+    others = ",".join(f"{a}{c}" for j, (a, c) in enumerate(zip(axes, coords)) if j != i)
+    return f"fake:{axes[i]}[{others}]" if others else f"fake:{axes[i]}"
