@@ -1,0 +1,14 @@
+"""Fine-tuning recipe: a transformers causal LM from a local checkpoint, full / LoRA (peft) / frozen by pattern.
+
+    python -m recipes.finetune            # LoRA on a tiny LLaMA over the shipped instruction pairs
+"""
+from .config import ConfigError, FinetuneConfig
+from .memory import StateBytes, state_bytes
+from .model import (ResponseLoss, add_lora, causal_padding_mask, freeze_by_pattern, load_base,
+                    make_base_checkpoint, prepare_model, save_finetuned, tiny_llama_config)
+from .train import FinetuneResult, build, finetune, warmup_cosine
+
+__all__ = ["ConfigError", "FinetuneConfig", "FinetuneResult", "ResponseLoss", "StateBytes", "add_lora",
+           "build", "causal_padding_mask", "finetune", "freeze_by_pattern", "load_base",
+           "make_base_checkpoint", "prepare_model", "save_finetuned", "state_bytes", "tiny_llama_config",
+           "warmup_cosine"]

@@ -1,0 +1,181 @@
+"""The fine-tuning loop: one compiled step per batch, warmup + cosine LR, evaluation, save, reload check.
+
+Uses the compiler only through its public API: ``compile_for_npu(model,
+Plan, optimizer=..., loss_fn=...)``. The model is an ordinary transformers
+model (wrapped by peft for LoRA); the optimizer is ``torch.optim.AdamW`` over
+the parameters that train; the LR schedule is a ``LambdaLR`` the compiled
+step reads every call (the learning rate is a graph input: no recompile).
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from cann_passes import Plan, compile_for_npu
+from recipes.data.instructions import InstructionBatches, load_pairs, split_pairs
+
+from .config import FinetuneConfig
+from .memory import StateBytes, state_bytes
+from .model import ResponseLoss, load_base, make_base_checkpoint, prepare_model, save_finetuned
+
+DEFAULT_MODEL_DIR = FinetuneConfig().model_dir
+
+
+@dataclass
+class FinetuneResult:
+    losses: list[float]
+    val_loss_before: float
+    val_loss_after: float
+    reloaded_val_loss: float | None       # the saved directory, loaded back by plain transformers
+    reload_max_logit_diff: float | None
+    trainable_params: int
+    total_params: int
+    state: StateBytes
+    seconds: float
+    first_step_seconds: float
+    output_dir: str | None
+    summary: str = ""
+    lrs: list[float] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        out = {k: v for k, v in self.__dict__.items() if k not in ("state", "summary")}
+        out["state"] = self.state.to_json()
+        return out
+
+
+def warmup_cosine(warmup_steps: int, total_steps: int, min_ratio: float):
+    """LR multiplier: linear warmup from 1/warmup to 1, then cosine down to ``min_ratio``."""
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return factor
+
+
+@torch.no_grad()
+def evaluate(model, loss_fn, batches) -> float:
+    was_training = model.training
+    model.eval()
+    losses = [loss_fn(model, b).item() for b in batches]
+    model.train(was_training)
+    return sum(losses) / len(losses)
+
+
+def ensure_base(cfg: FinetuneConfig) -> str:
+    """The base checkpoint directory; the default one is made (random init) when absent."""
+    if not os.path.exists(cfg.model_dir) and cfg.model_dir == DEFAULT_MODEL_DIR:
+        make_base_checkpoint(cfg.model_dir, seed=cfg.seed)
+        print(f"made a randomly initialised tiny LLaMA base checkpoint in {cfg.model_dir} "
+              "(no pretrained weights ship with the project; pass --model DIR for your own)")
+    return cfg.model_dir
+
+
+def build(cfg: FinetuneConfig):
+    """(model, optimizer, scheduler, loss_fn) for ``cfg``, from its base checkpoint."""
+    torch.manual_seed(cfg.seed)   # LoRA's initial A matrices (and dropout) are seeded
+    model = prepare_model(load_base(ensure_base(cfg), cfg.base_dtype), cfg)
+    model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, warmup_cosine(cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio))
+    return model, optimizer, scheduler, ResponseLoss(cfg.attention_mask)
+
+
+def finetune(cfg: FinetuneConfig, *, world=None, save: bool = True, progress: bool = True) -> FinetuneResult:
+    """Train ``cfg`` and (on rank 0) save the result so plain transformers loads it."""
+    from cann_passes.runtime.distributed import shard_batch
+
+    rank, dp_rank, dp_size = (world.rank, world.dp_rank, world.dp_size) if world else (0, 0, 1)
+    plan = Plan.from_dict(cfg.plan)
+    model, optimizer, scheduler, loss_fn = build(cfg)
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    n_total = sum(p.numel() for p in model.parameters())
+    step = compile_for_npu(model, plan, optimizer=optimizer, loss_fn=loss_fn)
+
+    train_pairs, val_pairs = split_pairs(load_pairs(cfg.data), seed=cfg.seed)
+    val_batches = list(InstructionBatches(val_pairs, min(cfg.batch_size, len(val_pairs)), cfg.seq_len,
+                                          seed=cfg.seed, num_batches=cfg.eval_batches))
+    val_before = evaluate(model, loss_fn, val_batches)
+    batches = InstructionBatches(train_pairs, cfg.batch_size, cfg.seq_len, seed=cfg.seed)
+
+    losses, lrs = [], []
+    bar = tqdm(itertools.islice(batches, cfg.steps), total=cfg.steps, unit="step", dynamic_ncols=True,
+               disable=not progress or rank != 0, desc=f"finetune {cfg.method}")
+    start = time.perf_counter()
+    first_step_seconds = 0.0
+    for i, batch in enumerate(bar):
+        t0 = time.perf_counter()
+        lrs.append(optimizer.param_groups[0]["lr"])
+        loss = step(shard_batch(batch, dp_rank, dp_size) if dp_size > 1 else batch)
+        scheduler.step()
+        losses.append(loss.item())
+        if i == 0:
+            first_step_seconds = time.perf_counter() - t0   # capture + passes + lowering
+        tokens = int((batch["labels"] != -100).sum())
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{lrs[-1]:.1e}", resp_tok=tokens)
+    bar.close()
+    seconds = time.perf_counter() - start
+    if plan.zero_stage == 3:
+        step.sync_model()
+    val_after = evaluate(model, loss_fn, val_batches)
+    result = FinetuneResult(losses, val_before, val_after, None, None, n_trainable, n_total,
+                            state_bytes(step.graphs[0] if len(step.graphs) == 1 else step.last.graph),
+                            seconds, first_step_seconds, None, step.summary(), lrs)
+    if save and rank == 0:
+        result.output_dir = cfg.output_dir
+        check_batch = val_batches[0]
+        with torch.no_grad():
+            model.eval()
+            logits = model(input_ids=check_batch["input_ids"],
+                           attention_mask=check_batch["attention_mask"]).logits
+        save_finetuned(model, cfg.output_dir)
+        result.reloaded_val_loss, result.reload_max_logit_diff = check_reload(
+            cfg, val_batches, loss_fn, check_batch, logits)
+        with open(os.path.join(cfg.output_dir, "finetune.json"), "w", encoding="utf-8") as f:
+            json.dump({"config": cfg.to_dict(), "plan": plan.to_dict(), "result": result.to_json()}, f, indent=1)
+    return result
+
+
+def check_reload(cfg, val_batches, loss_fn, batch, logits) -> tuple[float, float]:
+    """Load the saved directory with plain transformers: its validation loss and logit difference."""
+    from transformers import AutoModelForCausalLM
+    reloaded = AutoModelForCausalLM.from_pretrained(cfg.output_dir)
+    reloaded.eval()
+    with torch.no_grad():
+        again = reloaded(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    real = batch["attention_mask"].bool()
+    diff = (again.float() - logits.float())[real].abs().max().item()
+    return evaluate(reloaded, loss_fn, val_batches), diff
+
+
+def describe(cfg: FinetuneConfig, result: FinetuneResult) -> str:
+    s = result.state
+    mib = 2 ** 20
+    lines = [
+        result.summary,
+        f"method {cfg.method}: {result.trainable_params:,} of {result.total_params:,} parameters train "
+        f"({100 * result.trainable_params / result.total_params:.2f}%)",
+        f"step graph holds: trainable params {s.trainable_param_bytes / mib:.3f} MiB, frozen params "
+        f"{s.frozen_param_bytes / mib:.3f} MiB, gradients {s.gradient_bytes / mib:.3f} MiB, "
+        f"optimizer state {s.optimizer_state_bytes / mib:.3f} MiB",
+        f"response-token loss: first step {result.losses[0]:.3f}, last 10 steps "
+        f"{sum(result.losses[-10:]) / len(result.losses[-10:]):.3f}; validation {result.val_loss_before:.3f} -> "
+        f"{result.val_loss_after:.3f}",
+        f"{len(result.losses)} steps in {result.seconds:.1f}s (first step, with compilation: "
+        f"{result.first_step_seconds:.1f}s)",
+    ]
+    if result.output_dir:
+        lines.append(f"saved to {result.output_dir} (plain transformers loads it"
+                     f"{'; LoRA merged, adapter in ' + os.path.join(result.output_dir, 'adapter') if cfg.method == 'lora' else ''}): "
+                     f"reloaded validation loss {result.reloaded_val_loss:.3f}, max logit difference "
+                     f"{result.reload_max_logit_diff:.2e}")
+    return "\n".join(lines)

@@ -1,0 +1,218 @@
+"""Fine-tuning recipe: LoRA (peft) and full fine-tuning of transformers LLaMA through compile_for_npu."""
+from __future__ import annotations
+
+import collections
+import copy
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from transformers import LlamaForCausalLM  # noqa: E402
+
+from cann_passes import Plan, compile_for_npu  # noqa: E402
+from recipes.data.instructions import (IGNORE_INDEX, PAD_ID, InstructionBatches, Pair, collate,  # noqa: E402
+                                       corpus_pairs, load_pairs, split_pairs)
+from recipes.finetune import (ConfigError, FinetuneConfig, ResponseLoss, prepare_model, save_finetuned,  # noqa: E402
+                              state_bytes, tiny_llama_config, warmup_cosine)
+
+SEQ = 80
+TINY = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(tiny_llama_config(**TINY))
+
+
+def lora_model(seed: int = 0):
+    model = prepare_model(tiny_llama(seed), FinetuneConfig(method="lora", lora_r=4, lora_alpha=8.0,
+                                                           lora_targets=TARGETS))
+    # peft starts B at zero; a nonzero start makes A's first gradients nonzero as well.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.02)
+    return model
+
+
+def padded_batches(n: int, batch: int = 4):
+    pairs = corpus_pairs()
+    return list(InstructionBatches(pairs, batch, SEQ, seed=3, num_batches=n))
+
+
+def adamw(model):
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-3, weight_decay=0.01)
+
+
+@pytest.fixture(scope="module")
+def lora_run():
+    """10 steps of LoRA through compile_for_npu and the same 10 in eager peft, from the same weights."""
+    model = lora_model()
+    reference = copy.deepcopy(model)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    batches = padded_batches(10)
+    step = compile_for_npu(model, Plan(backend="eager", verify="deep"), optimizer=adamw(model),
+                           loss_fn=ResponseLoss("4d"))
+    compiled_losses = [step(b).item() for b in batches]
+    # The reference is plain peft + transformers: the padding mask as transformers takes it.
+    eager_loss, ref_opt = ResponseLoss("2d"), adamw(reference)
+    eager_losses = []
+    for b in batches:
+        ref_opt.zero_grad(set_to_none=True)
+        loss = eager_loss(reference, b)
+        loss.backward()
+        ref_opt.step()
+        eager_losses.append(loss.item())
+    return dict(model=model, reference=reference, initial=initial, step=step, batches=batches,
+                compiled=compiled_losses, eager=eager_losses)
+
+
+class TestLoraThroughCompileForNpu:
+    def test_ten_steps_equal_eager_peft_training(self, lora_run):
+        assert lora_run["compiled"] == pytest.approx(lora_run["eager"], abs=1e-5)
+        ref = dict(lora_run["reference"].named_parameters())
+        for name, p in lora_run["model"].named_parameters():
+            torch.testing.assert_close(p, ref[name], rtol=0, atol=1e-5, msg=name)
+        assert lora_run["compiled"][-1] < lora_run["compiled"][0]
+
+    def test_only_adapter_weights_change(self, lora_run):
+        changed = {n for n, p in lora_run["model"].named_parameters()
+                   if not torch.equal(p, lora_run["initial"][n])}
+        adapters = {n for n, _ in lora_run["model"].named_parameters() if "lora_" in n}
+        assert changed == adapters and len(adapters) == 2 * len(TARGETS) * 2   # A and B, 7 targets, 2 layers
+
+    def test_merged_model_loads_in_plain_transformers_with_the_trained_logits(self, lora_run, tmp_path):
+        model, batch = copy.deepcopy(lora_run["model"]), lora_run["batches"][0]
+        model.eval()
+        with torch.no_grad():
+            trained = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        save_finetuned(model, tmp_path / "merged")
+        reloaded = LlamaForCausalLM.from_pretrained(tmp_path / "merged")
+        assert not any("lora" in n for n in reloaded.state_dict())
+        with torch.no_grad():
+            logits = reloaded(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        real = batch["attention_mask"].bool()
+        torch.testing.assert_close(logits[real], trained[real], rtol=0, atol=1e-5)
+        assert (tmp_path / "merged" / "adapter" / "adapter_config.json").exists()
+
+    def test_lora_plan_holds_gradients_and_optimizer_state_of_adapters_only(self, lora_run):
+        model, graph = lora_run["model"], lora_run["step"].last.graph
+        adapters = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        frozen = {n: p for n, p in model.named_parameters() if not p.requires_grad}
+        assert adapters and all("lora_" in n for n in adapters)
+        state = state_bytes(graph)
+        adapter_bytes = sum(p.numel() * p.element_size() for p in adapters.values())
+        assert state.trainable == sorted(adapters)
+        assert state.trainable_param_bytes == adapter_bytes
+        assert state.frozen_param_bytes == sum(p.numel() * p.element_size() for p in frozen.values())
+        # One gradient buffer per adapter, of its shape; none of a frozen weight's shape.
+        assert collections.Counter(state.gradient_shapes) == collections.Counter(
+            tuple(p.shape) for p in adapters.values())
+        assert state.gradient_bytes == adapter_bytes
+        # AdamW: exp_avg and exp_avg_sq per adapter (plus its 0-dim step count), nothing else.
+        assert {s.rpartition(":")[0] for s in state.optimizer_state} == set(adapters)
+        steps_bytes = sum(lora_run["step"].optimizer.state[p]["step"].element_size() for p in adapters.values())
+        assert state.optimizer_state_bytes == 2 * adapter_bytes + steps_bytes
+        assert lora_run["step"].optimizer_state_bytes() == state.optimizer_state_bytes
+
+
+def test_full_fine_tuning_plan_holds_gradients_and_state_of_every_weight():
+    model = prepare_model(tiny_llama(), FinetuneConfig(method="full"))
+    step = compile_for_npu(model, Plan(backend="eager"), optimizer=adamw(model), loss_fn=ResponseLoss("4d"))
+    step(padded_batches(1)[0])
+    state = state_bytes(step.last.graph)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert state.frozen_param_bytes == 0 and state.trainable_param_bytes == total
+    assert state.gradient_bytes == total
+
+
+def test_freezing_by_pattern_trains_only_the_rest():
+    model = prepare_model(tiny_llama(), FinetuneConfig(method="freeze", freeze=("model.embed_tokens.*",
+                                                                                "model.layers.0.*")))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    step = compile_for_npu(model, Plan(backend="eager"), optimizer=adamw(model), loss_fn=ResponseLoss("4d"))
+    step(padded_batches(1)[0])
+    for name, p in model.named_parameters():
+        frozen = name.startswith(("model.embed_tokens.", "model.layers.0."))
+        assert torch.equal(p, before[name]) == frozen, name
+    assert all(not s.startswith(("model.embed_tokens.", "model.layers.0."))
+               for s in state_bytes(step.last.graph).optimizer_state)
+
+
+def test_recipe_trains_from_its_command_and_the_saved_directory_reloads(tmp_path):
+    from recipes.finetune.__main__ import main
+    from recipes.finetune.model import make_base_checkpoint
+
+    base = make_base_checkpoint(tmp_path / "base", **TINY)
+    config = tmp_path / "lora.yaml"
+    config.write_text(json.dumps(dict(model_dir=str(base), output_dir=str(tmp_path / "out"), method="lora",
+                                      steps=24, warmup_steps=4, batch_size=4, seq_len=SEQ, lr=1e-2,
+                                      eval_batches=2, plan={"backend": "eager"})))
+    result = main(["--config", str(config)])
+    assert sum(result.losses[-4:]) / 4 < result.losses[0] - 0.05
+    assert result.val_loss_after < result.val_loss_before
+    assert result.reloaded_val_loss == pytest.approx(result.val_loss_after, abs=1e-4)
+    assert result.reload_max_logit_diff < 1e-4
+    saved = json.loads((tmp_path / "out" / "finetune.json").read_text())
+    assert saved["result"]["state"]["gradient_bytes"] == result.state.trainable_param_bytes
+    # The schedule: linear warmup to the peak, then cosine down.
+    assert result.lrs[3] == pytest.approx(1e-2) and result.lrs[0] == pytest.approx(2.5e-3)
+    assert result.lrs[-1] < result.lrs[4]
+
+
+class TestInstructionData:
+    def test_labels_cover_only_the_response_and_padding_is_masked(self):
+        batch = collate([Pair("What?", "Because."), Pair("Why not?", "It is.")], SEQ)
+        for row in range(2):
+            real = batch["attention_mask"][row].bool()
+            labelled = batch["labels"][row] != IGNORE_INDEX
+            assert bool((labelled & ~real).any()) is False
+            assert (batch["input_ids"][row][~real] == PAD_ID).all()
+            ids = batch["input_ids"][row][labelled].tolist()
+            assert bytes(ids[:-1]).decode() in ("Because.", "It is.")   # + EOS
+
+    def test_pairs_are_made_from_the_shipped_corpus_deterministically(self):
+        pairs = corpus_pairs()
+        assert len(pairs) > 1000 and pairs == corpus_pairs()
+        assert Pair("Which module defines `abc.ABCMeta`?", "It is defined in the `abc` module.") in pairs
+        train, val = split_pairs(pairs)
+        assert not set(train) & set(val)
+
+    def test_a_jsonl_file_replaces_the_shipped_pairs_and_bad_lines_are_named(self, tmp_path):
+        good = tmp_path / "pairs.jsonl"
+        good.write_text('{"prompt": "a", "response": "b"}\n')
+        assert load_pairs(good) == [Pair("a", "b")]
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text('{"prompt": "a"}\n')
+        with pytest.raises(ValueError, match=r"bad.jsonl:1: .*'prompt' and 'response'"):
+            load_pairs(bad)
+
+
+class TestConfig:
+    def test_bad_values_name_the_field(self):
+        with pytest.raises(ConfigError, match="'method'"):
+            FinetuneConfig(method="qlora")
+        with pytest.raises(ConfigError, match="'warmup_steps'"):
+            FinetuneConfig(steps=10, warmup_steps=20)
+        with pytest.raises(ConfigError, match="'lr_schedule' .*not a finetune config field"):
+            FinetuneConfig.from_dict({"lr_schedule": "cosine"})
+
+    def test_patterns_that_match_nothing_or_everything_are_refused(self):
+        with pytest.raises(ConfigError, match="'freeze'.*matches no parameter"):
+            prepare_model(tiny_llama(), FinetuneConfig(method="freeze", freeze=("encoder.*",)))
+        with pytest.raises(ConfigError, match="freeze every parameter"):
+            prepare_model(tiny_llama(), FinetuneConfig(method="freeze", freeze=("*",)))
+        with pytest.raises(ConfigError, match="'lora_targets'"):
+            prepare_model(tiny_llama(), FinetuneConfig(method="lora", lora_targets=("c_attn",)))
+        with pytest.raises(ConfigError, match="'base_dtype'"):
+            prepare_model(tiny_llama(), FinetuneConfig(method="full", base_dtype="bf16"))
+
+    def test_warmup_then_cosine(self):
+        f = warmup_cosine(4, 20, 0.1)
+        assert [f(s) for s in range(4)] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+        assert f(20) == pytest.approx(0.1) and f(12) == pytest.approx(0.55)
