@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -55,6 +55,8 @@ class StepLayout:
     group_of: dict[str, int]        # trainable parameter -> param group index
     batch_paths: list[str]
     batch_spec: pytree.TreeSpec
+    # Hyperparameter inputs per param group, named ``<key>:group<i>`` / ``<key>.<j>:group<i>``.
+    hparams: list[list[str]] = field(default_factory=list)
 
 
 def optimizer_param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
@@ -91,16 +93,18 @@ def plan_layout(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch:
             raise CaptureError(f"{batch_path(path)} is a {type(leaf).__name__}; "
                                "every leaf of a batch must be a tensor")
     state_keys = {n: rule.state_keys(optimizer.param_groups[group_of[n]]) for n in trainable}
+    hparams = [rule.input_names(g, i) for i, g in enumerate(optimizer.param_groups)]
     return StepLayout(trainable, frozen, [n for n, _ in model.named_buffers()], state_keys,
-                      {n: group_of[n] for n in trainable}, [batch_path(p) for p, _ in leaves], spec)
+                      {n: group_of[n] for n in trainable}, [batch_path(p) for p, _ in leaves], spec,
+                      hparams)
 
 
-def build_signature(layout: StepLayout, num_groups: int) -> StepSignature:
+def build_signature(layout: StepLayout) -> StepSignature:
     ins = [Spec(InputKind.PARAM, n) for n in layout.trainable + layout.frozen]
     ins += [Spec(InputKind.BUFFER, n) for n in layout.buffers]
     ins += [Spec(InputKind.OPT_STATE, state_name(n, k)) for n in layout.trainable
             for k in layout.state_keys[n]]
-    ins += [Spec(InputKind.HPARAM, f"lr:group{g}") for g in range(num_groups)]
+    ins += [Spec(InputKind.HPARAM, n) for names in layout.hparams for n in names]
     ins += [Spec(InputKind.BATCH, p) for p in layout.batch_paths]
     outs = [Spec(OutputKind.LOSS, "loss")]
     outs += [Spec(OutputKind.PARAM, n) for n in layout.trainable]
@@ -151,7 +155,7 @@ def _tag_backward_with_forward_module(loss: torch.Tensor) -> None:
         setup_stacktrace_preservation_hooks([loss.grad_fn])
 
 
-def _update_keeping_dtype(rule: UpdateRule, p, g, state, lr, group):
+def _update_keeping_dtype(rule: UpdateRule, p, g, state, h, group):
     """``rule.update``, with a 0-dim parameter (CLIP's ``logit_scale``) seen as shape (1,).
 
     The rules compute their scalars as float64 0-dim tensors, standing in for
@@ -161,9 +165,9 @@ def _update_keeping_dtype(rule: UpdateRule, p, g, state, lr, group):
     arithmetic as every other parameter.
     """
     if p.dim() != 0:
-        return rule.update(p, g, state, lr, group)
+        return rule.update(p, g, state, h, group)
     shaped = {k: v if k in rule.scalar_state else v.reshape(1) for k, v in state.items()}
-    new_p, new_s = rule.update(p.reshape(1), g.reshape(1), shaped, lr, group)
+    new_p, new_s = rule.update(p.reshape(1), g.reshape(1), shaped, h, group)
     return new_p.reshape(()), {k: v if k in rule.scalar_state else v.reshape(()) for k, v in new_s.items()}
 
 
@@ -177,7 +181,7 @@ def _make_step_fn(model, optimizer, loss_fn, layout: StepLayout, rule: UpdateRul
         frozen = [next(it) for _ in range(n_frozen)]
         buffers = [next(it) for _ in range(n_buf)]
         states = [{k: next(it) for k in layout.state_keys[n]} for n in layout.trainable]
-        lrs = [next(it) for _ in groups]
+        hparams = [rule.pack(group, [next(it) for _ in names]) for group, names in zip(groups, layout.hparams)]
         batch = pytree.tree_unflatten(list(it), layout.batch_spec)
         frozen_params = dict(zip(layout.frozen, frozen))
 
@@ -205,7 +209,7 @@ def _make_step_fn(model, optimizer, loss_fn, layout: StepLayout, rule: UpdateRul
             for name, p, g, s in zip(layout.trainable, trainable, grads, states):
                 group = groups[layout.group_of[name]]
                 with fx_traceback.annotate({MODULE_PATH: name.rpartition(".")[0]}):
-                    new_p, new_s = _update_keeping_dtype(rule, p, g, s, lrs[layout.group_of[name]], group)
+                    new_p, new_s = _update_keeping_dtype(rule, p, g, s, hparams[layout.group_of[name]], group)
                 new_params.append(new_p)
                 new_states.extend(new_s[k] for k in layout.state_keys[name])
         return [loss, *new_params, *new_buffers, *new_states]
@@ -352,6 +356,14 @@ def initial_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optim
     return created
 
 
+def hparam_value(optimizer: torch.optim.Optimizer, name: str) -> float:
+    """``lr:group0`` -> group 0's lr; ``betas.1:group0`` -> group 0's betas[1]."""
+    key, _, group = name.partition(":group")
+    key, _, index = key.partition(".")
+    value = optimizer.param_groups[int(group)][key]
+    return float(value[int(index)] if index else value)
+
+
 def gather_inputs(model, optimizer, layout: StepLayout, batch: Any) -> list[torch.Tensor]:
     """The flat input list of a captured step, read from the live model and optimizer."""
     params = dict(model.named_parameters())
@@ -361,8 +373,8 @@ def gather_inputs(model, optimizer, layout: StepLayout, batch: Any) -> list[torc
     flat += [optimizer.state[params[n]][k] for n in layout.trainable for k in layout.state_keys[n]]
     device = flat[0].device if flat else torch.device("cpu")
     # float64, like the Python float torch.optim computes with.
-    flat += [torch.tensor(float(g["lr"]), dtype=torch.float64, device=device)
-             for g in optimizer.param_groups]
+    flat += [torch.tensor(hparam_value(optimizer, n), dtype=torch.float64, device=device)
+             for names in layout.hparams for n in names]
     leaves, spec = pytree.tree_flatten(batch)
     if spec != layout.batch_spec:
         raise CaptureError(f"batch structure changed: captured {layout.batch_spec}, got {spec}")
@@ -427,7 +439,7 @@ def capture_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     if not layout.trainable:
         raise CaptureError("the optimizer updates no trainable parameter of the model")
     created = initial_optimizer_state(model, optimizer, layout, rule)
-    signature = build_signature(layout, len(optimizer.param_groups))
+    signature = build_signature(layout)
     flat = gather_inputs(model, optimizer, layout, batch)
     gm = _trace(_make_step_fn(model, optimizer, loss_fn, layout, rule), flat, layout)
     _finish_metadata(gm)

@@ -69,8 +69,8 @@ def test_sgd_without_momentum_has_no_optimizer_state():
 
 def test_unsupported_optimizer_is_refused_by_name():
     model, loss_fn = tiny_mlp()
-    with pytest.raises(ValueError, match="RMSprop is not supported"):
-        capture_train_step(model, torch.optim.RMSprop(model.parameters()), loss_fn,
+    with pytest.raises(ValueError, match="Adadelta is not supported"):
+        capture_train_step(model, torch.optim.Adadelta(model.parameters()), loss_fn,
                            (torch.randn(2, 12), torch.tensor([0, 1])))
 
 
