@@ -750,3 +750,129 @@ def test_a_failed_first_step_creates_no_optimizer_state(mlp):
     with pytest.raises(IndexError):
         step((x, y + 10))
     assert not any(step.optimizer.state.values())
+
+
+# -- schedulers that cycle more than the learning rate ---------------------------------------------
+
+def _cycling(kind: str):
+    """(optimizer factory, scheduler factory) for a scheduler that cycles momentum/betas."""
+    if kind == "onecycle_adam":
+        return (lambda m: torch.optim.Adam(m.parameters(), lr=1e-3),
+                lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=1e-2, total_steps=30))
+    return (lambda m: torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9),
+            lambda o: torch.optim.lr_scheduler.CyclicLR(o, base_lr=1e-3, max_lr=1e-2, step_size_up=5,
+                                                        cycle_momentum=True, base_momentum=0.8,
+                                                        max_momentum=0.95))
+
+
+@pytest.mark.parametrize("kind", ["onecycle_adam", "cyclic_sgd_momentum"])
+def test_a_scheduler_cycling_momentum_compiles_once_in_30_steps_and_equals_eager(mlp, kind):
+    make_optimizer, make_scheduler = _cycling(kind)
+    model, optimizer, ref, ref_optimizer = twins(mlp, make_optimizer)
+    scheduler, ref_scheduler = make_scheduler(optimizer), make_scheduler(ref_optimizer)
+    key = "betas" if kind == "onecycle_adam" else "momentum"
+    seen = {str(optimizer.param_groups[0][key])}
+    step = compile_for_npu(model, EAGER, optimizer=optimizer, loss_fn=mlp_loss)
+    for i, batch in enumerate(batches(30, rows=4)):
+        loss = step(batch)
+        ref_loss = eager_step(ref, ref_optimizer, mlp_loss, batch)
+        assert_close_tree(float(loss), ref_loss, f"loss of step {i}")
+        scheduler.step()
+        ref_scheduler.step()
+        seen.add(str(optimizer.param_groups[0][key]))
+    assert len(seen) >= 5, f"the scheduler did not cycle {key}"
+    assert_same_training(model, optimizer, ref, ref_optimizer)
+    assert compilations(step) == 1
+
+
+# -- command-line tools: bad input is one line on stderr and exit status 2 -------------------------
+
+def _cli(main, argv, capsys) -> str:
+    """Run a tool's main() as its console script does; return stderr, checked to be one line."""
+    try:
+        status = main(argv)
+    except SystemExit as exc:          # argparse usage errors
+        status = exc.code
+    captured = capsys.readouterr()
+    assert status == 2, f"exit status {status}; stderr {captured.err!r}"
+    assert "Traceback" not in captured.err + captured.out
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    return lines[-1] if lines and lines[0].startswith("usage:") else one_line(captured.err)
+
+
+@pytest.fixture
+def not_a_directory(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    return str(blocker / "out")            # cannot be made: its parent is a file
+
+
+@pytest.fixture
+def plan_file(tmp_path):
+    def write(text: str, name: str = "plan.yaml") -> str:
+        path = tmp_path / name
+        path.write_text(text)
+        return str(path)
+    return write
+
+
+LOWER_CHECK_CASES = [
+    (lambda d, p: ["run", "recipes.models.gpt:gpt_tiny", "--plan", "/nonexistent/plan.yaml", "--out", d],
+     ["plan file '/nonexistent/plan.yaml'", "cannot be read"]),
+    (lambda d, p: ["run", "recipes.models.gpt:gpt_tiny", "--plan", p(""), "--out", d], ["is empty"]),
+    (lambda d, p: ["run", "recipes.models.gpt:gpt_tiny", "--plan", p("dp: 0\n"), "--out", d], ["'dp' = 0"]),
+    (lambda d, p: ["run", "recipes.models.gpt:gpt_tiny", "--plan", p("verify: on\n"), "--out", d],
+     ["'verify' = True", "YAML"]),
+    (lambda d, p: ["run", "no_such_module:factory", "--out", d], ["No module named 'no_such_module'"]),
+    (lambda d, p: ["run", "recipes.models.gpt:no_such_factory", "--out", d], ["no_such_factory"]),
+    (lambda d, p: ["demo", "--out", "NOT_A_DIRECTORY"], ["Not a directory"]),
+    (lambda d, p: ["no_such_module:graph", "--out", d], ["No module named 'no_such_module'"]),
+    (lambda d, p: ["run"], ["the following arguments are required"]),
+]
+
+
+@pytest.mark.parametrize("argv, needles", LOWER_CHECK_CASES,
+                         ids=["missing_plan", "empty_plan", "bad_field", "yaml_boolean", "unknown_module",
+                              "unknown_factory", "unwritable_out", "unknown_graph_module", "no_target"])
+def test_lower_check_exits_2_with_one_line(capsys, tmp_path, not_a_directory, plan_file, argv, needles):
+    from tools.lower_check import main
+    args = [not_a_directory if a == "NOT_A_DIRECTORY" else a for a in argv(str(tmp_path / "out"), plan_file)]
+    line = _cli(main, args, capsys)
+    for needle in needles:
+        assert needle in line, f"{needle!r} not in {line!r}"
+
+
+def test_lower_check_run_with_an_unwritable_out_exits_2_with_one_line(capsys, not_a_directory):
+    from tools.lower_check import main
+    line = _cli(main, ["run", "recipes.models.gpt:gpt_tiny", "--seq-len", "8", "--batch-size", "2",
+                       "--out", not_a_directory], capsys)
+    assert "Not a directory" in line and not_a_directory in line
+
+
+GRAPH_DUMP_CASES = [
+    (lambda d, p: ["run", "mlp", "--plan", "/nonexistent/plan.yaml", "--out", d], ["cannot be read"]),
+    (lambda d, p: ["run", "mlp", "--plan", p("null\n"), "--out", d], ["is empty"]),
+    (lambda d, p: ["run", "mlp", "--plan", p("zero_stage: 1.0\ndp: 2\n"), "--out", d], ["'zero_stage' = 1.0"]),
+    (lambda d, p: ["run", "mlp", "--plan", p("precision: bf16\n"), "--pipeline", "cleanup", "--out", d],
+     ["'precision' = 'bf16'", "autocast"]),
+    (lambda d, p: ["run", "mlp", "--pipeline", "cleanup,no_such_pass", "--out", d], ["no_such_pass"]),
+    (lambda d, p: ["run", "no_such_recipe", "--out", d], ["unknown target 'no_such_recipe'"]),
+    (lambda d, p: ["run", p("import no_such_module\n", "model.py"), "--out", d],
+     ["No module named 'no_such_module'"]),
+    (lambda d, p: ["run", "mlp", "--no-svg", "--out", "NOT_A_DIRECTORY"], ["Not a directory"]),
+    (lambda d, p: ["show", d], ["not a dump directory"]),
+    (lambda d, p: ["replay", d], ["not a reproducer"]),
+    (lambda d, p: ["run", "mlp"], ["--out"]),
+]
+
+
+@pytest.mark.parametrize("argv, needles", GRAPH_DUMP_CASES,
+                         ids=["missing_plan", "null_plan", "float_zero_stage", "pipeline_and_precision",
+                              "unknown_pass", "unknown_recipe", "model_file_import_error", "unwritable_out",
+                              "show_not_a_dump", "replay_not_a_reproducer", "no_out"])
+def test_graph_dump_exits_2_with_one_line(capsys, tmp_path, not_a_directory, plan_file, argv, needles):
+    from tools.graph_dump.cli import main
+    args = [not_a_directory if a == "NOT_A_DIRECTORY" else a for a in argv(str(tmp_path / "out"), plan_file)]
+    line = _cli(main, args, capsys)
+    for needle in needles:
+        assert needle in line, f"{needle!r} not in {line!r}"

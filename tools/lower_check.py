@@ -205,6 +205,7 @@ def _run_main(argv) -> int:
     ap.add_argument("--attention", choices=("explicit", "sdpa"), default=None)
     args = ap.parse_args(argv)
     plan = Plan.load(args.plan) if args.plan else Plan()
+    _make_out(args.out)
     compile_recipe(args.target, plan, args.out, loss=args.loss, batch_size=args.batch_size,
                    seq_len=args.seq_len, attention=args.attention)
     return 0 if _print_report(write_ge_report(args.out)) else 1
@@ -222,6 +223,7 @@ def _graph_main(argv) -> int:
         return 0 if _print_report(write_ge_report(args.target)) else 1
     if args.out is None:
         ap.error("--out is required unless TARGET is a dump directory")
+    _make_out(args.out)
     name = args.name or Path(args.target.split(":")[-1]).stem or "graph"
     report = lower_check(load_graph(args.target), name=name, out_dir=args.out)
     print(report.summary())
@@ -232,6 +234,11 @@ def _graph_main(argv) -> int:
 # Bad input, not bugs: a plan or pipeline that breaks a rule, a path that cannot be read or
 # written, a TARGET that does not import, a capability or backend missing here.
 _USER_ERRORS = (ValueError, RuntimeError, OSError, ImportError, AttributeError, TypeError)
+
+
+def _make_out(directory: str) -> None:
+    """Before any compiling or lowering: an --out that cannot be made fails now, not minutes later."""
+    Path(directory).mkdir(parents=True, exist_ok=True)
 
 
 def main(argv=None) -> int:
