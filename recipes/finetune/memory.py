@@ -1,64 +1,68 @@
-"""What a compiled step holds, read from its graph: parameter, gradient and optimizer-state bytes.
+"""What a compiled step holds, read from its program: parameter, gradient and optimizer-state bytes.
 
-Read from the graph's signature and dataflow, not from the model: a gradient
-is a value the backward region produces and the optimizer region reads, so a
-frozen weight has a gradient buffer only if the graph really computes one.
+The totals are the compiler's own per-rank accounting (``Program.state_bytes``:
+graph inputs by kind, and the values each optimizer update reads as its
+gradient); this adds the split the fine-tuning report needs — trainable
+against frozen parameters — and which parameters own gradients and state.
+A frozen weight has a gradient buffer or optimizer state only if the graph
+really computes or reads one.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-import torch
-
-from graph_ir.analysis.memory import buffer_bytes, storage_roots
-from graph_ir.meta import Region, nbytes, region_of
+from graph_ir.analysis.gradients import GradientNotFound, find_gradients
+from graph_ir.meta import nbytes
 from graph_ir.signature import InputKind, OutputKind
 
 
 @dataclass
-class StateBytes:
+class StepStateBytes:
     trainable_param_bytes: int
     frozen_param_bytes: int
     gradient_bytes: int
     optimizer_state_bytes: int
-    trainable: list[str] = field(default_factory=list)       # parameters the graph updates
+    activation_bytes: int                                     # forward values backward reads
+    trainable: list[str] = field(default_factory=list)        # parameters the program updates
     optimizer_state: list[str] = field(default_factory=list)  # opt_state inputs, "<param>:<key>"
     gradient_shapes: list[tuple[int, ...]] = field(default_factory=list)
 
+    @property
+    def model_state_bytes(self) -> int:
+        return self.trainable_param_bytes + self.frozen_param_bytes + self.gradient_bytes + self.optimizer_state_bytes
+
     def to_json(self) -> dict:
-        return asdict(self)
+        return dict(asdict(self), model_state_bytes=self.model_state_bytes)
 
 
-def gradient_values(graph: torch.fx.Graph) -> list[torch.fx.Node]:
-    """The buffers backward writes that the optimizer reads (one per updated parameter)."""
-    root = storage_roots(graph)
-    grads: dict[torch.fx.Node, None] = {}
-    for node in graph.nodes:
-        if node.op != "call_function" or region_of(node) != Region.OPTIMIZER:
-            continue
-        for arg in node.all_input_nodes:
-            base = root[arg]
-            if base.op == "call_function" and region_of(base) == Region.BACKWARD:
-                grads[base] = None
-    return list(grads)
+def _updating_graph(program):
+    """The graph that applies the optimizer (the step, or the apply graph when accumulating)."""
+    for graph in program.graphs.values():
+        if any(s.kind == OutputKind.PARAM for s in graph.signature.outputs):
+            return graph
+    raise ValueError(f"no graph of the program updates parameters ({', '.join(program.graphs)})")
 
 
-def state_bytes(train_graph) -> StateBytes:
-    """Bytes of parameters (trainable / frozen), gradients and optimizer state in one step graph."""
-    sig = train_graph.signature
-    updated = {s.name for s in sig.outputs if s.kind == OutputKind.PARAM}
-    trainable_b = frozen_b = state_b = 0
+def step_state_bytes(program) -> StepStateBytes:
+    """This rank's bytes of one compiled program (``step.last.program``), by what they hold."""
+    graph = _updating_graph(program)
+    totals = program.state_bytes()
+    name = next(n for n, g in program.graphs.items() if g is graph)
+    activations = sum(s.activations for s in totals.values())
+    updated = {s.name for s in graph.signature.outputs if s.kind == OutputKind.PARAM}
+    trainable_b = frozen_b = 0
     states = []
-    for spec, node in zip(sig.inputs, train_graph.placeholders()):
-        size = nbytes(node.meta.get("val"))
+    for spec, node in zip(graph.signature.inputs, graph.placeholders()):
         if spec.kind == InputKind.PARAM:
             if spec.name in updated:
-                trainable_b += size
+                trainable_b += nbytes(node.meta.get("val"))
             else:
-                frozen_b += size
+                frozen_b += nbytes(node.meta.get("val"))
         elif spec.kind == InputKind.OPT_STATE:
-            state_b += size
             states.append(spec.name)
-    grads = gradient_values(train_graph.graph)
-    return StateBytes(trainable_b, frozen_b, sum(buffer_bytes(g) for g in grads), state_b,
-                      sorted(updated), states, [tuple(g.meta["val"].shape) for g in grads])
+    try:
+        shapes = [tuple(g.meta["val"].shape) for g in find_gradients(graph, mark=False).values()]
+    except GradientNotFound:
+        shapes = []
+    return StepStateBytes(trainable_b, frozen_b, totals[name].grads, totals[name].optimizer_state, activations,
+                          sorted(updated), states, shapes)

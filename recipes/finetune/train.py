@@ -22,7 +22,7 @@ from cann_passes import Plan, compile_for_npu
 from recipes.data.instructions import InstructionBatches, load_pairs, split_pairs
 
 from .config import FinetuneConfig
-from .memory import StateBytes, state_bytes
+from .memory import StepStateBytes, step_state_bytes
 from .model import ResponseLoss, load_base, make_base_checkpoint, prepare_model, save_finetuned
 
 DEFAULT_MODEL_DIR = FinetuneConfig().model_dir
@@ -37,7 +37,7 @@ class FinetuneResult:
     reload_max_logit_diff: float | None
     trainable_params: int
     total_params: int
-    state: StateBytes
+    state: StepStateBytes
     seconds: float
     first_step_seconds: float
     output_dir: str | None
@@ -128,7 +128,7 @@ def finetune(cfg: FinetuneConfig, *, world=None, save: bool = True, progress: bo
         step.sync_model()
     val_after = evaluate(model, loss_fn, val_batches)
     result = FinetuneResult(losses, val_before, val_after, None, None, n_trainable, n_total,
-                            state_bytes(step.graphs[0] if len(step.graphs) == 1 else step.last.graph),
+                            step_state_bytes(step.last.program),
                             seconds, first_step_seconds, None, step.summary(), lrs)
     if save and rank == 0:
         result.output_dir = cfg.output_dir

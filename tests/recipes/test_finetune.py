@@ -17,7 +17,7 @@ from cann_passes import Plan, compile_for_npu  # noqa: E402
 from recipes.data.instructions import (IGNORE_INDEX, PAD_ID, InstructionBatches, Pair, collate,  # noqa: E402
                                        corpus_pairs, load_pairs, split_pairs)
 from recipes.finetune import (ConfigError, FinetuneConfig, ResponseLoss, prepare_model, save_finetuned,  # noqa: E402
-                              state_bytes, tiny_llama_config, warmup_cosine)
+                              step_state_bytes, tiny_llama_config, warmup_cosine)
 
 SEQ = 80
 TINY = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
@@ -57,9 +57,8 @@ def lora_run():
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     batches = padded_batches(10)
     step = compile_for_npu(model, Plan(backend="eager", verify="deep"), optimizer=adamw(model),
-                           loss_fn=ResponseLoss("4d"))
+                           loss_fn=ResponseLoss("2d"))
     compiled_losses = [step(b).item() for b in batches]
-    # The reference is plain peft + transformers: the padding mask as transformers takes it.
     eager_loss, ref_opt = ResponseLoss("2d"), adamw(reference)
     eager_losses = []
     for b in batches:
@@ -105,7 +104,7 @@ class TestLoraThroughCompileForNpu:
         adapters = {n: p for n, p in model.named_parameters() if p.requires_grad}
         frozen = {n: p for n, p in model.named_parameters() if not p.requires_grad}
         assert adapters and all("lora_" in n for n in adapters)
-        state = state_bytes(graph)
+        state = step_state_bytes(lora_run["step"].last.program)
         adapter_bytes = sum(p.numel() * p.element_size() for p in adapters.values())
         assert state.trainable == sorted(adapters)
         assert state.trainable_param_bytes == adapter_bytes
@@ -121,11 +120,63 @@ class TestLoraThroughCompileForNpu:
         assert lora_run["step"].optimizer_state_bytes() == state.optimizer_state_bytes
 
 
+def eager_steps(model, batches, loss_fn=ResponseLoss("2d"), microbatches: int = 1):
+    """Plain peft/transformers training: the reference for the compiled steps."""
+    optimizer, losses = adamw(model), []
+    for batch in batches:
+        optimizer.zero_grad(set_to_none=True)
+        parts = [{k: v.chunk(microbatches)[i] for k, v in batch.items()} for i in range(microbatches)]
+        total = 0.0
+        for part in parts:
+            loss = loss_fn(model, part) / microbatches
+            loss.backward()
+            total += loss.item()
+        optimizer.step()
+        losses.append(total)
+    return losses
+
+
+def test_a_causal_and_padding_mask_made_by_the_loss_trains_like_the_padding_mask():
+    model = lora_model()
+    reference = copy.deepcopy(model)
+    batches = padded_batches(2)
+    step = compile_for_npu(model, Plan(backend="eager"), optimizer=adamw(model), loss_fn=ResponseLoss("4d"))
+    assert [step(b).item() for b in batches] == pytest.approx(eager_steps(reference, batches), abs=1e-5)
+
+
+def test_lora_with_gradient_accumulation_equals_eager_accumulation():
+    model = lora_model()
+    reference = copy.deepcopy(model)
+    batches = padded_batches(2)
+    step = compile_for_npu(model, Plan(backend="eager", microbatches=2), optimizer=adamw(model),
+                           loss_fn=ResponseLoss("2d"))
+    losses = [step(b).item() for b in batches]
+    assert losses == pytest.approx(eager_steps(reference, batches, microbatches=2), abs=1e-5)
+    ref = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p, ref[name], rtol=0, atol=1e-5, msg=name)
+
+
+def test_lora_in_bf16_with_recompute_tracks_fp32_and_keeps_fp32_adapters():
+    model = lora_model()
+    reference = copy.deepcopy(model)
+    batches = padded_batches(3)
+    plan = Plan(backend="eager", precision="bf16", recompute="budget", recompute_budget=0.25)
+    step = compile_for_npu(model, plan, optimizer=adamw(model), loss_fn=ResponseLoss("2d"))
+    losses = [step(b).item() for b in batches]
+    assert losses == pytest.approx(eager_steps(reference, batches), abs=3e-2)
+    record = next(r for r in step.records if r.name == "recompute")
+    assert record.stats["saved_bytes_after"] < record.stats["saved_bytes_before"]
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    state = step_state_bytes(step.last.program)
+    assert state.gradient_bytes == state.trainable_param_bytes   # fp32 gradients of the adapters only
+
+
 def test_full_fine_tuning_plan_holds_gradients_and_state_of_every_weight():
     model = prepare_model(tiny_llama(), FinetuneConfig(method="full"))
     step = compile_for_npu(model, Plan(backend="eager"), optimizer=adamw(model), loss_fn=ResponseLoss("4d"))
     step(padded_batches(1)[0])
-    state = state_bytes(step.last.graph)
+    state = step_state_bytes(step.last.program)
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     assert state.frozen_param_bytes == 0 and state.trainable_param_bytes == total
     assert state.gradient_bytes == total
@@ -141,7 +192,7 @@ def test_freezing_by_pattern_trains_only_the_rest():
         frozen = name.startswith(("model.embed_tokens.", "model.layers.0."))
         assert torch.equal(p, before[name]) == frozen, name
     assert all(not s.startswith(("model.embed_tokens.", "model.layers.0."))
-               for s in state_bytes(step.last.graph).optimizer_state)
+               for s in step_state_bytes(step.last.program).optimizer_state)
 
 
 def test_recipe_trains_from_its_command_and_the_saved_directory_reloads(tmp_path):
@@ -151,7 +202,7 @@ def test_recipe_trains_from_its_command_and_the_saved_directory_reloads(tmp_path
     base = make_base_checkpoint(tmp_path / "base", **TINY)
     config = tmp_path / "lora.yaml"
     config.write_text(json.dumps(dict(model_dir=str(base), output_dir=str(tmp_path / "out"), method="lora",
-                                      steps=24, warmup_steps=4, batch_size=4, seq_len=SEQ, lr=1e-2,
+                                      steps=16, warmup_steps=4, batch_size=4, seq_len=SEQ, lr=1e-2,
                                       eval_batches=2, plan={"backend": "eager"})))
     result = main(["--config", str(config)])
     assert sum(result.losses[-4:]) / 4 < result.losses[0] - 0.05
