@@ -29,6 +29,7 @@ from torch import nn
 from cann_passes import Pipeline, PipelineError, Plan, PlanError, backend, compile_for_npu
 from cann_passes.lowering import BackendUnavailable
 from graph_ir.capture import CaptureError
+from graph_ir.optimizers import UnsupportedOptimizer
 from recipes.models.gpt import GPT, gpt_loss, gpt_tiny
 from recipes.models.mlp import MLP, mlp_loss
 
@@ -359,10 +360,10 @@ def test_compile_for_npu_names_the_plan_field(mlp, plan, name, needle):
     (lambda m: ("not a model", EAGER, adam(m), mlp_loss), TypeError, "model must be a torch.nn.Module"),
     (lambda m: (m, EAGER, None, mlp_loss), TypeError, "optimizer must be a torch.optim.Optimizer"),
     (lambda m: (m, EAGER, adam(m), 3), TypeError, "loss_fn must be callable"),
-    (lambda m: (m, EAGER, torch.optim.RMSprop(m.parameters()), mlp_loss), Exception, "RMSprop"),
+    (lambda m: (m, EAGER, torch.optim.Rprop(m.parameters()), mlp_loss), UnsupportedOptimizer, "Rprop"),
     (lambda m: (m, Plan(backend="torchair"), adam(m), mlp_loss), BackendUnavailable, "torch_npu"),
     (lambda m: (m, Plan(backend="eager", dp=2), adam(m), mlp_loss), RuntimeError, "init_distributed"),
-], ids=["model", "optimizer", "loss_fn", "rmsprop", "torchair", "dp_without_groups"])
+], ids=["model", "optimizer", "loss_fn", "rprop", "torchair", "dp_without_groups"])
 def test_compile_for_npu_refuses_what_it_cannot_compile(mlp, args, error, needle):
     model, plan, optimizer, loss_fn = args(mlp())
     with pytest.raises(error) as info:
@@ -466,10 +467,13 @@ def test_an_lr_scheduler_takes_effect_without_recompiling(mlp):
     assert compilations(step) == 1
 
 
+@pytest.mark.xfail(strict=True, reason="needs the step's cache key to cover what of a param group shapes the "
+                                       "graph (UpdateRule.key: weight decay zero or not), not only rule.baked")
 def test_changing_weight_decay_between_steps_is_applied(mlp):
     def decay(i, _, optimizer):
         optimizer.param_groups[0]["weight_decay"] = 0.1 * i
-    train_both(*twins(mlp), mlp_loss, batches(3), between=decay)
+    step = train_both(*twins(mlp), mlp_loss, batches(3), between=decay)
+    assert compilations(step) == 2     # zero and non-zero weight decay; 0.1 -> 0.2 is an input
 
 
 def test_a_new_batch_shape_compiles_once_more(mlp):
@@ -876,3 +880,46 @@ def test_graph_dump_exits_2_with_one_line(capsys, tmp_path, not_a_directory, pla
     line = _cli(main, args, capsys)
     for needle in needles:
         assert needle in line, f"{needle!r} not in {line!r}"
+
+
+# -- models users bring (transformers, built from configs) -----------------------------------------
+
+@pytest.fixture(scope="module")
+def gpt2():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(7)
+    weights = transformers.GPT2LMHeadModel(config).state_dict()
+
+    def make():
+        model = transformers.GPT2LMHeadModel(config)
+        model.load_state_dict(weights)
+        return model
+    return make
+
+
+def _gpt2_batches(n: int):
+    g = torch.Generator().manual_seed(8)
+    return [{"input_ids": ids, "labels": ids.clone()} for ids in torch.randint(0, 64, (n, 2, 8), generator=g)]
+
+
+def _gpt2_loss(model, batch):
+    return model(**batch).loss
+
+
+def test_transformers_gpt2_with_a_block_frozen_after_the_first_step(gpt2):
+    def freeze(i, model, _):
+        model.transformer.h[0].requires_grad_(i == 0)
+    train_both(*twins(gpt2, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3)), _gpt2_loss,
+               _gpt2_batches(2), between=freeze)
+
+
+@pytest.mark.xfail(strict=True, reason=NEEDS_EAGER_GRAD_ERROR)
+def test_transformers_gpt2_with_a_detached_loss_raises_eagers_error(gpt2):
+    model = gpt2()
+
+    def loss_fn(model, batch):
+        return model(**batch).loss.detach()
+    kind, message = eager_message(model, loss_fn, _gpt2_batches(1)[0])
+    refused(compiled(model, loss_fn), _gpt2_batches(1)[0], kind, message)
