@@ -80,7 +80,10 @@ def precision_report(model_factory: Callable[[], torch.nn.Module], plan: Plan, b
     data = [b for b, _ in zip(batches, range(steps))]
     initial = model_factory()
     ref_step, ref_losses, _, _, ref_seconds = _train(
-        copy.deepcopy(initial), plan.replace(precision="fp32", loss_scale="auto", autocast_overrides={}),
+        copy.deepcopy(initial), plan.replace(precision="fp32", loss_scale="auto", autocast_overrides={},
+                                      # loss-scale fields do not apply at fp32: back to their defaults
+                                      loss_scale_init=Plan.loss_scale_init,
+                                      loss_scale_growth_interval=Plan.loss_scale_growth_interval),
         optimizer_factory, loss_fn, data)
     step, losses, scales, skipped, seconds = _train(copy.deepcopy(initial), plan, optimizer_factory,
                                                     loss_fn, data)
