@@ -159,8 +159,9 @@ def replay(directory: str, out: str | None = None, verify: str = "deep") -> str:
     if os.path.exists(plan_file):
         from cann_passes import Plan
         with open(plan_file, encoding="utf-8") as f:
-            # The pipeline to replay is the reproducer's, not the plan's own.
-            plan = Plan.from_dict({**json.load(f), "pipeline": None, "dump_dir": None})
+            # The pipeline replayed is the reproducer's; the plan's own text stays, since fields
+            # such as recompute_bans are valid only beside the text that runs their pass.
+            plan = Plan.from_dict({**json.load(f), "dump_dir": None})
     manager.run(graph, PassContext(plan=plan))
     return "\n".join(f"{r.index} {r.spec}: {'changed' if r.changed else 'unchanged'}, "
                      f"nodes {r.nodes_before} -> {r.nodes_after}" for r in manager.records)
