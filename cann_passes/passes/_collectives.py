@@ -127,8 +127,17 @@ def first_user(nodes: Iterable[torch.fx.Node], position: dict[torch.fx.Node, int
     return min(users, key=position.__getitem__) if users else None
 
 
-def position_map(tg: TrainGraph) -> dict[torch.fx.Node, int]:
-    return {n: i for i, n in enumerate(tg.graph.nodes)}
+class _NodeOrder:
+    """``order[node]`` sorts like the node's position in its graph, and stays right as nodes are
+    inserted: FX keeps a sort key on every node (nodes compare with ``<``). A dict of positions
+    would go stale on every insertion, and rebuilding it per bucket is quadratic on a 7B graph."""
+
+    def __getitem__(self, node: torch.fx.Node) -> torch.fx.Node:
+        return node
+
+
+def position_map(tg: TrainGraph) -> _NodeOrder:
+    return _NodeOrder()
 
 
 def first_node_of(tg: TrainGraph, region: Region) -> torch.fx.Node:

@@ -288,6 +288,9 @@ def _npu_mask(q, k, attn_mask, is_causal):
 # --------------------------------------------------------------------------- graph surgery
 
 class _Legalizer:
+    # The size of a collective's group; the pass sets it from the mesh description when it has one.
+    group_size = staticmethod(lambda name: _group_size(name))
+
     def __init__(self, graph: TrainGraph, supported: set[str], use_npu_kernels: bool):
         self.tg, self.graph, self.supported = graph, graph.graph, supported
         self.use_npu_kernels = use_npu_kernels
@@ -420,7 +423,7 @@ class _Legalizer:
     def _average_as_sum(self) -> None:
         """HcomAllReduce has no average (torchair: "ge unsupported reduce type AVG")."""
         for node in [n for n in self.graph.nodes if n.target is c10d.all_reduce.default and n.args[1] == "avg"]:
-            size = _group_size(node.args[2])
+            size = self.group_size(node.args[2])
             if size is None:
                 self.left[node.name] = f"all_reduce 'avg' over group {node.args[2]!r}, whose size is unknown here"
                 continue
@@ -490,6 +493,8 @@ def npu_legalize_pass(graph: TrainGraph, ctx: PassContext, *, npu_kernels: bool 
     """
     fused_available = npu_kernels and npu_op("npu_fusion_attention") is not None
     legalizer = _Legalizer(graph, _supported_ops(), fused_available)
+    if getattr(ctx, "mesh", None) is not None:   # the mesh description, not a live process group
+        legalizer.group_size = lambda name: ctx.mesh.group_size(name) or _group_size(name)
     legalizer.run()
     graph.graph.lint()
     ctx.stat("rewritten", dict(sorted(legalizer.rewritten.items())))

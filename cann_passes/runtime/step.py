@@ -42,7 +42,7 @@ from ..dump import dump_dir_from
 from ..lowering import get_lowering, resolve_backend
 from ..pass_manager import PassContext, PassRecord, Pipeline
 from ..plan import Plan
-from . import accumulation, distributed
+from . import accumulation, distributed, user_state
 from .binding import ShardStore, StepState, bind_inputs, source_token, write_back
 
 log = logging.getLogger("cann_passes")
@@ -80,6 +80,20 @@ class Compilation:
         return self.runners.get("step")
 
 
+class _Flag:
+    """Sets ``obj.<name>`` for the duration of a ``with`` block."""
+
+    def __init__(self, obj, name: str):
+        self.obj, self.name = obj, name
+
+    def __enter__(self):
+        setattr(self.obj, self.name, True)
+
+    def __exit__(self, *exc):
+        setattr(self.obj, self.name, False)
+        return False
+
+
 def _batch_key(batch: Any) -> tuple:
     leaves, spec = pytree.tree_flatten(batch)
     return (str(spec), tuple((tuple(t.shape), t.dtype, t.device.type) if isinstance(t, torch.Tensor)
@@ -107,6 +121,11 @@ class CompiledStep:
         self.mesh = MeshDesc.from_device_mesh(self.world.mesh) if self.world is not None else MeshDesc.single()
         self.shards = ShardStore(self.mesh)
         self.accumulation = accumulation.AccumulationState(plan)
+        # True while the model's parameters are older than the step's shards (ZeRO-3 after a step);
+        # the hooks of user_state gather them when the user reads the model.
+        self.model_stale = False
+        self.capturing = False
+        user_state.install(self)
 
     @property
     def param_shards(self) -> dict[str, torch.Tensor]:
@@ -134,7 +153,7 @@ class CompiledStep:
 
     def _compile(self, batch: Any) -> Compilation:
         t0 = time.perf_counter()
-        with accumulation.full_shape_state(self.model, self.optimizer, self.shards):
+        with accumulation.full_shape_state(self.model, self.optimizer, self.shards), _Flag(self, "capturing"):
             captured, layout = capture_train_step(self.model, self.optimizer, self.loss_fn, batch)
             directory = dump_dir_from(self.plan.dump_dir)
             inputs = gather_inputs(self.model, self.optimizer, layout, batch) if directory else None
@@ -169,6 +188,8 @@ class CompiledStep:
     def _run(self, graph: TrainGraph, runner, batch: Any) -> torch.Tensor | None:
         outputs = runner(*self._inputs(graph, batch))
         self.metrics = write_back(graph, outputs, self.model, self.optimizer, self.step_state, self.shards)
+        if self.shards.params():
+            self.model_stale = True
         loss = [o for spec, o in zip(graph.signature.outputs, outputs) if spec.kind == OutputKind.LOSS]
         return loss[0].detach() if loss else None
 
@@ -206,6 +227,7 @@ class CompiledStep:
                 params[name].data = gather(shard, placement, self.world.group(axis))
                 # The model now holds exactly what the shard holds: no need to cut it again.
                 self.shards.sources[key] = source_token(params[name])
+        self.model_stale = False
 
     def optimizer_state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (padded shards under ZeRO)."""

@@ -130,3 +130,15 @@ def test_an_accumulation_plan_dumps_grad_and_apply_graphs_verified_and_runnable(
                              text=True, cwd=REPO, timeout=120)
         assert out.returncode == 0, out.stderr[-2000:]
         assert out.stdout.startswith("loss" if name == "grad" else "outputs")
+
+
+def test_npu_legalize_reads_group_sizes_from_a_fake_mesh_without_a_process_group():
+    graph, _ = _captured("sgd")
+    plan = Plan(dp=4, backend="eager", pipeline="data_parallel,npu_legalize{npu_kernels=false}")
+    program = compile_program(graph, plan, MeshDesc.fake(dp=4))
+    step = program["step"]
+    reduces = [n for n in step.graph.nodes if n.target is torch.ops._c10d_functional.all_reduce.default]
+    assert reduces and all(n.args[1] == "sum" for n in reduces)          # HCCL has no "avg"
+    assert not dist.is_initialized()
+    record = program.records[-1]
+    assert "all_reduce avg" in record.stats["rewritten"]

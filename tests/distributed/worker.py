@@ -24,12 +24,43 @@ def global_batch(i: int, rows: int = GLOBAL_BATCH):
     return idx, torch.roll(idx, -1, dims=1)
 
 
-def make_model():
+def make_model(kind: str = "adamw"):
     torch.manual_seed(0)
     # No biases: the key bias of attention has a gradient that is zero in exact arithmetic, and
     # Adam turns its rounding noise into lr-sized updates that depend on summation order.
     model = GPT(gpt_tiny(bias=False))
+    if kind == "sgd":
+        return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+
+
+def probe_batch():
+    return global_batch(99, rows=2)[0]
+
+
+def user_state(world_size: int, out: str, phase: str, kind: str, stage: str, ckpt: str):
+    """The user's own objects under a ZeRO plan: state dicts and evaluation, no project function called."""
+    plan = Plan(backend="eager", dp=world_size, zero_stage=int(stage))
+    with init_distributed(plan) as world:
+        model, opt = make_model(kind)
+        if phase == "load":
+            saved = torch.load(ckpt, weights_only=False)
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["optim"])
+        step = compile_for_npu(model, plan, optimizer=opt, loss_fn=gpt_loss)
+        first = 5 if phase == "load" else 0
+        losses = [float(step(shard_batch(global_batch(i), world.dp_rank, world.dp_size)))
+                  for i in range(first, first + 5)]
+        model_state = model.state_dict()               # a collective under ZeRO-3, like FSDP's full state
+        optim_state = opt.state_dict()                 # full, parameter-shaped state (a collective)
+        model.eval()
+        with torch.no_grad():
+            evaluated = model(probe_batch())
+        model.train()
+        if world.rank == 0:
+            torch.save({"model": {k: v.clone() for k, v in model_state.items()}, "optim": optim_state,
+                        "eval": evaluated, "losses": losses},
+                       f"{out}/user_state_{phase}_{kind}_{stage}_{world_size}.pt")
 
 
 def full_params(step, model):
@@ -95,4 +126,4 @@ if __name__ == "__main__":
     scenario, out, *args = sys.argv[1:]
     import os
     world_size = int(os.environ["WORLD_SIZE"])
-    {"parity": parity, "resume": resume, "fault": fault}[scenario](world_size, out, *args)
+    {"parity": parity, "resume": resume, "fault": fault, "user_state": user_state}[scenario](world_size, out, *args)
