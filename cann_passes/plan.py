@@ -348,6 +348,10 @@ class Plan:
         if self._changed("bucket_mb"):
             agree("bucket_mb", "optimizer_shard" if self.zero_stage else "data_parallel", "bucket_mb",
                   self.bucket_mb)
+        if getattr(self, "grad_clip_norm", None) is not None:
+            agree("grad_clip_norm", "grad_clip", "max_norm", self.grad_clip_norm)
+        if self.tp > 1:
+            agree("tp", "tensor_parallel")
 
     # -- loading ----------------------------------------------------------------------------
     @classmethod
