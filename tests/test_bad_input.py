@@ -216,6 +216,8 @@ FIELD_RULES = [
     ({"dp": 2, "bucket_mb": INF}, "bucket_mb", ["finite"]),
     ({"precision": "fp16", "loss_scale_init": NAN}, "loss_scale_init", ["finite"]),
     ({"precision": "fp16", "loss_scale_init": 0.0}, "loss_scale_init", ["positive"]),
+    ({"dp": "2"}, "dp", ["integer"]),                       # a quoted number in a file
+    ({"precision": "BF16"}, "precision", ["must be one of 'fp32', 'bf16', 'fp16'"]),
     # enum fields given booleans (YAML 1.1 reads on/off/yes/no as booleans)
     ({"verify": True}, "verify", ["boolean", "quote"]),
     ({"precision": False}, "precision", ["boolean"]),
@@ -490,6 +492,21 @@ def test_a_dict_batch_and_then_a_tuple_batch(mlp):
     train_both(*twins(mlp), loss_fn, [{"x": x0, "y": y0}, (x1, y1)])
 
 
+def test_a_tensor_learning_rate_and_a_one_element_loss(mlp):
+    def tensor_lr(model):
+        return torch.optim.Adam(model.parameters(), lr=torch.tensor(1e-2))
+
+    def loss_fn(model, batch):
+        return mlp_loss(model, batch).reshape(1)
+    train_both(*twins(mlp, tensor_lr), loss_fn, batches(2))
+
+
+def test_a_non_contiguous_batch(mlp):
+    x = torch.randn(12, 8).t()
+    assert not x.is_contiguous()
+    train_both(*twins(mlp), mlp_loss, [(x, torch.arange(8) % 5)])
+
+
 def test_a_nan_in_the_batch_poisons_parameters_exactly_like_eager(mlp):
     (x, y), = batches(1)
     x[0, 3] = NAN
@@ -667,6 +684,19 @@ def test_a_class_index_out_of_range_raises_eagers_own_error(mlp):
     x, y = batches(1)[0]
     kind, message = eager_message(model, mlp_loss, (x, y + 10))
     refused(compiled(model, mlp_loss), (x, y + 10), kind, message)
+
+
+def test_int32_class_indices_raise_eagers_own_error(mlp):
+    model = mlp()
+    x, y = batches(1)[0]
+    kind, message = eager_message(model, mlp_loss, (x, y.int()))
+    refused(compiled(model, mlp_loss), (x, y.int()), kind, message)
+
+
+def test_asking_what_was_compiled_before_compiling_says_so(mlp):
+    step = compiled(mlp(), mlp_loss)
+    with pytest.raises(RuntimeError, match="nothing compiled yet"):
+        step.last
 
 
 def test_batch_norm_on_a_single_row_raises_eagers_own_error():
