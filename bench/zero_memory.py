@@ -7,7 +7,7 @@
    ZeRO paper's figure (Rajbhandari et al., 2020, Figure 1).
 2. A smaller GPT captured (fp32 AdamW) and rewritten by data_parallel and
    optimizer_shard for ``--dp`` ranks (no process group: the passes only name
-   the group): per-rank parameter and optimizer-state bytes read from the
+   the group; a fake mesh description): per-rank parameter and optimizer-state bytes read from the
    graph inputs (padding included), gradient bytes live when backward ends,
    and the elements each rank's collectives move per step, as a ratio to Psi.
 """
@@ -18,10 +18,10 @@ import argparse
 import torch
 
 from cann_passes import PassContext, PassManager
-from cann_passes.passes._collectives import collective_elements
 from cann_passes.passes.optimizer_shard import zero_model_state_bytes
-from cann_passes.runtime.distributed import MeshInfo
 from graph_ir import capture_train_step
+from graph_ir.analysis.collectives import collective_elements
+from graph_ir.mesh import MeshDesc
 from graph_ir.analysis import memory_profile
 from graph_ir.meta import ORIGIN_PASS, Region, nbytes, region_of
 from graph_ir.signature import InputKind
@@ -59,7 +59,7 @@ def graph_table(model_name: str, dp: int, bucket_mb: float) -> None:
     print(f"{'':<20}{'params':>8}{'opt state':>10}{'grads@bwd end':>14}{'formula':>9}"
           f"{'all_reduce':>11}{'red_scat':>9}{'all_gath':>9}{'total comm':>11}")
     for stage in range(4):
-        mesh = MeshInfo({"dp": dp}, {"dp": dp - 1}, {"dp": "dp"})   # the last rank holds the padding
+        mesh = MeshDesc.fake(dp=dp, rank=dp - 1)   # the last rank holds the padding
         graph = PassManager(PIPELINES[stage].format(b=bucket_mb), verify_level="shallow").run(
             captured.copy(), PassContext(mesh=mesh))
         sig = graph.signature
@@ -73,7 +73,7 @@ def graph_table(model_name: str, dp: int, bucket_mb: float) -> None:
                        if region_of(n) == Region.BACKWARD and ORIGIN_PASS not in n.meta)
         grads = profile.live_bytes[last_bwd]
         formula = zero_model_state_bytes(psi, dp, stage, k=8, param_bytes=4, grad_bytes=4)
-        volume = collective_elements(graph)
+        volume = collective_elements(graph.graph)
         print(f"{NAMES[stage]:<20}{params / psi:>8.3f}{state / psi:>10.3f}{grads / psi:>14.3f}"
               f"{formula / psi:>9.3f}{volume['all_reduce'] / psi:>11.3f}{volume['reduce_scatter'] / psi:>9.3f}"
               f"{volume['all_gather'] / psi:>9.3f}{sum(volume.values()) / psi:>11.3f}")

@@ -248,6 +248,22 @@ def test_replay_reruns_a_reproducer(tmp_path, capsys):
     assert [p.stem for p in DumpDir(str(tmp_path / "replayed")).passes] == ["001_cleanup"]
 
 
+def test_an_accumulation_dump_reports_each_graph_of_the_program_on_its_own_page(tmp_path, capsys):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("microbatches: 2\n")
+    out = _stdout(capsys, ["run", "mlp", "--out", str(tmp_path), "--no-svg", "--set", "batch_size=8", "--plan",
+                           str(plan), "--pipeline",
+                           "cleanup,grad_accumulation{microbatches=2},split_grad_apply,apply(cleanup)"])
+    assert "dumped to" in out
+    dump = DumpDir(str(tmp_path))
+    assert [os.path.basename(d) for d in dump.graph_directories()] == ["grad", "apply"]
+    for name in ("grad", "apply"):
+        sub = DumpDir(str(tmp_path / name))
+        assert sub.passes[0].stem == "003_split_grad_apply" and (tmp_path / name / "index.html").exists()
+    assert [p.stem for p in DumpDir(str(tmp_path / "apply")).passes] == ["003_split_grad_apply", "004_cleanup"]
+    assert "graph apply: kind apply" in (tmp_path / "program.txt").read_text()
+
+
 # -- the GE lowering section (torchair's converters, offline) ------------------------------------
 
 @pytest.fixture(scope="module")
