@@ -47,9 +47,7 @@ def test_yaml_plan_loads(tmp_path):
     assert plan.backend == "eager" and plan.extra_passes == ("cleanup{cse=false}",)
 
 
-@pytest.mark.parametrize("fields, pass_name", [
-    ({"tp": 2}, "tensor_parallel"), ({"pp": 2}, "pipeline_parallel"),
-])
+@pytest.mark.parametrize("fields, pass_name", [({"pp": 2}, "pipeline_parallel")])
 def test_capability_not_built_raises_not_implemented_naming_it(fields, pass_name):
     assert not is_registered(pass_name)
     with pytest.raises(NotImplementedError, match=pass_name):
