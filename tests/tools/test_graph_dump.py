@@ -262,6 +262,8 @@ def test_an_accumulation_dump_reports_each_graph_of_the_program_on_its_own_page(
         assert sub.passes[0].stem == "003_split_grad_apply" and (tmp_path / name / "index.html").exists()
     assert [p.stem for p in DumpDir(str(tmp_path / "apply")).passes] == ["003_split_grad_apply", "004_cleanup"]
     assert "graph apply: kind apply" in (tmp_path / "program.txt").read_text()
+    page = (tmp_path / "index.html").read_text()
+    assert 'href="grad/index.html"' in page and 'href="apply/index.html"' in page
 
 
 # -- the GE lowering section (torchair's converters, offline) ------------------------------------

@@ -230,9 +230,25 @@ def _summary(dump: DumpDir) -> str:
             f'{ge_headline(dump.directory)}</p>')
 
 
+def program_section(dump: DumpDir) -> str:
+    """The compiled program's graphs (kind, nodes, how often each runs), linked to their own pages."""
+    program = dump.program()
+    if not program or len(program.get("graphs", {})) < 2:
+        return ""
+    every = {r["graph"]: r["every"] for r in program.get("schedule", [])}
+    rows = []
+    for name, graph in program["graphs"].items():
+        directory = program.get("directories", {}).get(name, name)
+        rows.append(f'<li><a href="{_esc(directory)}/index.html">{_esc(name)}</a>: kind {_esc(graph["kind"])}, '
+                    f'{graph["nodes"]} nodes, runs once per {_esc(every.get(name, "?"))}</li>')
+    flows = len(program.get("flows", []))
+    return (f'<p id="program">This page shows the whole step up to the split; the program runs '
+            f'{len(program["graphs"])} graphs ({flows} values flow between them):</p><ul>{"".join(rows)}</ul>')
+
+
 def render(dump: DumpDir, diffs: dict[str, str], svgs: set[str] = frozenset()) -> str:
     # Parts that need two graphs first: the pass table then drops all but the last from memory.
-    summary = _summary(dump)
+    summary = _summary(dump) + program_section(dump)
     before, after = dump.memory_pair()
     plot = memory_plot(before, after)
     rows, infos = pass_rows(dump)
