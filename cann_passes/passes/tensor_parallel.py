@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-import re
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -306,7 +305,8 @@ class _Rewriter(torch.fx.Interpreter):
 
     def call_function(self, target, args, kwargs):
         from torch.distributed.tensor import DTensor, Replicate
-        if self.sp:
+        if self.sp and not (target in (aten.add.Tensor, aten.sub.Tensor) and _all_partial(args)):
+            # (a sum of partial sums stays partial: q/k/v's input gradients are reduced once)
             args = tuple(self._sequence_shard(a) for a in args)
         for rule in (self._fused_split, self._fused_cat, self._fused_contraction, self._same_placement,
                      self._batch_local, self._head_local, self._legacy_empty_cat):
@@ -326,10 +326,13 @@ class _Rewriter(torch.fx.Interpreter):
             raise
         except Exception as exc:
             placed = [f"{tuple(a.shape)} {a.placements[0]}" for a in args if isinstance(a, DTensor)]
+            origin = self.origins.get(self.current)
             raise TensorParallelError(
                 f"tensor_parallel: node {self.current.name} ({target}, module "
                 f"'{self.current.meta.get(MODULE_PATH, '')}') cannot run on inputs placed "
-                f"{', '.join(placed) or 'replicated'}: {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
+                f"{', '.join(placed) or 'replicated'}" + (f" (split by the rule of parameter '{origin}')"
+                                                          if origin else "")
+                + f": {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
 
     # Sequence parallelism: a partial sum of the residual stream ([batch, seq, hidden]) is
     # reduce-scattered onto the sequence rather than all-reduced; the next column-parallel
@@ -462,6 +465,13 @@ class _Rewriter(torch.fx.Interpreter):
                 f"'{self.current.meta.get(MODULE_PATH, '')}')" + (f", from parameter {origin}" if origin else ""))
 
 
+def _all_partial(args) -> bool:
+    from torch.distributed.tensor import DTensor, Partial
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    return bool(tensors) and all(isinstance(a, DTensor) and isinstance(a.placements[0], Partial)
+                                 for a in tensors)
+
+
 def _strided(value) -> bool:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -489,32 +499,33 @@ def _heads_check(graph: TrainGraph, layouts: dict[str, ParamLayout], tp: int) ->
         if not layout.rule.split("=")[1].startswith("column"):
             continue
         for view in _forward_head_views(node):
-            out_shape = [int(s) for s in view.meta["val"].shape]
-            in_last = int(view.args[0].meta["val"].shape[-1]) // layout.parts
-            if len(out_shape) >= 2 and out_shape[-2] * out_shape[-1] == in_last and out_shape[-2] % tp:
-                kind = "kv heads" if re.search(r"(k|v|key|value)(_proj)?$", _module_and_leaf(name)[0]) \
-                    else "heads"
+            heads = int(view.meta["val"].shape[-2])
+            if heads % tp:
+                last = _module_and_leaf(_module_and_leaf(name)[0])[1]
+                kind = "kv heads" if last in ("k_proj", "v_proj", "key", "value", "wk", "wv") else "heads"
                 raise TensorParallelError(
-                    f"parameter '{name}' (rule '{layout.rule}'): {out_shape[-2]} {kind} (viewed at node "
+                    f"parameter '{name}' (rule '{layout.rule}'): {heads} {kind} (viewed at node "
                     f"{view.name}, module '{view.meta.get(MODULE_PATH, '')}') are not divisible by tp={tp}")
 
 
 def _forward_head_views(param: torch.fx.Node):
-    """Forward views that reshape (a part of) this weight's matmul output into [..., heads, head_dim]."""
+    """Forward views splitting the last dim of (a part of) this weight's matmul output into
+    [..., heads, head_dim]: the heads a column-parallel split divides among the ranks."""
+    passing = {aten.t.default, aten.mm.default, aten.addmm.default, aten.add.Tensor, aten.view.default,
+               aten._unsafe_view.default, aten.reshape.default, aten.split.Tensor,
+               aten.split_with_sizes.default, aten.matmul.default, aten.mul.Tensor}
     seen, stack = set(), list(param.users)
     while stack:
         n = stack.pop()
-        if n in seen or region_of(n) != Region.FORWARD or len(seen) > 40:
+        if n in seen or region_of(n) != Region.FORWARD or len(seen) > 64:
             continue
         seen.add(n)
-        if n.target in (aten.view.default, aten._unsafe_view.default, aten.reshape.default) \
-                and len(n.meta["val"].shape) > len(n.args[0].meta["val"].shape):
-            yield n
-            continue
-        if n.target in (aten.t.default, aten.mm.default, aten.addmm.default, aten.add.Tensor,
-                        aten.view.default, aten._unsafe_view.default, aten.split.Tensor,
-                        aten.split_with_sizes.default, aten.matmul.default) or n.op == "call_function" \
-                and n.target.__name__ == "getitem":
+        if n.target in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
+            out, src = n.meta["val"].shape, n.args[0].meta["val"].shape
+            if len(out) == len(src) + 1 and out[-2] * out[-1] == src[-1] and list(out[:-2]) == list(src[:-1]):
+                yield n
+                continue
+        if n.target in passing or getattr(n.target, "__name__", "") == "getitem":
             stack.extend(n.users)
 
 

@@ -1,0 +1,206 @@
+"""tensor_parallel on a fake mesh, in one process: layouts, local shapes, collectives, bad plans.
+
+Models are the ones users bring (``tests.zoo``: the recipe GPT with its fused qkv and tied
+head, transformers' LLaMA with GQA and SDPA, GPT-2 with Conv1D); numerics against
+single-process training are in ``test_tp_gloo.py``.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cann_passes import Plan, PlanError
+from cann_passes.pass_manager import PassContext
+from cann_passes.passes import tensor_parallel as tpp
+from cann_passes.pipeline import build_pipeline
+from graph_ir import capture_train_step
+from graph_ir.verifier import verify
+from tests import zoo
+
+LAYERS = 2
+
+
+class FakeMesh:
+    """The mesh description a pass reads: one tp axis of ``size`` ranks, seen from ``rank``."""
+
+    def __init__(self, size: int, rank: int = 0):
+        self._size, self._rank = size, rank
+
+    def size(self, axis):
+        return self._size
+
+    def local_rank(self, axis):
+        return self._rank
+
+    def group_name(self, axis):
+        return "fake:tp"
+
+
+def _capture(name: str, **config):
+    entry = zoo.build(name, layers=LAYERS, **config)
+    optimizer = torch.optim.AdamW(entry.model.parameters(), lr=1e-3)
+    graph, _ = capture_train_step(entry.model, optimizer, entry.loss_fn, entry.make_batch(1))
+    return entry, graph
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return _capture("gpt")
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return _capture("llama")
+
+
+def _run(graph, tp=2, rank=0, **options):
+    ctx = PassContext(mesh=FakeMesh(tp, rank))
+    out = tpp.tensor_parallel_pass(graph.copy(), ctx, **options)
+    verify(out, deep=True)
+    return out
+
+
+def _collectives(graph):
+    """(region, collective, input elements) of every collective, in graph order."""
+    return [(str(n.meta["region"]), n.target._overloadpacket.__name__, n.args[0].meta["val"].numel())
+            for n in graph.graph.nodes if getattr(n.target, "namespace", "") == "_c10d_functional"
+            and n.target is not tpp.c10d.wait_tensor.default]
+
+
+def _placeholder_shape(graph, kind, name):
+    return tuple(graph.input_node(kind, name).meta["val"].shape)
+
+
+class TestRules:
+    def test_rule_text_round_trips_and_bad_styles_are_refused(self):
+        rules = tpp.parse_rules("*.attn.qkv=column:3;*.attn.proj=row;wte=vocab")
+        assert tpp.format_rules(rules) == "*.attn.qkv=column:3;*.attn.proj=row;wte=vocab"
+        with pytest.raises(tpp.TensorParallelError, match="'x=diagonal'.*style one of"):
+            tpp.parse_rules("x=diagonal")
+
+    @pytest.mark.parametrize("names,family", [
+        (["layers.0.attn.qkv.weight"], "recipe-gpt"),
+        (["transformer.h.0.attn.c_attn.weight"], "gpt2"),
+        (["model.layers.0.self_attn.q_proj.weight"], "llama"),
+        (["bert.encoder.layer.0.attention.self.query.weight"], "bert"),
+        (["fc1.weight"], "none")])
+    def test_built_in_rules_are_chosen_by_the_parameter_names(self, names, family):
+        assert tpp.builtin_rules(names)[0] == family
+
+    def test_gpt2_conv1d_weights_split_on_their_output_dim_read_from_the_graph(self):
+        _, graph = _capture("gpt2")
+        layouts = tpp.assign_layouts(graph, tpp.builtin_rules(
+            s.name for _, s in graph.signature.inputs_of("param"))[1], 2)
+        # Conv1D keeps weights [in, out]: column-parallel c_attn splits dim 1 in 3 parts, row c_proj dim 0.
+        assert layouts["transformer.h.0.attn.c_attn.weight"] == tpp.ParamLayout(
+            "transformer.h.0.attn.c_attn.weight", 1, 3, "*.h.*.attn.c_attn=column:3")
+        assert layouts["transformer.h.0.attn.c_proj.weight"].dim == 0
+        assert layouts["transformer.h.0.attn.c_proj.bias"].dim is None
+        assert layouts["transformer.wte.weight"].dim == 0
+
+
+class TestRewrite:
+    def test_megatron_two_all_reduces_forward_and_two_backward_per_layer(self, gpt, llama):
+        for _, graph in (gpt, llama):
+            out = _run(graph)
+            found = _collectives(out)
+            forward = [c for c in found if c[0] == "forward"]
+            backward = [c for c in found if c[0] == "backward"]
+            # per layer: attention out-proj and MLP down-proj (forward), their column-parallel
+            # inputs' gradients (backward); plus the vocab-parallel embedding (forward), the
+            # head's input gradient (backward) and the logits gathered for the loss.
+            assert [c[1] for c in forward].count("all_reduce") == 2 * LAYERS + 1
+            assert [c[1] for c in backward] == ["all_reduce"] * (2 * LAYERS + 1)
+            assert [c[1] for c in forward].count("all_gather_into_tensor") == 1
+            assert not [c for c in found if c[0] == "optimizer"]
+
+    def test_parameters_state_and_views_become_local_with_gqa_kv_heads_split(self, llama):
+        entry, graph = llama
+        out = _run(graph, rank=1)
+        q = "model.layers.0.self_attn.q_proj.weight"
+        k = "model.layers.0.self_attn.k_proj.weight"
+        down = "model.layers.0.mlp.down_proj.weight"
+        assert _placeholder_shape(out, "param", q) == (zoo.HIDDEN // 2, zoo.HIDDEN)
+        assert _placeholder_shape(out, "param", k) == (zoo.HIDDEN // zoo.HEADS * zoo.KV_HEADS // 2, zoo.HIDDEN)
+        assert _placeholder_shape(out, "param", down) == (zoo.HIDDEN, zoo.FFN // 2)
+        assert _placeholder_shape(out, "opt_state", f"{q}:exp_avg") == (zoo.HIDDEN // 2, zoo.HIDDEN)
+        assert _placeholder_shape(out, "param", "model.norm.weight") == (zoo.HIDDEN,)
+        head_dim = zoo.HIDDEN // zoo.HEADS
+        views = {tuple(n.meta["val"].shape) for n in out.graph.nodes
+                 if n.target is torch.ops.aten.view.default and n.meta.get("module_path", "").endswith("self_attn")}
+        assert (zoo.BATCH, zoo.SEQ, zoo.HEADS // 2, head_dim) in views          # query heads
+        assert (zoo.BATCH, zoo.SEQ, zoo.KV_HEADS // 2, head_dim) in views       # kv heads
+        assert out.attrs["tensor_parallel"]["params"][k] == {"dim": 0, "parts": 1,
+                                                             "rule": "*.self_attn.k_proj=column"}
+
+    def test_fused_qkv_and_tied_head_of_the_recipe_gpt(self, gpt):
+        _, graph = gpt
+        out = _run(graph)
+        qkv = "layers.0.attn.qkv.weight"
+        assert _placeholder_shape(out, "param", qkv) == (3 * zoo.HIDDEN // 2, zoo.HIDDEN)
+        assert out.attrs["tensor_parallel"]["params"][qkv]["parts"] == 3
+        # wte is the embedding and (tied) the head: one vocab-split parameter
+        assert _placeholder_shape(out, "param", "wte.weight") == (zoo.VOCAB // 2, zoo.HIDDEN)
+
+    def test_vocab_parallel_loss_never_gathers_the_logits(self, gpt):
+        _, graph = gpt
+        out = _run(graph, vocab_parallel_loss=True)
+        gathers = [c for c in _collectives(out) if c[1] == "all_gather_into_tensor"]
+        assert gathers == []
+        # the loss' reductions are over [tokens, 1] statistics, not over logits
+        small = [c for c in _collectives(out) if c[:2] == ("forward", "all_reduce")
+                 and c[2] == zoo.BATCH * zoo.SEQ]
+        assert len(small) >= 2
+
+    def test_sequence_parallel_replaces_each_all_reduce_by_a_pair_moving_the_same_bytes(self, gpt):
+        _, graph = gpt
+        n = zoo.BATCH * zoo.SEQ * zoo.HIDDEN           # one residual-stream activation
+        plain = _collectives(_run(graph))
+        seq = _collectives(_run(graph, sequence_parallel=True, vocab_parallel_loss=True))
+        for region in ("forward", "backward"):
+            assert not [c for c in seq if c[:2] == (region, "all_reduce") and c[2] == n]
+        reduces = [c for c in plain if c[:2] == ("forward", "all_reduce") and c[2] == n]
+        scatters = [c for c in seq if c[:2] == ("forward", "reduce_scatter_tensor") and c[2] == n]
+        gathers = [c for c in seq if c[:2] == ("forward", "all_gather_into_tensor") and c[2] == n // 2]
+        assert len(reduces) == len(scatters) == len(gathers) == 2 * LAYERS + 1
+        # ring accounting: an all-reduce moves 2x its size, a reduce-scatter its input, an
+        # all-gather its output: the pairs move what the all-reduces did
+        assert sum(2 * c[2] for c in reduces) == sum(c[2] for c in scatters) + sum(2 * c[2] for c in gathers)
+
+
+class TestBadPlans:
+    def test_heads_not_divisible_by_tp_name_the_parameter_and_rule(self, gpt):
+        _, graph = gpt
+        with pytest.raises(tpp.TensorParallelError,
+                           match=r"parameter 'layers.0.attn.qkv.weight' \(rule '\*layers.\*.attn.qkv=column:3'\): "
+                                 r"4 heads .* not divisible by tp=8"):
+            _run(graph, tp=8)
+
+    def test_kv_heads_not_divisible_by_tp_name_k_proj(self, llama):
+        _, graph = llama
+        with pytest.raises(tpp.TensorParallelError,
+                           match=r"parameter 'model.layers.0.self_attn.k_proj.weight' .*2 kv heads .*tp=4"):
+            _run(graph, tp=4)
+
+    def test_vocabulary_not_divisible_by_tp(self, llama):
+        _, graph = llama
+        with pytest.raises(tpp.TensorParallelError,
+                           match=r"parameter 'model.embed_tokens.weight' \(rule '\*embed_tokens=vocab'\): "
+                                 r"its vocabulary 96 along dim 0 is not divisible by tp=5"):
+            _run(graph, tp=5)
+
+    def test_a_user_rule_matching_nothing_is_refused(self, gpt):
+        _, graph = gpt
+        with pytest.raises(tpp.TensorParallelError, match=r"rule '\*.attention.wq=column' matches no parameter"):
+            _run(graph, extra_rules="*.attention.wq=column")
+
+    def test_plan_fields_and_world_size(self):
+        from cann_passes.runtime.distributed import check_world
+        with pytest.raises(PlanError, match=r"dp x tp x pp = 1 x 2 x 1 = 2 must equal the number of processes \(4\)"):
+            check_world(Plan(tp=2), 4)
+        with pytest.raises(PlanError, match=r"tp_rules.\*.wq' = 'diagonal'"):
+            Plan(tp=2, tp_rules={"*.wq": "diagonal"})
+        with pytest.raises(PlanError, match="sequence_parallel.*applies only to tensor parallelism"):
+            Plan(sequence_parallel=True)
+        text = str(build_pipeline(Plan(tp=2, tp_rules={"*.wq": "column"}, vocab_parallel_loss=True), "eager"))
+        assert 'tensor_parallel{extra_rules="*.wq=column",sequence_parallel=false,vocab_parallel_loss=true}' in text

@@ -1,0 +1,143 @@
+"""One rank of tensor-parallel runs: ``python tests/tensor_parallel/tp_worker.py OUT SCENARIO...``.
+
+A scenario is ``model:optimizer[:option...]`` (``llama:adamw:sequence_parallel``), model a
+``tests.zoo`` name, optimizer sgd or adamw, options boolean options of the pass.
+
+Launched by the tests with ``launch_local`` (torchrun's environment). Every rank
+captures the whole step of a full model, runs the ``tensor_parallel`` pass for
+its own coordinate, and trains 10 steps on the same batches, holding only its
+shards; at the end the shards are gathered and rank 0 writes the losses and
+the full parameters to OUT/<scenario>.pt.
+
+The shard binding here follows the layout the pass records in
+``graph.attrs["tensor_parallel"]["params"]`` (dim and parts per parameter).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from graph_ir import capture_train_step, gather_inputs  # noqa: E402
+from graph_ir.signature import InputKind, OutputKind, split_state_name  # noqa: E402
+from cann_passes.pass_manager import PassContext, PassManager, Pipeline  # noqa: E402
+from cann_passes.passes.tensor_parallel import count_collectives  # noqa: E402
+from tests import zoo  # noqa: E402
+
+STEPS = 10
+
+
+# tp=4 needs 4 kv heads: the tp=4 LLaMA keeps GQA with 8 query heads.
+CONFIGS = {"llama8": ("llama", {"num_attention_heads": 8, "num_key_value_heads": 4})}
+
+
+def make(name: str, opt: str):
+    name, config = CONFIGS.get(name, (name, {}))
+    entry = zoo.build(name, layers=2, seed=0, **config)
+    if opt == "sgd":
+        optimizer = torch.optim.SGD(entry.model.parameters(), lr=0.1, momentum=0.9)
+    else:
+        optimizer = torch.optim.AdamW(entry.model.parameters(), lr=1e-3, weight_decay=0.01)
+    return entry, optimizer
+
+
+def batches(entry):
+    return [entry.make_batch(1000 + i) for i in range(STEPS)]
+
+
+class Mesh:
+    """A one-axis mesh description over the world: what the pass reads."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def size(self, axis):
+        return dist.get_world_size(self.group)
+
+    def local_rank(self, axis):
+        return dist.get_rank(self.group)
+
+    def group_name(self, axis):
+        return self.group.group_name
+
+
+def layout_of(graph, spec):
+    params = graph.attrs["tensor_parallel"]["params"]
+    if spec.kind == InputKind.PARAM:
+        return params.get(spec.name)
+    if spec.kind == InputKind.OPT_STATE:
+        name, key = split_state_name(spec.name)
+        return params.get(name) if key != "step" else None
+    return None
+
+
+def shard(full: torch.Tensor, layout, rank: int, n: int) -> torch.Tensor:
+    if layout is None:
+        return full.detach().clone()
+    dim, parts = layout["dim"], layout["parts"]
+    blocks = full.detach().chunk(parts, dim)
+    return torch.cat([b.chunk(n, dim)[rank] for b in blocks], dim).clone()
+
+
+def unshard(pieces: list[torch.Tensor], layout) -> torch.Tensor:
+    if layout is None:
+        return pieces[0]
+    dim, parts = layout["dim"], layout["parts"]
+    per_rank = [p.chunk(parts, dim) for p in pieces]
+    return torch.cat([torch.cat([pr[b] for pr in per_rank], dim) for b in range(parts)], dim)
+
+
+def main(out: str, *scenarios: str):
+    dist.init_process_group("gloo")
+    for scenario in scenarios:
+        run(out, scenario)
+    dist.destroy_process_group()
+
+
+def run(out: str, scenario: str):
+    name, opt, *flags = scenario.split(":")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    entry, optimizer = make(name, opt)
+    data = batches(entry)
+    captured, layout = capture_train_step(entry.model, optimizer, entry.loss_fn, data[0])
+    options = ",".join(f"{f}=true" for f in flags)
+    pipeline = Pipeline.parse("tensor_parallel" + (f"{{{options}}}" if options else "") + ",cleanup")
+    graph = PassManager(pipeline, verify_level="deep").run(captured.copy(), PassContext(mesh=Mesh(dist.group.WORLD)))
+    full = gather_inputs(entry.model, optimizer, layout, data[0])
+    sig = graph.signature
+    values = {spec: shard(v, layout_of(graph, spec), rank, world) if isinstance(v, torch.Tensor) else v
+              for spec, v in zip(sig.inputs, full)}
+    loop_back = {o: i for o in sig.outputs for i in sig.inputs
+                 if (o.kind, o.name) == (i.kind, i.name) or (o.kind == OutputKind.PARAM and i.kind == "param"
+                                                              and o.name == i.name)}
+    batch_specs = [s for s in sig.inputs if s.kind == InputKind.BATCH]
+    losses = []
+    for batch in data:
+        flat_batch = gather_inputs(entry.model, optimizer, layout, batch)[-len(batch_specs):]
+        values.update(zip(batch_specs, flat_batch))
+        outputs = graph.gm(*[values[s] for s in sig.inputs])
+        for spec, value in zip(sig.outputs, outputs):
+            if spec.kind == OutputKind.LOSS:
+                losses.append(float(value))
+            elif spec in loop_back:
+                values[loop_back[spec]] = value
+    params = {}
+    for spec in sig.inputs:
+        if spec.kind == InputKind.PARAM:
+            local = values[spec].contiguous()
+            pieces = [torch.empty_like(local) for _ in range(world)]
+            dist.all_gather(pieces, local)
+            params[spec.name] = unshard(pieces, layout_of(graph, spec))
+    collectives = {f"{r}.{c}": n for (r, c), n in count_collectives(graph).items()}
+    if rank == 0:
+        torch.save({"losses": losses, "params": params, "collectives": collectives,
+                    "attrs": graph.attrs["tensor_parallel"]}, os.path.join(out, f"{scenario}.tp{world}.pt"))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
