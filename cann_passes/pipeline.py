@@ -3,10 +3,13 @@
     cleanup                      dead code, duplicate pure ops
     autocast{dtype,policy}       mixed precision             (plan.precision != fp32)
     loss_scale{mode,...}         fp16 loss scaling           (plan.effective_loss_scale != none)
+    tensor_parallel{...}         Megatron tensor parallelism (plan.tp > 1)
     recompute{policy,budget}     activation recompute        (plan.recompute != none)
     grad_accumulation{...}       accumulate over microbatches (plan.microbatches > 1 or accumulate_target)
     data_parallel{...}           gradient all-reduce         (plan.dp > 1)
     optimizer_shard{stage,...}   ZeRO                        (plan.zero_stage > 0)
+    grad_clip{max_norm}          global grad-norm clipping   (plan.grad_clip_norm set; after every
+                                                              pass that changes what the update reads)
     <plan.extra_passes>          the user's own passes
     npu_legalize                 Ascend converter coverage   (backend torchair)
     cleanup
@@ -17,7 +20,7 @@ A plan's ``pipeline`` field replaces all of this with its own text.
 """
 from __future__ import annotations
 
-from .pass_manager import Pipeline, is_registered
+from .pass_manager import Pipeline, is_registered, spec
 from .plan import Plan
 
 
@@ -30,6 +33,10 @@ def build_pipeline(plan: Plan, backend: str) -> Pipeline:
     if plan.effective_loss_scale != "none":
         steps.append(f"loss_scale{{mode={plan.effective_loss_scale},init={plan.loss_scale_init},"
                      f"growth_interval={plan.loss_scale_growth_interval}}}")
+    if plan.tp > 1:
+        steps.append(str(spec("tensor_parallel", extra_rules=";".join(f"{k}={v}" for k, v in plan.tp_rules.items()),
+                              sequence_parallel=plan.sequence_parallel,
+                              vocab_parallel_loss=plan.vocab_parallel_loss)))
     if plan.recompute != "none":
         budget = "" if plan.recompute_budget is None else f",budget={plan.recompute_budget}"
         steps.append(f"recompute{{policy={plan.recompute},every_n={plan.recompute_every_n}{budget}}}")
@@ -40,6 +47,8 @@ def build_pipeline(plan: Plan, backend: str) -> Pipeline:
         steps.append(f"data_parallel{{bucket_mb={plan.bucket_mb},algo={plan.allreduce_algo}}}")
     if plan.zero_stage:
         steps.append(f"optimizer_shard{{stage={plan.zero_stage},bucket_mb={plan.bucket_mb}}}")
+    if plan.grad_clip_norm is not None:
+        steps.append(f"grad_clip{{max_norm={float(plan.grad_clip_norm)!r}}}")
     steps.extend(plan.extra_passes)
     if backend == "torchair" and is_registered("npu_legalize"):
         steps.append("npu_legalize")

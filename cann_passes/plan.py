@@ -39,6 +39,7 @@ VERIFY_LEVELS = ("off", "shallow", "deep")
 LOSS_SCALES = ("auto", "none", "static", "dynamic", "adaptive")
 DEVICE_PROFILES = ("auto", "cpu", "ascend_910b", "ascend_a3", "a100", "h100", "h200")
 ALLREDUCE_ALGOS = ("auto", "ring", "tree")
+TP_STYLES = ("column", "row", "vocab", "replicate")
 
 _ENUMS = {"precision": PRECISIONS, "recompute": RECOMPUTE_POLICIES, "backend": BACKENDS,
           "pipeline_schedule": PIPELINE_SCHEDULES, "verify": VERIFY_LEVELS,
@@ -82,10 +83,14 @@ class Plan:
     recompute_bans: tuple[str, ...] = ()       # op names or module paths never recomputed
     dp: int = 1
     tp: int = 1
+    tp_rules: dict = field(default_factory=dict)  # module-path pattern -> column|row|vocab|replicate[:parts]
+    sequence_parallel: bool = False            # tp: norms/dropout on sequence shards (all-gather + reduce-scatter)
+    vocab_parallel_loss: bool = False          # tp: cross-entropy on vocabulary-sharded logits
     pp: int = 1
     zero_stage: int = 0
     microbatches: int = 1
     accumulate_target: int | None = None       # dynamic accumulation: samples per optimizer step
+    grad_clip_norm: float | None = None        # clip the global gradient 2-norm to this (grad_clip pass)
     pipeline_schedule: str = "1f1b"
     allreduce_algo: str = "auto"
     bucket_mb: float = 25.0
@@ -103,6 +108,7 @@ class Plan:
         self._check_capabilities()
         self._check_pipelines()
         self._check_dependencies()
+        self._check_tensor_parallel()
         if self.pipeline is not None:
             self._check_against_pipeline_text()
 
@@ -191,6 +197,9 @@ class Plan:
             raise PlanError("dump_dir", "must be a directory path", self.dump_dir)
         if not (_is_number(self.bucket_mb) and self.bucket_mb > 0):
             raise PlanError("bucket_mb", "must be a finite positive number of MiB", self.bucket_mb)
+        if self.grad_clip_norm is not None and not (_is_number(self.grad_clip_norm) and self.grad_clip_norm > 0):
+            raise PlanError("grad_clip_norm", "must be a finite number > 0 (or null for no clipping)",
+                            self.grad_clip_norm)
         self._check_budget()
         from .lowering.torchair_config import config_assignments
         try:
@@ -282,6 +291,25 @@ class Plan:
             if name == "loss_scale_growth_interval" and scaling != "dynamic":
                 raise PlanError(name, f"applies only when loss_scale is 'dynamic' (loss_scale = "
                                 f"{self.loss_scale!r}: {scaling})", getattr(self, name))
+
+    def _check_tensor_parallel(self) -> None:
+        """tp_rules' styles; the tensor-parallel fields apply only with tp > 1."""
+        if not isinstance(self.tp_rules, dict):
+            raise PlanError("tp_rules", "must be a mapping of module-path pattern to a style", self.tp_rules)
+        for pattern, style in self.tp_rules.items():
+            kind, _, parts = style.partition(":") if isinstance(style, str) else ("", "", "")
+            if not isinstance(pattern, str) or not pattern.strip() or any(c in pattern for c in ';="'):
+                raise PlanError("tp_rules", "keys must be module-path patterns (fnmatch, without ; = or \")",
+                                pattern)
+            if kind not in TP_STYLES or (parts and not (parts.isdigit() and int(parts) >= 1)):
+                raise PlanError(f"tp_rules.{pattern}", f"must be one of {', '.join(TP_STYLES)}, optionally "
+                                "with :parts for a fused projection (column:3 for q/k/v in one weight)", style)
+        for name in ("sequence_parallel", "vocab_parallel_loss"):
+            if not isinstance(getattr(self, name), bool):
+                raise PlanError(name, "must be true or false", getattr(self, name))
+        for name in ("tp_rules", "sequence_parallel", "vocab_parallel_loss"):
+            if self._changed(name) and self.tp == 1:
+                raise PlanError(name, "applies only to tensor parallelism (tp = 1)", getattr(self, name))
 
     def _check_against_pipeline_text(self) -> None:
         """With ``pipeline`` text, a field that shapes the pipeline must be what the text does."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from graph_ir import TrainGraph
-from graph_ir.meta import GraphAttr, Region, nbytes, region_of
+from graph_ir.meta import GRADIENT_OF, GraphAttr, Region, nbytes, region_of
 
 from ..pass_manager import PassContext, register_pass
 from ._collectives import (DistributedRewriteError, MeshDim, NodeBuilder, after, aten, average_loss, c10d,
@@ -45,7 +45,11 @@ def _all_reduce_bucket(tg: TrainGraph, bucket: list[str], grads: dict[str, torch
     offset = 0
     for name, value in zip(bucket, values):
         val = value.meta["val"]
-        redirect(value, receive.unflat(synced, offset, val.numel(), val.shape), readers[name])
+        synced_grad = receive.unflat(synced, offset, val.numel(), val.shape)
+        redirect(value, synced_grad, readers[name])
+        # The update reads the synchronized copy now: that is its gradient (graph_ir.analysis.gradients).
+        value.meta.pop(GRADIENT_OF, None)
+        synced_grad.meta[GRADIENT_OF] = name
         offset += val.numel()
 
 
