@@ -953,3 +953,19 @@ def test_transformers_gpt2_with_a_detached_loss_raises_eagers_error(gpt2):
         return model(**batch).loss.detach()
     kind, message = eager_message(model, loss_fn, _gpt2_batches(1)[0])
     refused(compiled(model, loss_fn), _gpt2_batches(1)[0], kind, message)
+
+
+@pytest.mark.parametrize("module, argv", [
+    ("tools.lower_check", ["run", "recipes.models.gpt:gpt_tiny", "--plan", "/nonexistent/plan.yaml", "--out", "OUT"]),
+    ("tools.graph_dump", ["run", "mlp", "--plan", "/nonexistent/plan.yaml", "--out", "OUT"]),
+])
+def test_a_tool_process_prints_one_line_and_exits_2(tmp_path, module, argv):
+    """As a user runs it: a real process, so logging and warnings count too."""
+    import subprocess
+    import sys
+    argv = [str(tmp_path / "out") if a == "OUT" else a for a in argv]
+    done = subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True, timeout=120,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == 2
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "cannot be read" in lines[0], done.stderr
