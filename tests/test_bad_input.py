@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cann_passes import Pipeline, PipelineError, Plan, PlanError, backend, compile_for_npu
+from cann_passes import Plan, PlanError, backend, compile_for_npu
 from cann_passes.lowering import BackendUnavailable
 from graph_ir.capture import CaptureError
 from graph_ir.optimizers import UnsupportedOptimizer
@@ -140,13 +140,6 @@ def refused(step, batch, types, *needles, model=None, optimizer=None):
     for needle in needles:
         assert needle in text, f"{needle!r} not in {text!r}"
     assert_unchanged(model, optimizer, before)
-    return info.value
-
-
-def eager_error(model, optimizer, loss_fn, batch) -> BaseException:
-    with pytest.raises(Exception) as info:
-        eager_step(copy.deepcopy(model), copy.deepcopy(optimizer) if False else
-                   type(optimizer)(copy.deepcopy(model).parameters(), **optimizer.defaults), loss_fn, batch)
     return info.value
 
 
@@ -458,7 +451,6 @@ def test_a_batch_that_requires_grad_leaks_no_autograd_history(mlp):
         for value in state.values():
             assert not value.requires_grad and value.grad_fn is None
     copy.deepcopy(optimizer.state_dict())
-    assert all(x.grad is None for x, _ in data[:0])
 
 
 def test_optimizer_load_state_dict_of_an_empty_state_after_compiling_restarts_like_eager(mlp):
