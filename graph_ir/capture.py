@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import os
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -42,6 +44,10 @@ _PREFIX = {InputKind.PARAM: "param", InputKind.BUFFER: "buffer", InputKind.OPT_S
 
 class CaptureError(RuntimeError):
     pass
+
+
+# What eager PyTorch raises when ``loss.backward()`` meets a loss without autograd history.
+NO_GRAD_LOSS = "element 0 of tensors does not require grad and does not have a grad_fn"
 
 
 @dataclass
@@ -88,10 +94,15 @@ def plan_layout(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch:
         updated = name in group_of and p.requires_grad and name not in unused
         (trainable if updated else frozen).append(name)
     leaves, spec = pytree.tree_flatten_with_path(batch)
+    devices = {p.device for p in model.parameters()}
     for path, leaf in leaves:
         if not isinstance(leaf, torch.Tensor):
             raise CaptureError(f"{batch_path(path)} is a {type(leaf).__name__}; "
                                "every leaf of a batch must be a tensor")
+        if leaf.device.type == "meta" and devices and any(d.type != "meta" for d in devices):
+            raise CaptureError(f"{batch_path(path)} of shape {tuple(leaf.shape)} is on device meta (no data) "
+                               f"while the model's parameters are on {sorted(map(str, devices))}; "
+                               "a batch must hold real data on the model's device")
     state_keys = {n: rule.state_keys(optimizer.param_groups[group_of[n]]) for n in trainable}
     hparams = [rule.input_names(g, i) for i, g in enumerate(optimizer.param_groups)]
     return StepLayout(trainable, frozen, [n for n, _ in model.named_buffers()], state_keys,
@@ -197,6 +208,10 @@ def _make_step_fn(model, optimizer, loss_fn, layout: StepLayout, rule: UpdateRul
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise CaptureError("loss_fn must return a scalar tensor "
                                    f"(got {type(loss).__name__} of shape {getattr(loss, 'shape', None)})")
+            if not loss.requires_grad:
+                # Detached, computed under no_grad, or not differentiable (argmax):
+                # eager's backward refuses it with this error, so the step does too.
+                raise RuntimeError(NO_GRAD_LOSS)
             _tag_backward_with_forward_module(loss)
             return loss.reshape(()), [new_buffers[n] for n in layout.buffers]
 
@@ -217,6 +232,28 @@ def _make_step_fn(model, optimizer, loss_fn, layout: StepLayout, rule: UpdateRul
     return step
 
 
+def _refuse_data_dependent_shape(node: torch.fx.Node) -> None:
+    """A value whose shape depends on the data (boolean-mask indexing, nonzero, unique) cannot be
+    one static graph: refused here, naming the model's line from the node's stack trace."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+    vals = node.meta.get("val")
+    vals = vals if isinstance(vals, (tuple, list)) else [vals]
+    if not any(isinstance(v, torch.Tensor) and free_unbacked_symbols(v) for v in vals):
+        return
+    where = "in the model or loss_fn"
+    for line in reversed((node.meta.get("stack_trace") or "").splitlines()):
+        line = line.strip()
+        if line.startswith("File ") and not any(d in line for d in _LIBRARY_DIRS + tuple(
+                os.path.join(_OWN_DIRS[0], d) for d in ("graph_ir", "cann_passes"))):
+            path, _, rest = line[len("File "):].partition(", line ")
+            where = f"at {os.path.basename(path.strip(chr(34)))}:{rest.split(',')[0]}"
+            break
+    raise CaptureError(
+        f"data-dependent shape {where} ({node.target}): the step is captured as one graph with static "
+        "shapes, and this value's shape depends on tensor data (boolean-mask indexing, nonzero, unique); "
+        "use a mask of the full shape instead (torch.where, multiplying by the mask)")
+
+
 def _finish_metadata(gm: torch.fx.GraphModule) -> None:
     """Move annotations into the IR's vocabulary and give backward nodes their module path."""
     module_by_seq: dict[int, str] = {}
@@ -233,6 +270,7 @@ def _finish_metadata(gm: torch.fx.GraphModule) -> None:
         if node.meta[REGION] == Region.BACKWARD.value and node.meta.get("autograd_backward"):
             path = module_by_seq.get(seq, "")
         node.meta[MODULE_PATH] = path
+        _refuse_data_dependent_shape(node)
         # Stack traces point into this file and torch; they make dumps unreadable.
         node.meta.pop("stack_trace", None)
 
@@ -409,16 +447,98 @@ def _tracing_state():
         torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag = old
 
 
+_LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, contextlib))
+_OWN_DIRS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)
+
+
+def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
+    """The innermost frame of the model's or the loss's own source (not torch's, not ours)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    for frame in reversed(frames):
+        path = os.path.abspath(frame.filename)
+        if path.startswith(_LIBRARY_DIRS) or frame.filename.startswith("<"):
+            continue
+        if path.startswith(_OWN_DIRS) and not _is_users(path):
+            continue
+        return frame
+    return None
+
+
+def _is_users(path: str) -> bool:
+    # Our own package directories are graph_ir and cann_passes; everything else under the
+    # repository (recipes, tests, tools) is model or loss code.
+    own = tuple(os.path.join(_OWN_DIRS[0], d) + os.sep for d in ("graph_ir", "cann_passes"))
+    return not path.startswith(own)
+
+
+def _where(frame: traceback.FrameSummary | None) -> str:
+    if frame is None:
+        return "in the model or loss_fn"
+    code = f" (`{frame.line.strip()}`)" if frame.line else ""
+    return f"at {os.path.basename(frame.filename)}:{frame.lineno}{code}"
+
+
+def _data_dependent(exc: BaseException) -> bool:
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+    return isinstance(exc, (DataDependentOutputException, DynamicOutputShapeException,
+                            GuardOnDataDependentSymNode))
+
+
+class _RefusedCheckpoint:
+    """Stands in for torch.utils.checkpoint's machinery while a step is captured."""
+
+    @staticmethod
+    def apply(*args, **kwargs):
+        raise CaptureError("torch.utils.checkpoint inside the model cannot be captured: the step's "
+                           "recompute is chosen by the plan (recompute: selective/full/every_n_layers/"
+                           "budget); remove the checkpoint call (or disable gradient checkpointing) "
+                           "and set the plan's recompute instead")
+
+
+@contextlib.contextmanager
+def _refusing_checkpoint():
+    import torch.utils.checkpoint as ckpt
+    saved = ckpt.CheckpointFunction, ckpt._checkpoint_without_reentrant_generator
+    ckpt.CheckpointFunction = _RefusedCheckpoint
+    ckpt._checkpoint_without_reentrant_generator = _RefusedCheckpoint.apply
+    try:
+        yield
+    finally:
+        ckpt.CheckpointFunction, ckpt._checkpoint_without_reentrant_generator = saved
+
+
 def _trace(step, flat: list, layout: StepLayout) -> torch.fx.GraphModule:
     try:
-        with fx_traceback.preserve_node_meta(), _tracing_state():
+        with fx_traceback.preserve_node_meta(), _tracing_state(), _refusing_checkpoint():
             return make_fx(torch.func.functionalize(step), tracing_mode="fake",
                            _allow_non_fake_inputs=True)(*flat)
-    except CaptureError:
-        raise
+    except CaptureError as exc:
+        frame = _user_frame(exc)
+        if frame is None or "torch.utils.checkpoint" not in str(exc):
+            raise
+        raise CaptureError(f"{exc} ({_where(frame)})") from None
     except Exception as exc:
         shapes = ", ".join(f"{p}: {tuple(t.shape)}" for p, t in
                            zip(layout.batch_paths, flat[len(flat) - len(layout.batch_paths):]))
+        frame = _user_frame(exc)
+        if _data_dependent(exc):
+            raise CaptureError(
+                f"data-dependent control flow {_where(frame)}: the step is captured as one graph, which "
+                "cannot branch on tensor values or read them in Python (.item(), bool(tensor), "
+                "shapes that depend on data); compute it with tensor ops (torch.where, masks, "
+                "clamp) or move it out of the model and loss_fn") from None
+        if str(exc) == NO_GRAD_LOSS:
+            raise exc.with_traceback(None) from None
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raised_by_torch = frame is None or traceback.extract_tb(exc.__traceback__)[-1].filename.startswith(
+            _LIBRARY_DIRS[0])
+        if raised_by_torch and isinstance(exc, RuntimeError) and type(exc).__init__ is RuntimeError.__init__:
+            # A torch op refused the batch (a shape or dtype that does not fit the model): eager's
+            # error type (CaptureError is a RuntimeError) and message, on one line, with where and
+            # for which batch.
+            raise CaptureError(f"{first} ({_where(frame)}; capturing the step for a batch of {shapes})") \
+                from None
         exc.add_note(f"while capturing the training step for a batch of {shapes}")
         raise
 

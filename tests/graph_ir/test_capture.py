@@ -105,3 +105,81 @@ def test_7b_gpt_is_captured_on_meta_tensors_without_allocating_it():
     # The fp32 weights alone are 24.8 GiB; the whole capture must stay far below that.
     assert grown_mib < 2048, f"capture grew the process by {grown_mib:.0f} MiB"
     assert tg.num_nodes() > 10_000
+
+
+# -- what cannot be one graph is refused at capture, on one line naming the source ------------------
+
+class _BranchOnData(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(12, 5)
+
+    def forward(self, x):
+        if x.sum() > 0:  # branch-line
+            x = x * 2
+        return self.fc(x)
+
+
+class _Checkpointed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(12, 5)
+
+    def forward(self, x):
+        import torch.utils.checkpoint
+        return torch.utils.checkpoint.checkpoint(self.fc, x, use_reentrant=False)
+
+
+def _item_loss(model, batch):
+    loss = tiny_mlp()[1](model, batch)
+    return loss * 2 if loss.item() > 1 else loss  # item-line
+
+
+def _line(fn, marker):
+    import inspect
+    lines, first = inspect.getsourcelines(fn)
+    return f"test_capture.py:{first + next(i for i, t in enumerate(lines) if marker in t)}"
+
+
+_XY = (torch.randn(8, 12), torch.randint(0, 5, (8,)))
+
+
+def _capture_with(model, loss_fn, batch=_XY):
+    return capture_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, batch)
+
+
+@pytest.mark.parametrize("model, loss_fn, line", [
+    (_BranchOnData, tiny_mlp()[1], _line(_BranchOnData.forward, "branch-line")),
+    (lambda: tiny_mlp()[0], _item_loss, _line(_item_loss, "item-line")),
+], ids=["if_on_tensor", "item_in_loss"])
+def test_data_dependent_control_flow_is_refused_naming_the_line(model, loss_fn, line):
+    with pytest.raises(CaptureError) as info:
+        _capture_with(model(), loss_fn)
+    text = str(info.value)
+    assert "\n" not in text and "data-dependent" in text and line in text and "torch.where" in text
+
+
+def test_torch_utils_checkpoint_is_refused_pointing_at_the_plans_recompute():
+    with pytest.raises(CaptureError, match="torch.utils.checkpoint.*plan's recompute"):
+        _capture_with(_Checkpointed(), tiny_mlp()[1])
+
+
+@pytest.mark.parametrize("loss_fn", [
+    lambda m, b: tiny_mlp()[1](m, b).detach(),
+    lambda m, b: (m(b[0]).argmax(-1) == b[1]).float().mean(),
+], ids=["detached", "argmax"])
+def test_a_loss_without_autograd_history_raises_eagers_error(loss_fn):
+    with pytest.raises(RuntimeError) as info:
+        _capture_with(tiny_mlp()[0], loss_fn)
+    assert str(info.value) == "element 0 of tensors does not require grad and does not have a grad_fn"
+
+
+def test_a_batch_that_does_not_fit_the_model_is_one_line_naming_it():
+    with pytest.raises(CaptureError) as info:
+        _capture_with(tiny_mlp()[0], tiny_mlp()[1], (torch.randn(8, 13), _XY[1]))
+    assert "\n" not in str(info.value) and "batch[0]: (8, 13)" in str(info.value)
+
+
+def test_a_batch_on_meta_is_refused_naming_the_leaf():
+    with pytest.raises(CaptureError, match=r"batch\[0\] of shape \(8, 12\) is on device meta"):
+        _capture_with(tiny_mlp()[0], tiny_mlp()[1], (_XY[0].to("meta"), _XY[1].to("meta")))
