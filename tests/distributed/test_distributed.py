@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 WORKER = str(Path(__file__).parent / "worker.py")
 
 
-def run_ranks(n: int, *args: str, timeout_s: float = 240):
+def run_ranks(n: int, *args: str, timeout_s: float = 600):
     results = launch_local([WORKER, *args], n, env={"PYTHONPATH": str(REPO)}, timeout_s=timeout_s, cwd=str(REPO))
     return results
 
