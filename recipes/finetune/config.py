@@ -48,7 +48,7 @@ class FinetuneConfig:
     weight_decay: float = 0.0
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1                   # cosine decays to lr * min_lr_ratio
-    attention_mask: str = "4d"                  # 2d: the padding mask as is; 4d: causal + padding, made here
+    attention_mask: str = "2d"                  # 2d: the padding mask as is; 4d: causal + padding, made here
     seed: int = 0
     eval_batches: int = 4
     plan: dict = field(default_factory=lambda: {"backend": "eager"})

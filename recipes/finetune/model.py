@@ -126,14 +126,16 @@ class ResponseLoss:
     of inspecting the padding with data-dependent Python.
     """
 
-    def __init__(self, attention_mask: str = "4d"):
+    def __init__(self, attention_mask: str = "2d"):
         self.mode = attention_mask
 
     def __call__(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
         mask = batch["attention_mask"]
         if self.mode == "4d":
             mask = causal_padding_mask(mask, model)
-        return model(input_ids=batch["input_ids"], attention_mask=mask, labels=batch["labels"]).loss
+        # No KV cache: training reads every position once, and the cache would be a step output.
+        return model(input_ids=batch["input_ids"], attention_mask=mask, labels=batch["labels"],
+                     use_cache=False).loss
 
 
 def causal_padding_mask(padding: torch.Tensor, model: torch.nn.Module) -> torch.Tensor:

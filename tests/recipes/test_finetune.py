@@ -216,6 +216,55 @@ def test_recipe_trains_from_its_command_and_the_saved_directory_reloads(tmp_path
     assert result.lrs[-1] < result.lrs[4]
 
 
+def test_data_parallel_and_zero_under_lora_communicate_and_shard_the_adapters_only():
+    from cann_passes.compile import compile_program
+    from graph_ir import capture_train_step
+    from graph_ir.analysis.collectives import collectives
+    from graph_ir.mesh import MeshDesc
+
+    model = lora_model()
+    captured, _ = capture_train_step(model, adamw(model), ResponseLoss(), padded_batches(1, batch=8)[0])
+    program = compile_program(captured, Plan(dp=8, verify="deep"), MeshDesc.fake(dp=8))
+    reduced = collectives(program.main.graph)
+    adapter_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    assert reduced and {c.kind for c in reduced} == {"all_reduce"}
+    # A ring all-reduce moves twice its input; besides the adapters' gradients only the reported
+    # loss (0-dim fp32) is averaged over the ranks.
+    assert sum(c.bytes for c in reduced) == 2 * (adapter_bytes + 4)
+
+    # ZeRO shards what the optimizer owns, the adapters; the frozen base stays whole on every rank.
+    frozen_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    n_adapters = sum(1 for p in model.parameters() if p.requires_grad)
+    for stage in (1, 3):
+        zero = compile_program(captured, Plan(dp=8, zero_stage=stage, verify="deep"), MeshDesc.fake(dp=8))
+        state = step_state_bytes(zero)
+        assert state.frozen_param_bytes == frozen_bytes
+        assert state.optimizer_state_bytes == 2 * adapter_bytes // 8 + 4 * n_adapters   # + 0-dim steps
+        assert state.gradient_bytes == adapter_bytes // 8
+        assert state.trainable_param_bytes == (adapter_bytes // 8 if stage == 3 else adapter_bytes)
+        moved = collections.Counter()
+        for c in collectives(zero.main.graph):
+            moved[c.kind] += c.bytes
+        assert moved["reduce_scatter"] == adapter_bytes
+
+
+def test_the_7b_estimate_extrapolates_exactly_from_one_and_two_layers():
+    from recipes.finetune.ladder import RUNGS, _affine, estimate_graph
+
+    def small(layers):
+        return tiny_llama_config(num_hidden_layers=layers, **TINY)
+    # LoRA: every block is the same, so each quantity grows by the same amount per block. (A
+    # recompute budget is solved over the whole graph, and its choices may shift with depth: there the
+    # extrapolation is an approximation, which the ladder's --check measures.)
+    rung = RUNGS[1]
+    at1, at2, at3 = (estimate_graph(rung, n, 1, SEQ, 2, 4, model_config=small) for n in (1, 2, 3))
+    predicted = _affine(at1, at2, 3)
+    for key in ("peak_bytes", "trainable_param_bytes", "frozen_param_bytes", "gradient_bytes",
+                "optimizer_state_bytes", "activation_bytes"):
+        assert predicted[key] == at3[key], key
+    assert predicted["seconds"] == pytest.approx(at3["seconds"], rel=1e-9)
+
+
 class TestInstructionData:
     def test_labels_cover_only_the_response_and_padding_is_masked(self):
         batch = collate([Pair("What?", "Because."), Pair("Why not?", "It is.")], SEQ)
