@@ -68,6 +68,7 @@ def main() -> None:
     print(f"plan dp={args.dp} ZeRO-{args.stage} bf16 recompute budget {args.budget}: rank {args.rank}'s program "
           f"compiled in {t2 - t1:.1f}s, no process group")
     print(program)
+    print("passes: " + ", ".join(f"{r.spec} {r.seconds:.1f}s" for r in program.records))
     print(f"\nper-rank bytes read from the graph (GiB)      {'graph':>10}{'Psi-model':>11}")
     model_ref = {"params": 4 * psi / args.dp if args.stage == 3 else 4 * psi,
                  "grads": 4 * psi / args.dp if args.stage >= 2 else 4 * psi,

@@ -61,9 +61,15 @@ class TrainGraph:
         out.args = (list(values),)
 
     def fake_mode(self):
-        """The FakeTensorMode the graph's values live in (to make values for new nodes)."""
-        from torch._guards import detect_fake_mode
-        return detect_fake_mode([n.meta.get("val") for n in self.placeholders()])
+        """The FakeTensorMode the graph's values live in (to make values for new nodes).
+
+        The first fake input's mode: every value of one graph lives in one mode, and asking
+        torch's ``detect_fake_mode`` over all inputs per new node is quadratic on a 7B graph."""
+        for node in self.placeholders():
+            val = node.meta.get("val")
+            if is_fake(val):
+                return val.fake_mode
+        return None
 
     def add_input(self, spec: Spec, value: torch.Tensor, name: str | None = None) -> torch.fx.Node:
         """Append an input (placeholder + signature position) whose value looks like ``value``."""
