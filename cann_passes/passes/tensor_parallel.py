@@ -51,8 +51,9 @@ import torch.fx.traceback as fx_traceback
 from torch._prims_common import make_contiguous_strides_for
 
 from graph_ir import TrainGraph
-from graph_ir.meta import MODULE_PATH, RECOMPUTE, REGION, SHARDING, Region, region_of
-from graph_ir.signature import InputKind, OutputKind, split_state_name
+from graph_ir.meta import MODULE_PATH, RECOMPUTE, REGION, Region, region_of
+from graph_ir.placement import Placement, set_placement
+from graph_ir.signature import InputKind, OutputKind, Spec, split_state_name
 
 from ..pass_manager import PassContext, register_pass
 
@@ -151,8 +152,13 @@ def _module_and_leaf(name: str) -> tuple[str, str]:
 def _feature_dims(graph: TrainGraph, name: str) -> tuple[int, int] | None:
     """(output-feature dim, input-feature dim) of a 2-D weight, from how the forward reads it."""
     node = graph.input_node(InputKind.PARAM, name)
-    for user in node.users:
+    users = list(node.users)
+    while users:
+        user = users.pop(0)
         if region_of(user) != Region.FORWARD:
+            continue
+        if user.target in _CASTS:   # autocast's copy of the weight in the compute dtype
+            users.extend(user.users)
             continue
         if user.target in (aten.t.default, aten.permute.default, aten.transpose.int):
             return 0, 1          # y = x @ W.T  (nn.Linear: [out, in])
@@ -161,6 +167,9 @@ def _feature_dims(graph: TrainGraph, name: str) -> tuple[int, int] | None:
         if user.target is aten.embedding.default:
             return 1, 0          # rows are the vocabulary
     return None
+
+
+_CASTS = (aten._to_copy.default, aten.clone.default, aten.alias.default)
 
 
 def assign_layouts(graph: TrainGraph, rules: list[Rule], tp: int, *, user_rules: Iterable[Rule] = ()
@@ -182,6 +191,11 @@ def assign_layouts(graph: TrainGraph, rules: list[Rule], tp: int, *, user_rules:
     return layouts
 
 
+def _reads_as_embedding(node: torch.fx.Node) -> bool:
+    return any(u.target is aten.embedding.default or (u.target in _CASTS and _reads_as_embedding(u))
+               for u in node.users)
+
+
 def _layout_of(graph: TrainGraph, name: str, leaf: str, rule: Rule | None, tp: int) -> ParamLayout:
     val = graph.input_node(InputKind.PARAM, name).meta["val"]
     if rule is None or rule.style == "replicate":
@@ -194,8 +208,7 @@ def _layout_of(graph: TrainGraph, name: str, leaf: str, rule: Rule | None, tp: i
                                       "dimensions are unknown (rule: split only projections and embeddings)")
         out_dim, in_dim = dims
         dim = {"column": out_dim, "vocab": 0, "row": in_dim}[rule.style]
-        if rule.style == "vocab" and graph.input_node(InputKind.PARAM, name).users and \
-                not any(u.target is aten.embedding.default for u in graph.input_node(InputKind.PARAM, name).users):
+        if rule.style == "vocab" and not _reads_as_embedding(graph.input_node(InputKind.PARAM, name)):
             dim = out_dim  # an output head under a vocab rule: its vocabulary is the output features
     elif val.ndim == 1:
         if rule.style == "row":  # a row-parallel bias is added once, after the reduction
@@ -289,9 +302,32 @@ class _Rewriter(torch.fx.Interpreter):
         try:
             out = super().run_node(n)
             with fx_traceback.set_current_meta(n):
-                return self._reduce_shared_partial(n, out)
+                return self._shard_random(n, self._reduce_shared_partial(n, out))
         finally:
             n.meta.pop("custom", None)
+
+    def _shard_random(self, n, out):
+        """A random draw (a dropout mask) is made whole on every rank, so its numbers are the
+        single-process ones; it is cut to the shard of the value it multiplies right away, so
+        only the shard lives on (and is saved for backward)."""
+        from torch.distributed.tensor import DTensor, Replicate
+        if not (isinstance(out, torch.Tensor) and out.ndim > 0
+                and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())):
+            return out
+        if not isinstance(out, DTensor):   # drawn from a factory: the same on every rank
+            out = DTensor.from_local(out, self.mesh, [Replicate()], run_check=False)
+        elif out.placements[0] != Replicate():
+            return out
+        frontier = [n]
+        for _ in range(4):   # through the mask's scaling and casts to the op that applies it
+            frontier = [u for f in frontier for u in f.users
+                        if _is_pointwise(u.target) or u.target is aten._to_copy.default]
+            for user in frontier:
+                for other in (self.env.get(a) for a in user.all_input_nodes):
+                    if isinstance(other, DTensor) and other.shape == out.shape \
+                            and other.placements[0].is_shard() and not _strided(other):
+                        return out.redistribute(self.mesh, other.placements)
+        return out
 
     def _reduce_shared_partial(self, n, out):
         """A partial sum read by several ops is reduced once, here, rather than once per reader (or
@@ -314,7 +350,17 @@ class _Rewriter(torch.fx.Interpreter):
             if out is not None:
                 return out
         try:
-            out = super().call_function(target, args, kwargs)
+            try:
+                out = super().call_function(target, args, kwargs)
+            except Exception:
+                if not any(_strided(a) for a in args):
+                    raise
+                # DTensor cannot move a per-part shard; move the other operands instead (a
+                # sequence shard read by a fused projection's weight gradient: gather it).
+                args = tuple(a.redistribute(self.mesh, [Replicate()])
+                             if isinstance(a, DTensor) and not _strided(a) and a.placements[0].is_shard()
+                             else a for a in args)
+                out = super().call_function(target, args, kwargs)
             if _strided(out) and out.ndim == 2 and not any(_strided(a) for a in args):
                 # A flatten into a matmul operand of a shard on a non-leading dim (the sequence-
                 # sharded residual viewed [batch*seq, hidden]): gather it first, as Megatron's SP does.
@@ -591,13 +637,19 @@ def _one_collective_per_layout():
     """One redistribution per (value, layout): a forward value read again in backward is not reduced twice."""
     import torch.distributed.tensor._dispatch as dispatch
     import torch.distributed.tensor._redistribute as redistribute
+    from torch.distributed.tensor import Replicate, Shard
 
     original = redistribute.redistribute_local_tensor
     cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def cached(local, current_spec, target_spec, *args, **kwargs):
+        # A shard gathered in forward is gathered again where backward reads it (Megatron's
+        # sequence parallelism): keeping the forward's whole copy would undo the shard's saving.
+        gathered = any(isinstance(a, Shard) for a in current_spec.placements) and \
+            all(isinstance(b, Replicate) for b in target_spec.placements)
+        region = ((fx_traceback.get_current_meta() or {}).get("custom") or {}).get(REGION) if gathered else None
         key = (id(local), tuple(current_spec.placements), tuple(target_spec.placements),
-               tuple(target_spec.shape))
+               tuple(target_spec.shape), region)
         if key not in cache:
             cache[key] = (local, original(local, current_spec, target_spec, *args, **kwargs))
         return cache[key][1]
@@ -670,6 +722,21 @@ def _drop_identity_views(graph: torch.fx.Graph) -> None:
                 graph.erase_node(node)
 
 
+def _record_placements(out: TrainGraph, captured: TrainGraph, layouts: dict[str, ParamLayout]) -> None:
+    """Where each split input and output lives, in graph_ir's placement vocabulary (the runtime's
+    binding and checkpoints cut and gather by it). A fused projection's per-part split has no
+    placement there yet: its layout is only in ``attrs["tensor_parallel"]["params"]``."""
+    full = {spec: n.meta["val"] for spec, n in zip(captured.signature.inputs, captured.placeholders())}
+    nodes = dict(zip(out.signature.inputs, out.placeholders()))
+    for spec in list(out.signature.inputs) + list(out.signature.outputs):
+        layout = _layout_for(spec, layouts)
+        if layout is None or layout.dim is None or layout.parts > 1:
+            continue
+        source = Spec(InputKind.PARAM if spec.kind == OutputKind.PARAM else spec.kind, spec.name)
+        placement = Placement.sharded(tuple(full[source].shape), layout.dim, "tp")
+        set_placement(out, spec.kind, spec.name, placement, nodes.get(spec))
+
+
 def count_collectives(graph: TrainGraph) -> dict[tuple[str, str], int]:
     """(region, collective) -> count, from the graph (wait_tensor not counted)."""
     counts: dict[tuple[str, str], int] = {}
@@ -719,10 +786,7 @@ def tensor_parallel_pass(graph: TrainGraph, ctx: PassContext, *, rules: str = "a
                       vocab_parallel_loss=vocab_parallel_loss)
     _finish(gm, graph, traced_group, group_name)
     out = TrainGraph(gm, graph.signature, graph.attrs)
-    for spec, node in zip(out.signature.inputs, out.placeholders()):
-        layout = _layout_for(spec, layouts)
-        if layout is not None and layout.dim is not None:
-            node.meta[SHARDING] = {"axis": "tp", **layout.to_json()}
+    _record_placements(out, graph, layouts)
     out.attrs[ATTR] = {
         "tp": tp, "rank": coord, "family": family, "rules": format_rules(all_rules),
         "sequence_parallel": sequence_parallel, "vocab_parallel_loss": vocab_parallel_loss,

@@ -14,6 +14,7 @@ from cann_passes.pass_manager import PassContext
 from cann_passes.passes import tensor_parallel as tpp
 from cann_passes.pipeline import build_pipeline
 from graph_ir import capture_train_step
+from graph_ir.placement import Placement, placement_of
 from graph_ir.verifier import verify
 from tests import zoo
 
@@ -51,6 +52,16 @@ def gpt():
 @pytest.fixture(scope="module")
 def llama():
     return _capture("llama")
+
+
+@pytest.fixture(scope="module")
+def gpt_tp2(gpt):
+    return _run(gpt[1])
+
+
+@pytest.fixture(scope="module")
+def llama_tp2(llama):
+    return _run(llama[1], rank=1)
 
 
 def _run(graph, tp=2, rank=0, **options):
@@ -100,9 +111,8 @@ class TestRules:
 
 
 class TestRewrite:
-    def test_megatron_two_all_reduces_forward_and_two_backward_per_layer(self, gpt, llama):
-        for _, graph in (gpt, llama):
-            out = _run(graph)
+    def test_megatron_two_all_reduces_forward_and_two_backward_per_layer(self, gpt_tp2, llama_tp2):
+        for out in (gpt_tp2, llama_tp2):
             found = _collectives(out)
             forward = [c for c in found if c[0] == "forward"]
             backward = [c for c in found if c[0] == "backward"]
@@ -114,9 +124,8 @@ class TestRewrite:
             assert [c[1] for c in forward].count("all_gather_into_tensor") == 1
             assert not [c for c in found if c[0] == "optimizer"]
 
-    def test_parameters_state_and_views_become_local_with_gqa_kv_heads_split(self, llama):
-        entry, graph = llama
-        out = _run(graph, rank=1)
+    def test_parameters_state_and_views_become_local_with_gqa_kv_heads_split(self, llama_tp2):
+        out = llama_tp2
         q = "model.layers.0.self_attn.q_proj.weight"
         k = "model.layers.0.self_attn.k_proj.weight"
         down = "model.layers.0.mlp.down_proj.weight"
@@ -132,10 +141,14 @@ class TestRewrite:
         assert (zoo.BATCH, zoo.SEQ, zoo.KV_HEADS // 2, head_dim) in views       # kv heads
         assert out.attrs["tensor_parallel"]["params"][k] == {"dim": 0, "parts": 1,
                                                              "rule": "*.self_attn.k_proj=column"}
+        # the runtime's binding and checkpoints cut and gather by these placements
+        assert placement_of(out, "param", q) == Placement.sharded((zoo.HIDDEN, zoo.HIDDEN), 0, "tp")
+        assert placement_of(out, "opt_state", f"{down}:exp_avg_sq") == \
+            Placement.sharded((zoo.HIDDEN, zoo.FFN), 1, "tp")
+        assert placement_of(out, "param", "model.norm.weight") is None
 
-    def test_fused_qkv_and_tied_head_of_the_recipe_gpt(self, gpt):
-        _, graph = gpt
-        out = _run(graph)
+    def test_fused_qkv_and_tied_head_of_the_recipe_gpt(self, gpt_tp2):
+        out = gpt_tp2
         qkv = "layers.0.attn.qkv.weight"
         assert _placeholder_shape(out, "param", qkv) == (3 * zoo.HIDDEN // 2, zoo.HIDDEN)
         assert out.attrs["tensor_parallel"]["params"][qkv]["parts"] == 3
@@ -152,10 +165,10 @@ class TestRewrite:
                  and c[2] == zoo.BATCH * zoo.SEQ]
         assert len(small) >= 2
 
-    def test_sequence_parallel_replaces_each_all_reduce_by_a_pair_moving_the_same_bytes(self, gpt):
+    def test_sequence_parallel_replaces_each_all_reduce_by_a_pair_moving_the_same_bytes(self, gpt, gpt_tp2):
         _, graph = gpt
         n = zoo.BATCH * zoo.SEQ * zoo.HIDDEN           # one residual-stream activation
-        plain = _collectives(_run(graph))
+        plain = _collectives(gpt_tp2)
         seq = _collectives(_run(graph, sequence_parallel=True, vocab_parallel_loss=True))
         for region in ("forward", "backward"):
             assert not [c for c in seq if c[:2] == (region, "all_reduce") and c[2] == n]

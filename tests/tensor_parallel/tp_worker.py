@@ -93,10 +93,36 @@ def unshard(pieces: list[torch.Tensor], layout) -> torch.Tensor:
 
 
 def main(out: str, *scenarios: str):
-    dist.init_process_group("gloo")
-    for scenario in scenarios:
-        run(out, scenario)
-    dist.destroy_process_group()
+    from cann_passes import Plan
+    from cann_passes.runtime.distributed import init_distributed
+    with init_distributed(Plan(backend="eager", tp=int(os.environ["WORLD_SIZE"]))) as world:
+        for scenario in scenarios:
+            if scenario.startswith("step:"):
+                run_compiled_step(out, scenario, world)
+            else:
+                run(out, scenario)
+
+
+def run_compiled_step(out: str, scenario: str, world):
+    """The user's path: compile_for_npu with Plan(tp=N); the runtime binds the shards by placement."""
+    from cann_passes import Plan, compile_for_npu
+    from graph_ir.placement import gather
+    _, name, opt = scenario.split(":")
+    entry, optimizer = make(name, opt)
+    plan = Plan(backend="eager", tp=world.world_size, verify="deep")
+    step = compile_for_npu(entry.model, plan, optimizer=optimizer, loss_fn=entry.loss_fn)
+    losses = [float(step(batch)) for batch in batches(entry)]
+    params = {}
+    for pname, p in entry.model.named_parameters():
+        key = f"param:{pname}"
+        placement = step.shards.placements.get(key)
+        params[pname] = p.detach() if placement is None else gather(step.shards.local[key], placement,
+                                                                     world.group("tp"))
+    graph = step.last.graph
+    collectives = {f"{r}.{c}": n for (r, c), n in count_collectives(graph).items()}
+    if world.rank == 0:
+        torch.save({"losses": losses, "params": params, "collectives": collectives,
+                    "attrs": graph.attrs["tensor_parallel"]}, os.path.join(out, f"{scenario}.tp{world.world_size}.pt"))
 
 
 def run(out: str, scenario: str):
