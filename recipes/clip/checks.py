@@ -1,0 +1,131 @@
+"""Checks the image-text recipes share (their tests and the ladder use them).
+
+- :func:`compile_plan`: the step is captured once and each plan's pipeline runs on a copy, for
+  the mesh the plan asks for (a fake ``dp=2`` mesh for a ZeRO plan, so it compiles in one
+  process: the rank-0 program of a two-rank run); :func:`plan_effects` says what a plan asked
+  for that the program lacks.
+- :func:`train_compiled`, :func:`max_difference_from_eager`: the compiled step against plain
+  eager PyTorch from the same weights.
+- :func:`lower_to_ge`: the final graphs of a plan, compiled as the torchair backend would
+  compile them (its pipeline, ``npu_legalize`` included), lowered to GE offline.
+"""
+from __future__ import annotations
+
+import copy
+import json
+
+from pathlib import Path
+
+import torch
+
+from cann_passes import Plan, compile_for_npu
+from cann_passes.compile import compile_program
+from cann_passes.pipeline import build_pipeline
+from graph_ir import TrainGraph, capture_train_step
+from graph_ir.meta import RECOMPUTE
+from graph_ir.mesh import MeshDesc
+from recipes.clip.train import make_optimizer
+from recipes.data.images import ImageTextBatches
+
+C10D = "_c10d_functional"
+
+
+def plan_files(plans_dir: Path) -> list[Path]:
+    return sorted(Path(plans_dir).glob("*.yaml"))
+
+
+def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn, batch) -> TrainGraph:
+    captured, _ = capture_train_step(model, optimizer, loss_fn, batch)
+    return captured
+
+
+def compile_plan(captured: TrainGraph, plan: Plan, verify: str = "deep"):
+    """The program ``plan`` makes of ``captured`` (rank 0 of a fake mesh when dp > 1)."""
+    return compile_program(captured, plan.replace(verify=verify), MeshDesc.fake(dp=plan.dp))
+
+
+def _nodes(program):
+    for graph in program.graphs.values():
+        yield from (n for n in graph.graph.nodes if n.op == "call_function")
+
+
+def plan_effects(plan: Plan, program) -> list[str]:
+    """What is missing from ``program`` that ``plan`` asks for (empty: all there)."""
+    nodes = list(_nodes(program))
+    missing = []
+    dtypes = {n.meta["val"].dtype for n in nodes if isinstance(n.meta.get("val"), torch.Tensor)}
+    if plan.precision == "bf16" and torch.bfloat16 not in dtypes:
+        missing.append("no bf16 value in the graph")
+    if plan.precision == "fp16" and torch.float16 not in dtypes:
+        missing.append("no fp16 value in the graph")
+    if plan.effective_loss_scale != "none" and not any(s.name.startswith("loss_scale")
+                                                       for g in program.graphs.values()
+                                                       for s in g.signature.inputs):
+        missing.append("no loss-scale state among the inputs")
+    if plan.recompute != "none" and not any(n.meta.get(RECOMPUTE) for n in nodes):
+        missing.append("no node is recomputed")
+    if plan.microbatches > 1 and set(program.graphs) != {"grad", "apply"}:
+        missing.append(f"graphs {sorted(program.graphs)}, not a grad and an apply graph")
+    if plan.zero_stage and not any("reduce_scatter" in str(n.target) for n in nodes):
+        missing.append("no reduce_scatter (ZeRO)")
+    if plan.dp > 1 and not any(C10D in str(n.target) for n in nodes):
+        missing.append("no collective")
+    return missing
+
+
+def train_compiled(model, loss_fn, plan: Plan, *, steps: int, batch_size: int, lr: float,
+                   weight_decay: float = 0.05, warmup: int = 10) -> list[float]:
+    """Train ``model`` in place with the compiled step (linear warmup, then constant lr);
+    the loss of every step. Contrastive towers collapse without the warmup at these rates."""
+    optimizer = make_optimizer(model, lr, weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+    step = compile_for_npu(model, plan, optimizer=optimizer, loss_fn=loss_fn)
+    batches = ImageTextBatches(batch_size)
+    losses = []
+    for i in range(steps):
+        losses.append(step(batches.batch(i)).item())
+        scheduler.step()
+    return losses
+
+
+def max_difference_from_eager(model, loss_fn, batches, plan: Plan | None = None, reference=None,
+                              lr: float = 1e-3) -> tuple[float, float]:
+    """(largest loss difference, largest parameter difference) of the compiled step against
+    eager PyTorch (``torch.optim.AdamW``) over ``batches`` from the same weights."""
+    reference = reference if reference is not None else copy.deepcopy(model)
+    step = compile_for_npu(model, plan or Plan(backend="eager", verify="deep"),
+                           optimizer=make_optimizer(model, lr, 0.05), loss_fn=loss_fn)
+    eager_opt = make_optimizer(reference, lr, 0.05)
+    loss_diff = 0.0
+    for batch in batches:
+        got = step(batch).item()
+        eager_opt.zero_grad(set_to_none=True)
+        want = loss_fn(reference, batch)
+        want.backward()
+        eager_opt.step()
+        loss_diff = max(loss_diff, abs(got - want.item()) / max(1.0, abs(want.item())))
+    params = dict(reference.named_parameters())
+    param_diff = max((p.detach() - params[n].detach()).abs().max().item() for n, p in model.named_parameters())
+    return loss_diff, param_diff
+
+
+def torchair_pipeline_plan(plan: Plan) -> Plan:
+    """``plan`` as the torchair backend compiles it, run on CPU: its pipeline, eager lowering."""
+    return plan.replace(pipeline=str(build_pipeline(plan, "torchair")), backend="eager")
+
+
+def lower_to_ge(model, loss_fn, batch, plan: Plan, out_dir) -> dict:
+    """Compile one step of ``model`` with ``plan``'s torchair pipeline, dump it into ``out_dir``
+    and lower its final graphs to GE offline; the report (``DIR/ge/report.json``) as a dict.
+
+    Raises ``TorchairUnavailable`` where torchair's package cannot be had."""
+    from cann_passes.lowering.ge_offline import write_ge_report
+
+    step = compile_for_npu(model, torchair_pipeline_plan(plan).replace(dump_dir=str(out_dir)),
+                           optimizer=make_optimizer(model, 1e-3, 0.05), loss_fn=loss_fn)
+    step.compile(batch)
+    return json.loads(Path(write_ge_report(out_dir)).read_text())
+
+
+
+

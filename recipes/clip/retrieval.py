@@ -1,0 +1,29 @@
+"""Image <-> text retrieval accuracy on held-out pairs with pairwise distinct captions."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from recipes.data.images import distinct_heldout
+
+HELDOUT_PAIRS = 64          # chance is 1/64 either way
+
+
+@torch.no_grad()
+def retrieval_accuracy(model: torch.nn.Module, logits_fn: Callable, n: int = HELDOUT_PAIRS) -> dict[str, float]:
+    """Top-1 accuracy of each held-out image finding its caption among ``n``, and back.
+
+    ``logits_fn(model, batch)`` gives the (images, captions) similarity matrix. The model is
+    put in eval mode for the measurement and back into the mode it was in.
+    """
+    batch = distinct_heldout(n)
+    was_training = model.training
+    model.eval()
+    try:
+        logits = logits_fn(model, batch).float()
+    finally:
+        model.train(was_training)
+    target = torch.arange(n)
+    return {"image_to_text": (logits.argmax(dim=1) == target).float().mean().item(),
+            "text_to_image": (logits.argmax(dim=0) == target).float().mean().item()}

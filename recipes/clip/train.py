@@ -1,0 +1,157 @@
+"""One training command for the image-text recipes (CLIP, ALIGN, Flamingo).
+
+A recipe names its model builders, its loss and its held-out evaluation; :func:`run` does
+the rest with the public API only: ``compile_for_npu`` with a plan from the recipe's
+``plans/`` directory, a progress bar with the loss and pictures/s, the held-out metrics
+before and after training, and the loss curve as a figure. Launched by torchrun with a
+``dp > 1`` plan, every rank draws the same global batches and trains on its share.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from tqdm import tqdm
+
+from cann_passes import Plan, compile_for_npu
+from cann_passes.runtime.distributed import init_distributed, shard_batch
+from recipes.data.images import ImageTextBatches
+
+
+@dataclass
+class Recipe:
+    name: str
+    models: dict[str, Callable[[], torch.nn.Module]]   # --model choice -> builder; the first is the default
+    loss_fns: dict[str, Callable[[torch.nn.Module, Any], torch.Tensor]]  # per --model choice
+    evaluate: Callable[[torch.nn.Module], dict[str, float]]             # held-out metrics, eval mode
+    plans_dir: Path
+    steps: int = 200
+    batch_size: int = 32
+    lr: float = 3e-3
+    weight_decay: float = 0.05
+    warmup: int = 20
+    headline: str = ""                                  # the metric the summary line leads with
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def default_plan(self) -> Path:
+        return self.plans_dir / "fp32.yaml"
+
+
+def parse_args(recipe: Recipe, argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=f"python -m recipes.{recipe.name}",
+                                description=f"Train the {recipe.name.upper()} recipe on procedural images.")
+    p.add_argument("--plan", default=str(recipe.default_plan), help="plan file (YAML or JSON)")
+    p.add_argument("--model", choices=list(recipe.models), default=next(iter(recipe.models)))
+    p.add_argument("--steps", type=int, default=recipe.steps)
+    p.add_argument("--batch-size", type=int, default=recipe.batch_size)
+    p.add_argument("--lr", type=float, default=recipe.lr)
+    p.add_argument("--backend", default=None, help="override the plan's backend")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--figure", default=None, help="where to save the loss curve (PNG); default: none")
+    return p.parse_args(argv)
+
+
+def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters; no weight decay on gains, biases and scales (1-D)."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:      # a frozen tower is not the optimizer's
+            (no_decay if param.ndim < 2 else decay).append(param)
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.98))
+
+
+def main(recipe: Recipe, argv=None) -> dict:
+    args = parse_args(recipe, argv)
+    plan = Plan.load(args.plan)
+    if args.backend:
+        plan = plan.replace(backend=args.backend)
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1 or plan.dp * plan.tp * plan.pp > 1
+    with (init_distributed(plan) if launched else contextlib.nullcontext()) as world:
+        return train(recipe, args, plan, world)
+
+
+def train(recipe: Recipe, args: argparse.Namespace, plan: Plan, world=None) -> dict:
+    rank, dp_rank, dp_size = (world.rank, world.dp_rank, world.dp_size) if world else (0, 0, 1)
+    torch.manual_seed(args.seed)          # the same initial weights on every rank
+    model = recipe.models[args.model]()
+    loss_fn = recipe.loss_fns[args.model]
+    optimizer = make_optimizer(model, args.lr, recipe.weight_decay)
+    # Linear warmup then cosine decay; the compiled step reads the lr every call: no recompile.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / recipe.warmup) * (
+        0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps))))
+    step = compile_for_npu(model, plan, optimizer=optimizer, loss_fn=loss_fn)
+    before = recipe.evaluate(model)
+
+    batches = ImageTextBatches(args.batch_size)
+    bar = tqdm(range(args.steps), unit="step", dynamic_ncols=True, disable=rank != 0,
+               desc=f"{recipe.name} {args.model} {plan.precision}")
+    losses, first_step_seconds, start = [], None, time.perf_counter()
+    for i in bar:
+        batch = batches.batch(i)
+        t0 = time.perf_counter()
+        loss = step(shard_batch(batch, dp_rank, dp_size) if dp_size > 1 else batch)
+        scheduler.step()
+        losses.append(loss.item())
+        if first_step_seconds is None:
+            first_step_seconds = time.perf_counter() - t0     # capture + passes + lowering
+            start = time.perf_counter()
+        elif i % 5 == 0:
+            rate = args.batch_size * i / max(time.perf_counter() - start, 1e-9)
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", img_s=f"{rate:,.0f}")
+    bar.close()
+    train_seconds = time.perf_counter() - start
+    if plan.zero_stage == 3:
+        step.sync_model()     # ZeRO-3 keeps parameter shards; gather them for evaluation
+    after = recipe.evaluate(model)
+    result = {"recipe": recipe.name, "model": args.model, "plan": str(args.plan), "steps": args.steps,
+              "losses": losses, "before": before, "after": after,
+              "compile_seconds": first_step_seconds, "train_seconds": train_seconds, "step": step}
+    if rank == 0:
+        print(step.summary())
+        print(f"compile (first step): {first_step_seconds:.1f}s; {args.steps} steps in "
+              f"{train_seconds:.1f}s; loss {_mean(losses[:10]):.3f} -> {_mean(losses[-10:]):.3f}")
+        for key in after:
+            print(f"  held-out {key}: {before[key]:.3f} before training -> {after[key]:.3f} after")
+        if args.figure:
+            save_figure(args.figure, recipe, result)
+            print(f"wrote {args.figure}")
+    return result
+
+
+def _mean(xs) -> float:
+    return sum(xs) / max(len(xs), 1)
+
+
+def save_figure(path: str, recipe: Recipe, result: dict) -> None:
+    """The training loss (raw and smoothed) with the held-out metrics before and after."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    losses = result["losses"]
+    k = max(1, len(losses) // 20)
+    smooth = [_mean(losses[max(0, i - k + 1): i + 1]) for i in range(len(losses))]
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    ax.plot(losses, color="0.75", lw=0.8, label="loss per step")
+    ax.plot(smooth, color="C0", lw=1.8, label=f"mean of {k} steps")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    text = "\n".join(f"{key}: {result['before'][key]:.3f} -> {v:.3f}" for key, v in result["after"].items())
+    ax.text(0.98, 0.95, "held-out\n" + text, transform=ax.transAxes, ha="right", va="top", fontsize=8,
+            bbox=dict(facecolor="white", alpha=0.8, edgecolor="0.8"))
+    ax.set_title(f"{recipe.name.upper()} ({result['model']}) on procedural images, plan {Path(result['plan']).name}",
+                 fontsize=9)
+    ax.legend(loc="lower left", fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
