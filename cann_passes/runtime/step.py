@@ -134,7 +134,8 @@ class CompiledStep:
 
     # -- compilation --------------------------------------------------------------------------
     def _baked_hparams(self) -> tuple:
-        return tuple(tuple(repr(group.get(k)) for k in self.rule.baked) for group in self.optimizer.param_groups)
+        # The rule's key: its baked options and what else of a group shapes the graph (weight decay zero or not).
+        return tuple(self.rule.key(group) for group in self.optimizer.param_groups)
 
     def cache_key(self, batch: Any) -> tuple:
         """What a compilation is specialised on: the batch's structure and shapes, which parameters
