@@ -1,0 +1,3 @@
+from recipes.llama.train import main
+
+main()
