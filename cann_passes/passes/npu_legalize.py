@@ -493,8 +493,9 @@ def npu_legalize_pass(graph: TrainGraph, ctx: PassContext, *, npu_kernels: bool 
     """
     fused_available = npu_kernels and npu_op("npu_fusion_attention") is not None
     legalizer = _Legalizer(graph, _supported_ops(), fused_available)
-    if getattr(ctx, "mesh", None) is not None:   # the mesh description, not a live process group
-        legalizer.group_size = lambda name: ctx.mesh.group_size(name) or _group_size(name)
+    mesh_group_size = getattr(getattr(ctx, "mesh", None), "group_size", None)
+    if mesh_group_size is not None:   # the mesh description, not a live process group
+        legalizer.group_size = lambda name: mesh_group_size(name) or _group_size(name)
     legalizer.run()
     graph.graph.lint()
     ctx.stat("rewritten", dict(sorted(legalizer.rewritten.items())))

@@ -142,3 +142,20 @@ def test_npu_legalize_reads_group_sizes_from_a_fake_mesh_without_a_process_group
     assert not dist.is_initialized()
     record = program.records[-1]
     assert "all_reduce avg" in record.stats["rewritten"]
+
+
+def test_zero3_rank_state_bytes_follow_the_zero_formula_on_a_fake_mesh():
+    # (2 + 2 + K) Psi / N with K = 12 for mixed-precision Adam, here spelled as fp32 master
+    # parameter (4), fp32 gradient (4) and two fp32 moments (8) per parameter, padding included.
+    model, loss_fn = tiny_gpt(bias=False)
+    optimizer = make_optimizer("adamw", model.parameters())
+    captured, _ = capture_train_step(model, optimizer, loss_fn, gpt_batches(1)[0])
+    plan = Plan(dp=8, zero_stage=3, precision="bf16", recompute="budget", recompute_budget=0.5,
+                backend="eager", verify="shallow", bucket_mb=0.05)
+    report = compile_program(captured, plan, MeshDesc.fake(dp=8)).state_bytes()["step"]
+    padded = sum(-(-p.numel() // 8) for p in model.parameters())
+    n = len(list(model.parameters()))
+    assert (report.params, report.grads, report.optimizer_state) == (4 * padded, 4 * padded, 8 * padded + 4 * n)
+    psi = sum(p.numel() for p in model.parameters())
+    assert abs(report.model_state - 4 * n - (2 + 2 + 12) * psi / 8) <= 16 * (padded * 8 - psi) / 8 + 1e-6
+    assert report.activations > 0
