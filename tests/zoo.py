@@ -32,7 +32,8 @@ Batches: token models get right padding on some rows (``attention_mask`` 0,
 deterministic in ``seed`` and never touches the global RNG.
 
 ``compare`` builds the model once, deep-copies it for the eager reference, runs
-``steps`` steps of plain ``torch.optim`` (with the plan's ``microbatches`` N: N
+``steps`` steps of plain ``torch.optim`` (fp16 autocast with ``torch.amp.GradScaler``, as
+the plan scales fp16 losses by default; with the plan's ``microbatches`` N: N
 row chunks accumulated, each loss weighted by its share of the rows; optionally under ``torch.autocast`` with
 ``autocast=torch.bfloat16``: master weights stay fp32, as the compiled plan
 keeps them) and ``steps`` compiled steps of ``compile_for_npu`` on the same
@@ -298,6 +299,9 @@ def eager_steps(model, loss_fn, optimizer, batches, autocast: torch.dtype | None
     one optimizer step; the step's loss is the weighted sum.
     """
     losses = []
+    # fp16 as users train it: GradScaler's dynamic loss scaling (the plan's default for fp16),
+    # so an overflowing step is skipped here as in the compiled step.
+    scaler = torch.amp.GradScaler("cpu") if autocast == torch.float16 else None
     for b in batches:
         optimizer.zero_grad(set_to_none=True)
         ctx = (torch.autocast("cpu", dtype=autocast) if autocast is not None
@@ -308,12 +312,18 @@ def eager_steps(model, loss_fn, optimizer, batches, autocast: torch.dtype | None
         for part, r in zip(parts, rows):
             with ctx:
                 part_loss = loss_fn(model, part) * (r / sum(rows)) if len(parts) > 1 else loss_fn(model, part)
-            part_loss.backward()
+            (scaler.scale(part_loss) if scaler else part_loss).backward()
             loss = loss + part_loss.detach()
+        if scaler:
+            scaler.unscale_(optimizer)
         if clip_norm is not None:
             torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]],
                                            clip_norm)
-        optimizer.step()
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
         losses.append(float(loss))
     return losses
 

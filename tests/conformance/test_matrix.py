@@ -1,0 +1,55 @@
+"""The conformance matrix (tests/conformance/matrix.py): model × plan on the eager backend, 3 steps.
+
+Every cell must be ``ok``: fp32-like plans equal to eager PyTorch to 1e-5,
+bf16/fp16 within 2e-2 of eager autocast with fp32 master weights, recompute
+plans bitwise equal to the no-recompute step (``selective`` saving fewer
+bytes). ``python -m bench.conformance`` prints the same matrix.
+"""
+from __future__ import annotations
+
+import pytest
+
+from tests.conformance.matrix import MODELS, PLANS, ModelRuns, full_recompute_ratio, run_cell
+
+# Cells that depend on work not landed yet in the passes (autocast and recompute on models
+# we did not write); strict, so each is unmarked as soon as it passes.
+_SELECTIVE = "recompute 'selective' finds no attention core here yet: saved bytes unchanged"
+_BLOCKS = "recompute 'full'/'every_n_layers' raise Infeasible on this model yet"
+PENDING: dict[tuple[str, str], str] = {
+    **{(m, "selective"): _SELECTIVE for m in ("gpt2", "llama", "mistral", "bert", "vit", "clip")},
+    **{(m, p): _BLOCKS for m in MODELS if m not in ("gpt", "gpt2") for p in ("full", "every_n_layers")},
+}
+
+_runs: dict[str, ModelRuns] = {}
+
+
+def _model_runs(name: str) -> ModelRuns:
+    # One set of references and one no-recompute compiled run per model, shared by its cells.
+    if name not in _runs:
+        _runs.clear()  # cells run model by model: keep one model's runs alive at a time
+        _runs[name] = ModelRuns(name)
+    return _runs[name]
+
+
+def _cases():
+    for m in MODELS:
+        for p in PLANS:
+            marks = [pytest.mark.xfail(strict=True, reason=PENDING[(m, p)])] if (m, p) in PENDING else []
+            yield pytest.param(m, p, marks=marks, id=f"{m}-{p.replace(' ', '_')}")
+
+
+@pytest.mark.parametrize("model, plan", list(_cases()))
+def test_cell(model, plan):
+    cell = run_cell(_model_runs(model), plan)
+    assert cell.status == "ok", f"{model} × {plan}: {cell.status}: {cell.detail}"
+
+
+FULL_PENDING: dict[str, str] = {"gpt": "full keeps 12% of the saved bytes on the 4-layer recipe GPT",
+                                "llama": _BLOCKS}
+
+
+@pytest.mark.parametrize("model", [
+    pytest.param(m, marks=[pytest.mark.xfail(strict=True, reason=FULL_PENDING[m])] if m in FULL_PENDING else [])
+    for m in ("gpt", "llama")])
+def test_full_recompute_keeps_at_most_a_tenth_of_the_saved_bytes_on_4_layers(model):
+    assert full_recompute_ratio(model, layers=4) <= 0.10
