@@ -1,6 +1,6 @@
 """The conformance matrix: models users bring × plan features, eager backend, printed side by side.
 
-    python -m bench.conformance [--models gpt,llama] [--plans fp32,bf16]
+    python -m bench.conformance [--models gpt,llama] [--plans fp32,bf16] [--backend inductor]
 
 Each cell trains 3 steps with real padded batches from the same initial weights
 as its reference (tests/conformance/matrix.py says what each cell checks):
@@ -24,6 +24,7 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--plans", default=",".join(PLANS))
     parser.add_argument("--no-full-4-layers", action="store_true")
+    parser.add_argument("--backend", default="eager", help="eager (the matrix) or inductor")
     args = parser.parse_args(argv)
     models = args.models.split(",")
     plans = [p if p in PLANS else p.replace("_", " ") for p in args.plans.split(",")]
@@ -32,7 +33,7 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     cells = {}
     for m in models:
-        runs = ModelRuns(m)
+        runs = ModelRuns(m, backend=args.backend)
         for p in plans:
             cells[(m, p)] = run_cell(runs, p)
         print(f"{MODEL_TITLES[m]}: " + ", ".join(f"{p}: {cells[(m, p)]}" for p in plans), flush=True)

@@ -76,8 +76,8 @@ def _params(model):
 class ModelRuns:
     """One model's initial weights, batches, references and compiled runs (each made once)."""
 
-    def __init__(self, name: str, layers: int = 2):
-        self.name = name
+    def __init__(self, name: str, layers: int = 2, backend: str = "eager"):
+        self.name, self.backend = name, backend
         self.entry = build(name, layers=layers)
         self.initial = copy.deepcopy(self.entry.model)
         self.batches = [self.entry.make_batch(1000 + i) for i in range(STEPS)]
@@ -97,7 +97,7 @@ class ModelRuns:
     def compiled(self, plan_name: str) -> Run:
         from cann_passes import Plan, compile_for_npu
         model = self.fresh()
-        plan = Plan(backend="eager", **PLANS[plan_name])
+        plan = Plan(backend=self.backend, **PLANS[plan_name])
         step = compile_for_npu(model, plan, optimizer=_optimizer(model.parameters()), loss_fn=self.entry.loss_fn)
         losses = [float(step(b)) for b in self.batches]
         return Run(losses, _params(model), step.last.memory.saved_bytes, step)

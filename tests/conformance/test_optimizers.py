@@ -164,3 +164,22 @@ def test_a_registered_rule_for_a_users_optimizer_matches_its_eager_step():
                                              update=update, inputs=("lr", "weight_decay")))
     got, want, diff, *_ = _train(lambda p: SignSGD(p, lr=1e-2, weight_decay=1e-2))
     assert got == want and diff == 0.0
+
+
+def test_turning_on_weight_decay_or_momentum_after_compiling_recompiles_and_matches_eager():
+    def turn_on(o):
+        for g in o.param_groups:
+            g["momentum"], g["weight_decay"] = 0.9, 1e-2
+    model, loss_fn = tiny_mlp()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = O.SGD(model.parameters(), lr=0.05), O.SGD(ref.parameters(), lr=0.05)
+    step = compile_for_npu(model, Plan(backend="eager"), optimizer=opt, loss_fn=loss_fn)
+    got, want = [], []
+    for i, b in enumerate(mlp_batches(4)):
+        if i == 2:
+            turn_on(opt), turn_on(ref_opt)
+        got.append(step(b).item())
+        want += eager_losses(ref, loss_fn, ref_opt, [b])
+    assert len(step._compiled) == 2
+    assert got == want
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
