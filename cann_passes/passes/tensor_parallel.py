@@ -681,6 +681,7 @@ def _finish(gm: torch.fx.GraphModule, graph: TrainGraph, traced_group: str, grou
             node.args = tuple(group_name if a == traced_group else a for a in node.args)
             node.meta["origin_pass"] = ATTR
     _functionalize_in_place(gm.graph)
+    _lowerable_forms(gm.graph)
     _drop_identity_views(gm.graph)
     # DTensor's shard-offset arithmetic for per-part shards is traced but never read.
     gm.graph.eliminate_dead_code()
@@ -708,6 +709,56 @@ def _functionalize_in_place(graph: torch.fx.Graph) -> None:
         for user in later:
             user.replace_input_with(mutated, node)
         # the in-place op returned its input; readers of its result already read ``node``
+
+
+def _lowerable_forms(graph: torch.fx.Graph) -> None:
+    """Spell two ops DTensor's local kernels use the way the captured graphs already do, so every
+    backend that takes the captured step takes this one (torchair has no converter for either):
+    ``index_put(x, [bool mask], v)`` (the vocab-parallel embedding zeroing other ranks' rows) as
+    ``where``, and ``squeeze.dims`` of size-1 dims as a ``view``."""
+    for node in list(graph.nodes):
+        if node.target is aten.index_put.default and len(node.args[1]) == 1:
+            x, (mask,), value = node.args[:3]
+            xv, mv = x.meta["val"], mask.meta["val"]
+            if mv.dtype != torch.bool or tuple(mv.shape) != tuple(xv.shape[:mv.ndim]) or node.args[3:4] == (True,):
+                continue
+            with graph.inserting_before(node):
+                shaped = graph.call_function(aten.view.default, (mask, list(mv.shape) + [1] * (xv.ndim - mv.ndim)))
+                fill = graph.call_function(aten._to_copy.default, (value,), {"dtype": xv.dtype})
+                where = graph.call_function(aten.where.self, (shaped, fill, x))
+            for new in (shaped, fill, where):
+                new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+            shaped.meta["val"] = mv.view(list(mv.shape) + [1] * (xv.ndim - mv.ndim))
+            fill.meta["val"] = value.meta["val"].to(xv.dtype)
+            where.meta["val"] = node.meta["val"]
+            node.replace_all_uses_with(where)
+            graph.erase_node(node)
+        elif node.target is aten.index_put.default and len(node.args[1]) == 2 and _is_row_arange(node):
+            # grad[arange(N), target] = v (the vocab-parallel loss' backward): one column per row
+            x, (_, cols), value = node.args[:3]
+            n = x.meta["val"].shape[0]
+            with graph.inserting_before(node):
+                index = graph.call_function(aten.view.default, (cols, [n, 1]))
+                src = graph.call_function(aten.view.default, (value, [n, 1]))
+                scatter = graph.call_function(aten.scatter.src, (x, 1, index, src))
+            for new in (index, src, scatter):
+                new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+            index.meta["val"] = cols.meta["val"].view(n, 1)
+            src.meta["val"] = value.meta["val"].view(n, 1)
+            scatter.meta["val"] = node.meta["val"]
+            node.replace_all_uses_with(scatter)
+            graph.erase_node(node)
+        elif node.target is aten.squeeze.dims:
+            node.target, node.args = aten.view.default, (node.args[0], list(node.meta["val"].shape))
+
+
+def _is_row_arange(node: torch.fx.Node) -> bool:
+    x, (rows, cols), value = node.args[:3]
+    n = x.meta["val"].shape[0] if x.meta["val"].ndim == 2 else None
+    counts_rows = (rows.target is aten.arange.default and tuple(rows.args[:1]) == (n,)) or \
+        (rows.target is aten.arange.start and tuple(rows.args[:2]) == (0, n))
+    return (n is not None and counts_rows and node.args[3:4] != (True,)
+            and all(tuple(v.meta["val"].shape) == (n,) for v in (cols, value)))
 
 
 def _drop_identity_views(graph: torch.fx.Graph) -> None:
