@@ -63,9 +63,41 @@ _HOISTABLE_VIEWS = {"t", "transpose", "view", "_unsafe_view", "reshape", "permut
 
 
 # Arguments of backward ops that are normalization statistics: they stay fp32.
-_STATISTICS = {"mean", "rstd", "save_mean", "save_invstd", "logsumexp", "total_weight"}
+# A low-precision backward op reads them as its forward op produced them (the
+# attention backward's logsumexp is fp32 whatever the dtype of q, k and v).
+_STATISTICS = {"mean", "rstd", "save_mean", "save_invstd", "logsumexp", "log_sumexp", "total_weight"}
 # Marks the backward cast that widens a low-precision saved activation.
 WIDENS_SAVED = "autocast_widens_saved"
+
+
+def _statistic_args(node: torch.fx.Node) -> set[torch.fx.Node]:
+    """The inputs of ``node`` that its schema names as normalization or softmax statistics."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return set()
+    names = [a.name for a in schema.arguments]
+    out = {a for i, a in enumerate(node.args) if i < len(names) and names[i] in _STATISTICS}
+    out |= {v for k, v in node.kwargs.items() if k in _STATISTICS}
+    return {a for a in out if isinstance(a, torch.fx.Node)}
+
+
+# Ops whose output dtype is one of their inputs' by definition (a conversion), not a promotion.
+_CONVERTING = {"copy", "_to_copy", "copy_", "lift_fresh_copy"}
+
+
+def _needs_one_dtype(node: torch.fx.Node) -> bool:
+    """An aten op without type promotion, given float inputs of several dtypes, must get one.
+
+    Pointwise ops promote (``add`` of bf16 and fp32 is fp32). Most others
+    (``index_put``, ``index_add``, ``mm``, ``embedding_dense_backward``) refuse
+    mixed dtypes in their CPU kernels while their meta kernels accept them, so a
+    fake-value check alone would pass a graph that fails when run. autocast's
+    ``promote`` rule (cast to the widest) is what eager autocast would give them.
+    """
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
+        return False
+    return torch.Tag.pointwise not in target.tags and op_packet_name(target) not in _CONVERTING
 
 
 class AutocastError(ValueError):
@@ -136,26 +168,45 @@ class _Overrides:
 
 
 class _Rewriter:
-    def __init__(self, graph: TrainGraph, low: torch.dtype, policy: PrecisionPolicy, overrides: _Overrides):
+    def __init__(self, graph: TrainGraph, low: torch.dtype, policy: PrecisionPolicy, overrides: _Overrides,
+                 bias_in_fp32: bool = False):
         self.tg, self.graph = graph, graph.graph
+        self.bias_in_fp32 = bias_in_fp32
         self.low, self.policy, self.overrides = low, policy, overrides
         self.mode = graph.fake_mode()
         self.original = {n: _dtype(n) for n in self.graph.nodes}
         self.casts: dict[tuple[torch.fx.Node, torch.dtype], torch.fx.Node] = {}
         self.cast_source: dict[torch.fx.Node, torch.fx.Node] = {}
         self.touched: set[torch.fx.Node] = set()
+        # autograd sequence number -> the dtypes the forward ops of that number compute in
+        self.forward_dtypes: dict[int, set[torch.dtype]] = {}
         self.counts = {"casts_inserted": 0, "set_dtype": 0, "promoted": 0, "boundary_casts": 0,
                        "bias_in_fp32": 0}
 
     # -- what each node computes in --------------------------------------------------------------
     def compute_dtype(self, node: torch.fx.Node) -> torch.dtype | None:
-        """The dtype a node must compute in, or None to follow type promotion."""
-        forced = self.overrides.lookup(node)
-        if forced is not None:
-            return forced
+        """The dtype a node must compute in, or None to follow type promotion.
+
+        A backward node computes in the dtype of the forward op it differentiates
+        (the same autograd sequence number), as under eager autocast, where the
+        backward formula of a bf16 ``addmm`` runs on bf16 tensors: its weight
+        gradient ``mm`` and its bias gradient ``sum`` alike. Where no forward op
+        is known, the op's own list decides.
+        """
+        want = self.overrides.lookup(node)
         packet = op_packet_name(node.target)
-        category = self.policy.category(packet) if packet else PROMOTE
-        return {LOWER: self.low, FP32: torch.float32}.get(category)
+        seq = node.meta.get("seq_nr")
+        if want is None and region_of(node) == Region.BACKWARD and seq is not None \
+                and packet not in _HOISTABLE_VIEWS:
+            inherited = self.forward_dtypes.get(seq, set())
+            if len(inherited) == 1:
+                return next(iter(inherited))
+        if want is None:
+            category = self.policy.category(packet) if packet else PROMOTE
+            want = {LOWER: self.low, FP32: torch.float32}.get(category)
+        if region_of(node) == Region.FORWARD and seq is not None and want is not None:
+            self.forward_dtypes.setdefault(seq, set()).add(want)
+        return want
 
     # -- casts ---------------------------------------------------------------------------------
     def cast(self, value: torch.fx.Node, dtype: torch.dtype, requester: torch.fx.Node) -> torch.fx.Node:
@@ -218,7 +269,10 @@ class _Rewriter:
 
     def _rewrite(self, node: torch.fx.Node) -> None:
         want = self.compute_dtype(node) if node.target is not operator.getitem else None
-        if want is not None and want != torch.float32 and self._bias_joins_fp32_sum(node):
+        if self.bias_in_fp32 and want is not None and want != torch.float32 and self._bias_joins_fp32_sum(node):
+            # Matmul in low precision, bias added in fp32: the backward ops of this
+            # addmm no longer share one dtype, so each follows its own list.
+            self.forward_dtypes.setdefault(node.meta.get("seq_nr"), set()).add(torch.float32)
             node, want = self._split_bias(node), None
         changed = False
         if want is not None and not is_cast(node):
@@ -226,10 +280,18 @@ class _Rewriter:
         elif want is None:
             changed = self._follow_input_dtype(node)
         if changed or any(a in self.touched for a in node.all_input_nodes):
+            if want is None and _needs_one_dtype(node) and len(self._float_input_dtypes(node)) > 1:
+                self._promote(node, None)
+                return
             try:
                 self._refresh(node)
             except Exception as exc:  # an op that refuses mixed dtypes: promote its inputs
                 self._promote(node, exc)
+
+    @staticmethod
+    def _float_input_dtypes(node: torch.fx.Node) -> set[torch.dtype]:
+        keep = _statistic_args(node)
+        return {_dtype(a) for a in node.all_input_nodes if _is_float(a) and a not in keep}
 
     def _cast_inputs(self, node: torch.fx.Node, want: torch.dtype) -> bool:
         """Cast float inputs to ``want``; use the op's own dtype argument where it has one."""
@@ -243,8 +305,12 @@ class _Rewriter:
                 return True
             return False
         before = (node.args, node.kwargs)
-        node.args = map_arg(node.args, lambda a: self.cast(a, want, node) if _is_float(a) else a)
-        node.kwargs = map_arg(node.kwargs, lambda a: self.cast(a, want, node) if _is_float(a) else a)
+        keep = _statistic_args(node)
+
+        def cast(a):
+            return self.cast(a, want, node) if _is_float(a) and a not in keep else a
+        node.args = map_arg(node.args, cast)
+        node.kwargs = map_arg(node.kwargs, cast)
         if "input_dtype" in names and schema is not None:
             self._set_input_dtype(node, schema, want)
         return (node.args, node.kwargs) != before
@@ -271,14 +337,18 @@ class _Rewriter:
         else:
             node.kwargs = {**node.kwargs, "input_dtype": want}
 
-    def _promote(self, node: torch.fx.Node, cause: Exception) -> None:
-        floats = [_dtype(a) for a in node.all_input_nodes if _is_float(a)]
-        if len(set(floats)) < 2:
+    def _promote(self, node: torch.fx.Node, cause: Exception | None) -> None:
+        floats = sorted(self._float_input_dtypes(node), key=str)
+        if len(floats) < 2:
             raise AutocastError(f"node {node.name} ({node.target}) fails on its fake inputs after "
                                 f"autocast: {type(cause).__name__}: {cause}") from cause
         widest = _widest(floats)
-        node.args = map_arg(node.args, lambda a: self.cast(a, widest, node) if _is_float(a) else a)
-        node.kwargs = map_arg(node.kwargs, lambda a: self.cast(a, widest, node) if _is_float(a) else a)
+        keep = _statistic_args(node)
+
+        def cast(a):
+            return self.cast(a, widest, node) if _is_float(a) and a not in keep else a
+        node.args = map_arg(node.args, cast)
+        node.kwargs = map_arg(node.kwargs, cast)
         self.counts["promoted"] += 1
         self._refresh(node)
 
@@ -410,13 +480,19 @@ def count_casts(graph: torch.fx.Graph) -> int:
 
 @register_pass("autocast", preserves=())
 def autocast_pass(graph: TrainGraph, ctx: PassContext, *, dtype: str = "bf16", policy: str = "cuda",
-                  narrow_saved: bool = True) -> TrainGraph:
-    """Matmul-class ops in ``dtype``, numerically sensitive ops in fp32, master weights fp32."""
+                  narrow_saved: bool = True, bias_in_fp32: bool = False) -> TrainGraph:
+    """Matmul-class ops in ``dtype``, numerically sensitive ops in fp32, master weights fp32.
+
+    ``bias_in_fp32`` adds the bias of a linear whose output joins an fp32 sum (the
+    residual stream) in fp32 instead of in ``dtype``: no low-precision copy of the bias,
+    one rounding less, but no longer what eager autocast computes (its fp16 bias
+    gradient can overflow where this one does not), so it is off by default.
+    """
     if dtype not in LOW_DTYPES:
         raise AutocastError(f"autocast option dtype={dtype!r}: must be one of {', '.join(LOW_DTYPES)}")
     plan = ctx.plan
     overrides = _Overrides(getattr(plan, "autocast_overrides", {}) or {}, graph)
-    rewriter = _Rewriter(graph, LOW_DTYPES[dtype], get_policy(policy), overrides)
+    rewriter = _Rewriter(graph, LOW_DTYPES[dtype], get_policy(policy), overrides, bias_in_fp32)
     before = count_casts(graph.graph)
     rewriter.run()
     if narrow_saved:

@@ -75,24 +75,35 @@ class TestDynamicScaling:
             scales.append(step.metrics["loss_scale:scale"].item())
         assert scales == [256.0, 256.0, 512.0, 512.0, 1024.0]
 
-    def test_100_fp16_steps_end_within_2_percent_of_fp32(self):
+    def test_100_fp16_steps_end_within_2_percent_of_eager_autocast_with_grad_scaler(self):
         model = _tiny()
-        reference = copy.deepcopy(model)
+        reference, fp32 = copy.deepcopy(model), copy.deepcopy(model)
         step = _fp16_step(model)
-        ref_opt = _adamw(reference)
+        ref_opt, fp32_opt = _adamw(reference), _adamw(fp32)
+        scaler = torch.amp.GradScaler("cpu", init_scale=65536.0)
         one = torch.tensor(1.0)
-        losses, ref_losses = [], []
+        losses, ref_losses, fp32_losses = [], [], []
         for batch in _batches(100):
             losses.append(step((*batch, one)).item())
             ref_opt.zero_grad()
-            ref = _scaled_loss(reference, (*batch, one))
-            ref.backward()
-            ref_opt.step()
+            with torch.autocast("cpu", dtype=torch.float16):
+                ref = _scaled_loss(reference, (*batch, one))
+            scaler.scale(ref).backward()
+            scaler.step(ref_opt)
+            scaler.update()
             ref_losses.append(ref.item())
-        tail, ref_tail = sum(losses[-5:]) / 5, sum(ref_losses[-5:]) / 5
-        print(f"\nfp16 loss {losses[-1]:.4f} (last-5 mean {tail:.4f}), fp32 {ref_losses[-1]:.4f} "
-              f"({ref_tail:.4f}), scale {step.metrics['loss_scale:scale'].item():g}")
-        assert abs(losses[-1] - ref_losses[-1]) <= 0.02 * ref_losses[-1]
+            fp32_opt.zero_grad()
+            full = _scaled_loss(fp32, (*batch, one))
+            full.backward()
+            fp32_opt.step()
+            fp32_losses.append(full.item())
+        # Mean of the last five steps: one batch's loss is noisier than the runs' difference.
+        tail, ref_tail, fp32_tail = (sum(x[-5:]) / 5 for x in (losses, ref_losses, fp32_losses))
+        print(f"\nlast-5 mean loss: compiled fp16 {tail:.4f}, eager autocast fp16 + GradScaler "
+              f"{ref_tail:.4f}, eager fp32 {fp32_tail:.4f}; scale {step.metrics['loss_scale:scale'].item():g} "
+              f"(eager {scaler.get_scale():g})")
+        assert abs(tail - ref_tail) <= 0.02 * ref_tail
+        assert step.metrics["loss_scale:scale"].item() == scaler.get_scale()
 
 
 class TestModes:
