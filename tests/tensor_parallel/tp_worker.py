@@ -46,8 +46,8 @@ def make(name: str, opt: str):
     return entry, optimizer
 
 
-def batches(entry):
-    return [entry.make_batch(1000 + i) for i in range(STEPS)]
+def batches(entry, pad: bool = True):
+    return [entry.make_batch(1000 + i, pad=pad) for i in range(STEPS)]
 
 
 class Mesh:
@@ -93,9 +93,13 @@ def unshard(pieces: list[torch.Tensor], layout) -> torch.Tensor:
 
 
 def main(out: str, *scenarios: str):
+    """``scenarios`` may start with ``tp=N``: a (dp = world / N) x tp mesh for the step scenarios."""
     from cann_passes import Plan
     from cann_passes.runtime.distributed import init_distributed
-    with init_distributed(Plan(backend="eager", tp=int(os.environ["WORLD_SIZE"]))) as world:
+    world_size = int(os.environ["WORLD_SIZE"])
+    tp = int(scenarios[0].removeprefix("tp=")) if scenarios[0].startswith("tp=") else world_size
+    scenarios = scenarios[1:] if scenarios[0].startswith("tp=") else scenarios
+    with init_distributed(Plan(backend="eager", tp=tp, dp=world_size // tp)) as world:
         for scenario in scenarios:
             if scenario.startswith("step:"):
                 run_compiled_step(out, scenario, world)
@@ -107,11 +111,17 @@ def run_compiled_step(out: str, scenario: str, world):
     """The user's path: compile_for_npu with Plan(tp=N); the runtime binds the shards by placement."""
     from cann_passes import Plan, compile_for_npu
     from graph_ir.placement import gather
-    _, name, opt = scenario.split(":")
+    from cann_passes.runtime.distributed import shard_batch
+    _, name, opt, *options = scenario.split(":")
     entry, optimizer = make(name, opt)
-    plan = Plan(backend="eager", tp=world.world_size, verify="deep")
+    tp, dp = world.info.size("tp"), world.info.size("dp")
+    zero = int(options[0].removeprefix("zero")) if options else 0
+    plan = Plan(backend="eager", tp=tp, dp=dp, zero_stage=zero, verify="deep")
     step = compile_for_npu(entry.model, plan, optimizer=optimizer, loss_fn=entry.loss_fn)
-    losses = [float(step(batch)) for batch in batches(entry)]
+    # data parallel: each dp rank its rows of the global batch, unpadded (equal token counts,
+    # so the mean over ranks is the global mean)
+    data = batches(entry, pad=dp == 1)
+    losses = [float(step(shard_batch(batch, world.dp_rank, dp))) for batch in data]
     params = {}
     for pname, p in entry.model.named_parameters():
         key = f"param:{pname}"
@@ -122,7 +132,8 @@ def run_compiled_step(out: str, scenario: str, world):
     collectives = {f"{r}.{c}": n for (r, c), n in count_collectives(graph).items()}
     if world.rank == 0:
         torch.save({"losses": losses, "params": params, "collectives": collectives,
-                    "attrs": graph.attrs["tensor_parallel"]}, os.path.join(out, f"{scenario}.tp{world.world_size}.pt"))
+                    "attrs": graph.attrs["tensor_parallel"]},
+                   os.path.join(out, f"{scenario}.tp{tp}{f'.dp{dp}' if dp > 1 else ''}.pt"))
 
 
 def run(out: str, scenario: str):
