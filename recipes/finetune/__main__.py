@@ -18,9 +18,9 @@ import argparse
 import contextlib
 import os
 
-from cann_passes import Plan
+from cann_passes import Plan, PlanError
 
-from .config import CONFIG_DIR, FinetuneConfig
+from .config import CONFIG_DIR, ConfigError, FinetuneConfig
 from .train import describe, finetune
 
 DEFAULT_CONFIG = os.path.join(CONFIG_DIR, "lora.yaml")
@@ -50,8 +50,12 @@ def config_from_args(args) -> FinetuneConfig:
 
 
 def main(argv=None):
-    cfg = config_from_args(parse_args(argv))
-    plan = Plan.from_dict(cfg.plan)
+    try:
+        cfg = config_from_args(parse_args(argv))
+        plan = Plan.from_dict(cfg.plan)
+    except (ConfigError, PlanError, OSError) as exc:
+        # A bad config or plan is the user's to fix: one line, no traceback.
+        raise SystemExit(f"python -m recipes.finetune: {exc}") from None
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1 or plan.dp > 1
     if launched:
         from cann_passes.runtime.distributed import init_distributed
@@ -59,7 +63,10 @@ def main(argv=None):
     else:
         context = contextlib.nullcontext()
     with context as world:
-        result = finetune(cfg, world=world)
+        try:
+            result = finetune(cfg, world=world)
+        except ConfigError as exc:
+            raise SystemExit(f"python -m recipes.finetune: {exc}") from None
         if world is None or world.rank == 0:
             print(describe(cfg, result))
     return result

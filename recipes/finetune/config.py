@@ -51,6 +51,7 @@ class FinetuneConfig:
     attention_mask: str = "2d"                  # 2d: the padding mask as is; 4d: causal + padding, made here
     seed: int = 0
     eval_batches: int = 4
+    cpu_threads: int | None = None              # torch intra-op threads on CPU; None: torch's default
     plan: dict = field(default_factory=lambda: {"backend": "eager"})
 
     def __post_init__(self):
@@ -75,6 +76,8 @@ class FinetuneConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(name, "must be an integer >= 1", value)
+        if self.cpu_threads is not None and (not isinstance(self.cpu_threads, int) or self.cpu_threads < 1):
+            raise ConfigError("cpu_threads", "must be an integer >= 1 or null", self.cpu_threads)
         if not isinstance(self.warmup_steps, int) or not 0 <= self.warmup_steps <= self.steps:
             raise ConfigError("warmup_steps", f"must be an integer in [0, steps={self.steps}]", self.warmup_steps)
         for name, low, high in (("lr", 0.0, None), ("lora_alpha", 0.0, None), ("weight_decay", -1e-12, None),

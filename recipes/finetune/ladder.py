@@ -216,6 +216,7 @@ def main(argv=None) -> dict:
     p.add_argument("--skip-cpu", action="store_true")
     p.add_argument("--skip-estimate", action="store_true")
     p.add_argument("--check", action="store_true", help="also capture 3 layers to check the extrapolation")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads for the measured part")
     p.add_argument("--json", help="write the numbers here")
     args = p.parse_args(argv)
     report: dict = {"load_average": os.getloadavg()}
@@ -223,12 +224,13 @@ def main(argv=None) -> dict:
         from transformers import LlamaForCausalLM
 
         from .model import tiny_llama_config
+        torch.set_num_threads(args.threads)   # the tiny model's ops are too small to share across cores
         torch.manual_seed(0)
         base = LlamaForCausalLM(tiny_llama_config())
         batches = cpu_batches(args.steps, args.batch_size, args.seq_len)
         report["cpu"] = [measure_cpu(r, base, batches) for r in RUNGS]
         print(f"Measured on this CPU (tiny LLaMA d64 x 2 layers, batch {args.batch_size} x {args.seq_len}, "
-              f"{args.steps} steps, eager backend; load average {report['load_average'][0]:.1f}):\n")
+              f"{args.steps} steps, eager backend, {args.threads} thread(s); load average {report['load_average'][0]:.1f}):\n")
         print(cpu_table(report["cpu"]) + "\n")
     if not args.skip_estimate:
         report["llama7b_910b"] = [estimate_7b(r, d, check_layers=3 if args.check else None)

@@ -96,6 +96,8 @@ def finetune(cfg: FinetuneConfig, *, world=None, save: bool = True, progress: bo
 
     rank, dp_rank, dp_size = (world.rank, world.dp_rank, world.dp_size) if world else (0, 0, 1)
     plan = Plan.from_dict(cfg.plan)
+    if cfg.cpu_threads:
+        torch.set_num_threads(cfg.cpu_threads)
     if world is not None:   # one rank makes the default base checkpoint, the others wait for it
         if rank == 0:
             ensure_base(cfg)
