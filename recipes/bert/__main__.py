@@ -1,0 +1,3 @@
+from recipes.bert.train import main
+
+main()
