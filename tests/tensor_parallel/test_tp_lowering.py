@@ -19,6 +19,14 @@ def torchair():
         pytest.skip(f"torchair (torch_npu wheel) unavailable: {e}")
 
 
+@pytest.fixture(scope="module")
+def llama_step():
+    entry = zoo.build("llama", layers=2)
+    optimizer = torch.optim.AdamW(entry.model.parameters(), lr=1e-3)
+    graph, _ = capture_train_step(entry.model, optimizer, entry.loss_fn, entry.make_batch(1))
+    return graph
+
+
 @pytest.fixture()
 def two_rank_group():
     """A fake two-rank world: the Hcom converters resolve the group the collectives name."""
@@ -47,12 +55,10 @@ class GroupMesh:
 @pytest.mark.parametrize("options,collectives", [
     ("", {"HcomAllReduce": 10, "HcomAllGather": 1}),
     ("{sequence_parallel=true,vocab_parallel_loss=true}", {"HcomReduceScatter": 10, "HcomAllGather": 9})])
-def test_tp2_llama_step_lowers_to_ge_with_hcom_collectives(two_rank_group, options, collectives):
-    entry = zoo.build("llama", layers=2)
-    optimizer = torch.optim.AdamW(entry.model.parameters(), lr=1e-3)
-    graph, _ = capture_train_step(entry.model, optimizer, entry.loss_fn, entry.make_batch(1))
+def test_tp2_llama_step_lowers_to_ge_with_hcom_collectives(llama_step, two_rank_group, options, collectives):
     pipeline = f"cleanup,tensor_parallel{options},npu_legalize,cleanup"
-    graph = PassManager(pipeline, verify_level="deep").run(graph, PassContext(mesh=GroupMesh(two_rank_group)))
+    graph = PassManager(pipeline, verify_level="deep").run(llama_step.copy(),
+                                                           PassContext(mesh=GroupMesh(two_rank_group)))
     report = lower_to_ge(graph.gm, name="llama_tp2")
     assert report.unsupported == [] and report.ok
     hcom = {k: v for k, v in report.op_histogram.items() if k.startswith("Hcom")}
