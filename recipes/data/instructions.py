@@ -11,8 +11,11 @@ downloaded and the data does not depend on the Python version. A JSONL file of
 ``{"prompt": ..., "response": ...}`` lines (``python -m recipes.data.instructions
 --output pairs.jsonl`` writes the shipped pairs as one) can replace them.
 
-Tokens are bytes, as for the GPT recipe, plus three control bytes the ASCII
-corpus never contains: PAD (0), BOS (2) and EOS (3). Batches are right-padded
+Tokens are bytes by default (:class:`ByteTokenizer`, as for the GPT recipe),
+plus three control bytes the ASCII corpus never contains: PAD (0), BOS (2) and
+EOS (3); any object with ``encode(text) -> ids`` and ``bos_id``/``eos_id``/
+``pad_id`` can replace it (the fine-tuning recipe wraps a checkpoint's own
+transformers tokenizer that way). Batches are right-padded
 to a fixed length — one batch shape, so a compiled step is compiled once — and
 carry ``attention_mask`` (1 = real token) and ``labels`` (-100 on the prompt and
 the padding: the loss is taken on response tokens only).
@@ -36,6 +39,22 @@ IGNORE_INDEX = -100            # torch's cross_entropy / transformers' default i
 PROMPT_TEMPLATE = "### Instruction:\n{prompt}\n\n### Response:\n"
 MAX_RESPONSE_CHARS = 160
 MIN_SEQ_LEN = 64
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids; BOS/EOS/PAD are control bytes the corpus never contains."""
+
+    vocab_size = 256
+    bos_id, eos_id, pad_id = BOS_ID, EOS_ID, PAD_ID
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+
+BYTES = ByteTokenizer()
 
 
 @dataclass(frozen=True)
@@ -114,24 +133,26 @@ def split_pairs(pairs: list[Pair], val_fraction: float = 0.05, seed: int = 0) ->
     return shuffled[:-n_val], shuffled[-n_val:]
 
 
-def encode_pair(pair: Pair, seq_len: int) -> tuple[list[int], int]:
+def encode_pair(pair: Pair, seq_len: int, tokenizer=BYTES) -> tuple[list[int], int]:
     """Token ids of BOS + prompt + response + EOS, cut to ``seq_len``; and the prompt's length.
 
     A long prompt is cut first, so that at least half the window is response.
+    A tokenizer without a BOS token (``bos_id`` None) starts with the prompt.
     """
-    prompt = [BOS_ID, *PROMPT_TEMPLATE.format(prompt=pair.prompt).encode("utf-8")]
-    response = [*pair.response.encode("utf-8"), EOS_ID]
+    bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+    prompt = [*bos, *tokenizer.encode(PROMPT_TEMPLATE.format(prompt=pair.prompt))]
+    response = [*tokenizer.encode(pair.response), tokenizer.eos_id]
     prompt = prompt[:max(seq_len - len(response), seq_len // 2)]
     return (prompt + response)[:seq_len], len(prompt)
 
 
-def collate(pairs: list[Pair], seq_len: int) -> dict[str, torch.Tensor]:
+def collate(pairs: list[Pair], seq_len: int, tokenizer=BYTES) -> dict[str, torch.Tensor]:
     """Right-padded ``input_ids``, ``attention_mask`` and response-only ``labels`` of shape (n, seq_len)."""
-    ids = torch.full((len(pairs), seq_len), PAD_ID, dtype=torch.long)
+    ids = torch.full((len(pairs), seq_len), tokenizer.pad_id, dtype=torch.long)
     mask = torch.zeros((len(pairs), seq_len), dtype=torch.long)
     labels = torch.full((len(pairs), seq_len), IGNORE_INDEX, dtype=torch.long)
     for row, pair in enumerate(pairs):
-        tokens, n_prompt = encode_pair(pair, seq_len)
+        tokens, n_prompt = encode_pair(pair, seq_len, tokenizer)
         ids[row, :len(tokens)] = torch.tensor(tokens)
         mask[row, :len(tokens)] = 1
         labels[row, n_prompt:len(tokens)] = torch.tensor(tokens[n_prompt:])
@@ -145,14 +166,14 @@ class InstructionBatches:
     """
 
     def __init__(self, pairs: list[Pair], batch_size: int, seq_len: int, seed: int = 0,
-                 num_batches: int | None = None):
+                 num_batches: int | None = None, tokenizer=BYTES):
         if batch_size < 1 or batch_size > len(pairs):
             raise ValueError(f"batch_size must be in [1, {len(pairs)}] (the number of pairs), got {batch_size}")
         if seq_len < MIN_SEQ_LEN:
             raise ValueError(f"seq_len must be at least {MIN_SEQ_LEN} to hold a prompt and a response, "
                              f"got {seq_len}")
         self.pairs, self.batch_size, self.seq_len = pairs, batch_size, seq_len
-        self.seed, self.num_batches = seed, num_batches
+        self.seed, self.num_batches, self.tokenizer = seed, num_batches, tokenizer
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         generator = torch.Generator().manual_seed(self.seed)
@@ -162,7 +183,8 @@ class InstructionBatches:
             for start in range(0, len(order) - self.batch_size + 1, self.batch_size):
                 if self.num_batches is not None and made >= self.num_batches:
                     return
-                yield collate([self.pairs[i] for i in order[start:start + self.batch_size]], self.seq_len)
+                yield collate([self.pairs[i] for i in order[start:start + self.batch_size]], self.seq_len,
+                              self.tokenizer)
                 made += 1
 
 

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from recipes.data.instructions import BOS_ID, EOS_ID, PAD_ID
+from recipes.data.instructions import BOS_ID, BYTES, EOS_ID, PAD_ID
 from recipes.data.text import VOCAB_SIZE
 
 from .config import ConfigError, FinetuneConfig
@@ -45,11 +45,46 @@ def load_base(path: str | os.PathLike, base_dtype: str = "fp32"):
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError("model_dir", "must be a directory written by save_pretrained (no config.json there)",
                           str(path))
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[base_dtype])
-    if model.config.vocab_size < VOCAB_SIZE:
-        raise ConfigError("model_dir", f"the recipe's tokens are bytes: the model needs a vocabulary of at least "
-                          f"{VOCAB_SIZE}, it has {model.config.vocab_size}", str(path))
-    return model
+    return AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[base_dtype])
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+class PretrainedTokenizer:
+    """A checkpoint's transformers tokenizer with the interface the instruction batches use."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.bos_id, self.eos_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+        # Padding is masked out of attention and loss, so any id serves; EOS when there is no PAD.
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
+        self.vocab_size = len(tokenizer)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(list(ids))
+
+
+def load_tokenizer(path: str | os.PathLike, model: torch.nn.Module):
+    """The checkpoint's own tokenizer when it has one, else bytes; either must fit the model's vocabulary."""
+    vocab = model.get_input_embeddings().num_embeddings
+    if any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        from transformers import AutoTokenizer
+        tokenizer = PretrainedTokenizer(AutoTokenizer.from_pretrained(path))
+        if tokenizer.eos_id is None:
+            raise ConfigError("model_dir", "the checkpoint's tokenizer has no EOS token, which ends every "
+                              "response", str(path))
+        if tokenizer.vocab_size > vocab:
+            raise ConfigError("model_dir", f"the tokenizer has {tokenizer.vocab_size} tokens, the model's "
+                              f"embedding only {vocab}", str(path))
+        return tokenizer
+    if vocab < VOCAB_SIZE:
+        raise ConfigError("model_dir", f"without a tokenizer in the checkpoint the tokens are bytes: the model needs "
+                          f"a vocabulary of at least {VOCAB_SIZE}, it has {vocab}", str(path))
+    return BYTES
 
 
 def prepare_model(model: torch.nn.Module, cfg: FinetuneConfig) -> torch.nn.Module:
@@ -103,16 +138,19 @@ def is_peft(model: torch.nn.Module) -> bool:
     return hasattr(model, "merge_and_unload") and hasattr(model, "peft_config")
 
 
-def save_finetuned(model: torch.nn.Module, output_dir: str | os.PathLike) -> torch.nn.Module:
+def save_finetuned(model: torch.nn.Module, output_dir: str | os.PathLike, tokenizer=None) -> torch.nn.Module:
     """``save_pretrained`` a model plain transformers loads: LoRA adapters merged into the weights.
 
-    The adapters alone are saved too (``<output_dir>/adapter``, peft's format).
-    Merging replaces the adapter layers in ``model``; the merged model is returned.
+    The adapters alone are saved too (``<output_dir>/adapter``, peft's format),
+    and a checkpoint's own tokenizer beside the model. Merging replaces the
+    adapter layers in ``model``; the merged model is returned.
     """
     if is_peft(model):
         model.save_pretrained(os.path.join(output_dir, "adapter"))
         model = model.merge_and_unload()
     model.save_pretrained(output_dir)
+    if isinstance(tokenizer, PretrainedTokenizer):
+        tokenizer.tokenizer.save_pretrained(output_dir)
     return model
 
 

@@ -23,7 +23,7 @@ from recipes.data.instructions import InstructionBatches, load_pairs, split_pair
 
 from .config import FinetuneConfig
 from .memory import StepStateBytes, step_state_bytes
-from .model import ResponseLoss, load_base, make_base_checkpoint, prepare_model, save_finetuned
+from .model import ResponseLoss, load_base, load_tokenizer, make_base_checkpoint, prepare_model, save_finetuned
 
 DEFAULT_MODEL_DIR = FinetuneConfig().model_dir
 
@@ -79,15 +79,17 @@ def ensure_base(cfg: FinetuneConfig) -> str:
 
 
 def build(cfg: FinetuneConfig):
-    """(model, optimizer, scheduler, loss_fn) for ``cfg``, from its base checkpoint."""
+    """(model, optimizer, scheduler, loss_fn, tokenizer) for ``cfg``, from its base checkpoint."""
     torch.manual_seed(cfg.seed)   # LoRA's initial A matrices (and dropout) are seeded
-    model = prepare_model(load_base(ensure_base(cfg), cfg.base_dtype), cfg)
+    base = load_base(ensure_base(cfg), cfg.base_dtype)
+    tokenizer = load_tokenizer(cfg.model_dir, base)
+    model = prepare_model(base, cfg)
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, warmup_cosine(cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio))
-    return model, optimizer, scheduler, ResponseLoss(cfg.attention_mask)
+    return model, optimizer, scheduler, ResponseLoss(cfg.attention_mask), tokenizer
 
 
 def finetune(cfg: FinetuneConfig, *, world=None, save: bool = True, progress: bool = True) -> FinetuneResult:
@@ -102,16 +104,16 @@ def finetune(cfg: FinetuneConfig, *, world=None, save: bool = True, progress: bo
         if rank == 0:
             ensure_base(cfg)
         torch.distributed.barrier()
-    model, optimizer, scheduler, loss_fn = build(cfg)
+    model, optimizer, scheduler, loss_fn, tokenizer = build(cfg)
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     n_total = sum(p.numel() for p in model.parameters())
     step = compile_for_npu(model, plan, optimizer=optimizer, loss_fn=loss_fn)
 
     train_pairs, val_pairs = split_pairs(load_pairs(cfg.data), seed=cfg.seed)
     val_batches = list(InstructionBatches(val_pairs, min(cfg.batch_size, len(val_pairs)), cfg.seq_len,
-                                          seed=cfg.seed, num_batches=cfg.eval_batches))
+                                          seed=cfg.seed, num_batches=cfg.eval_batches, tokenizer=tokenizer))
     val_before = evaluate(model, loss_fn, val_batches)
-    batches = InstructionBatches(train_pairs, cfg.batch_size, cfg.seq_len, seed=cfg.seed)
+    batches = InstructionBatches(train_pairs, cfg.batch_size, cfg.seq_len, seed=cfg.seed, tokenizer=tokenizer)
 
     losses, lrs = [], []
     bar = tqdm(itertools.islice(batches, cfg.steps), total=cfg.steps, unit="step", dynamic_ncols=True,
@@ -143,7 +145,7 @@ def finetune(cfg: FinetuneConfig, *, world=None, save: bool = True, progress: bo
             model.eval()
             logits = model(input_ids=check_batch["input_ids"],
                            attention_mask=check_batch["attention_mask"]).logits
-        save_finetuned(model, cfg.output_dir)
+        save_finetuned(model, cfg.output_dir, tokenizer)
         result.reloaded_val_loss, result.reload_max_logit_diff = check_reload(
             cfg, val_batches, loss_fn, check_batch, logits)
         with open(os.path.join(cfg.output_dir, "finetune.json"), "w", encoding="utf-8") as f:

@@ -274,6 +274,42 @@ def test_the_7b_estimate_extrapolates_exactly_from_one_and_two_layers():
     assert predicted["seconds"] == pytest.approx(at3["seconds"], rel=1e-9)
 
 
+def test_a_checkpoint_with_its_own_tokenizer_is_trained_and_saved_with_it(tmp_path):
+    """Not bytes: a byte-level BPE tokenizer saved beside the checkpoint, as real checkpoints ship."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from recipes.finetune.__main__ import main
+    from recipes.finetune.model import make_base_checkpoint
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    pairs = corpus_pairs()[:400]
+    bpe.train_from_iterator([p.prompt + " " + p.response for p in pairs], trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<pad>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    base = make_base_checkpoint(tmp_path / "base", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **TINY)
+    tokenizer.save_pretrained(base)
+    out = tmp_path / "out"
+    result = main(["--model", str(base), "--out", str(out), "--steps", "6", "--config", str(_tiny_config(tmp_path))])
+    assert result.reload_max_logit_diff < 1e-4
+    saved = AutoTokenizer.from_pretrained(out)
+    assert saved.encode("What does `json.dumps` do?") == tokenizer.encode("What does `json.dumps` do?")
+    from recipes.finetune.model import PretrainedTokenizer
+    batch = collate(pairs[:1], SEQ, PretrainedTokenizer(saved))
+    ids = batch["input_ids"][0][batch["attention_mask"][0].bool()].tolist()
+    assert ids[0] == tokenizer.bos_token_id and ids[-1] == tokenizer.eos_token_id
+    assert saved.decode(ids[1:-1]).startswith("### Instruction:\nWhat does `abc` do?")
+
+
+def _tiny_config(tmp_path):
+    config = tmp_path / "tiny.yaml"
+    config.write_text(json.dumps(dict(method="lora", warmup_steps=2, batch_size=4, seq_len=SEQ, lr=1e-2,
+                                      eval_batches=1, plan={"backend": "eager"})))
+    return config
+
+
 class TestInstructionData:
     def test_labels_cover_only_the_response_and_padding_is_masked(self):
         batch = collate([Pair("What?", "Because."), Pair("Why not?", "It is.")], SEQ)
