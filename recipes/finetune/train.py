@@ -43,6 +43,7 @@ class FinetuneResult:
     output_dir: str | None
     summary: str = ""
     lrs: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)   # before clipping, when the plan clips
 
     def to_json(self) -> dict:
         out = {k: v for k, v in self.__dict__.items() if k not in ("state", "summary")}
@@ -115,7 +116,7 @@ def finetune(cfg: FinetuneConfig, *, world=None, save: bool = True, progress: bo
     val_before = evaluate(model, loss_fn, val_batches)
     batches = InstructionBatches(train_pairs, cfg.batch_size, cfg.seq_len, seed=cfg.seed, tokenizer=tokenizer)
 
-    losses, lrs = [], []
+    losses, lrs, grad_norms = [], [], []
     bar = tqdm(itertools.islice(batches, cfg.steps), total=cfg.steps, unit="step", dynamic_ncols=True,
                disable=not progress or rank != 0, desc=f"finetune {cfg.method}")
     start = time.perf_counter()
@@ -129,7 +130,11 @@ def finetune(cfg: FinetuneConfig, *, world=None, save: bool = True, progress: bo
         if i == 0:
             first_step_seconds = time.perf_counter() - t0   # capture + passes + lowering
         tokens = int((batch["labels"] != -100).sum())
-        bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{lrs[-1]:.1e}", resp_tok=tokens)
+        shown = dict(loss=f"{losses[-1]:.3f}", lr=f"{lrs[-1]:.1e}", resp_tok=tokens)
+        if "grad_clip:grad_norm" in step.metrics:   # the norm before clipping, as clip_grad_norm_ returns
+            grad_norms.append(step.metrics["grad_clip:grad_norm"].item())
+            shown["grad_norm"] = f"{grad_norms[-1]:.2f}"
+        bar.set_postfix(shown)
     bar.close()
     seconds = time.perf_counter() - start
     if plan.zero_stage == 3:
@@ -137,7 +142,7 @@ def finetune(cfg: FinetuneConfig, *, world=None, save: bool = True, progress: bo
     val_after = evaluate(model, loss_fn, val_batches)
     result = FinetuneResult(losses, val_before, val_after, None, None, n_trainable, n_total,
                             step_state_bytes(step.last.program),
-                            seconds, first_step_seconds, None, step.summary(), lrs)
+                            seconds, first_step_seconds, None, step.summary(), lrs, grad_norms)
     if save and rank == 0:
         result.output_dir = cfg.output_dir
         check_batch = val_batches[0]

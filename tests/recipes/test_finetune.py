@@ -129,9 +129,9 @@ class TestLoraThroughCompileForNpu:
         assert lora_run["step"].optimizer_state_bytes() == state.optimizer_state_bytes
 
 
-def eager_steps(model, batches, loss_fn=ResponseLoss("2d"), microbatches: int = 1):
+def eager_steps(model, batches, loss_fn=ResponseLoss("2d"), microbatches: int = 1, clip: float | None = None):
     """Plain peft/transformers training: the reference for the compiled steps."""
-    optimizer, losses = adamw(model), []
+    optimizer, losses, norms = adamw(model), [], []
     for batch in batches:
         optimizer.zero_grad(set_to_none=True)
         parts = [{k: v.chunk(microbatches)[i] for k, v in batch.items()} for i in range(microbatches)]
@@ -140,9 +140,12 @@ def eager_steps(model, batches, loss_fn=ResponseLoss("2d"), microbatches: int = 
             loss = loss_fn(model, part) / microbatches
             loss.backward()
             total += loss.item()
+        if clip is not None:
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            norms.append(torch.nn.utils.clip_grad_norm_(trainable, clip).item())
         optimizer.step()
         losses.append(total)
-    return losses
+    return (losses, norms) if clip is not None else losses
 
 
 def test_a_causal_and_padding_mask_made_by_the_loss_trains_like_the_padding_mask():
@@ -151,6 +154,24 @@ def test_a_causal_and_padding_mask_made_by_the_loss_trains_like_the_padding_mask
     batches = padded_batches(2)
     step = compile_for_npu(model, Plan(backend="eager"), optimizer=adamw(model), loss_fn=ResponseLoss("4d"))
     assert [step(b).item() for b in batches] == pytest.approx(eager_steps(reference, batches), abs=1e-5)
+
+
+def test_lora_with_gradient_clipping_equals_eager_clip_grad_norm():
+    model = lora_model()
+    reference = copy.deepcopy(model)
+    batches = padded_batches(3)
+    step = compile_for_npu(model, Plan(backend="eager", grad_clip_norm=0.05, verify="deep"), optimizer=adamw(model),
+                           loss_fn=ResponseLoss())
+    losses, norms = [], []
+    for b in batches:
+        losses.append(step(b).item())
+        norms.append(step.metrics["grad_clip:grad_norm"].item())
+    eager_losses, eager_norms = eager_steps(reference, batches, clip=0.05)
+    assert losses == pytest.approx(eager_losses, abs=1e-5)
+    assert norms == pytest.approx(eager_norms, rel=1e-5) and min(norms) > 0.05   # the clip acted every step
+    ref = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p, ref[name], rtol=0, atol=1e-5, msg=name)
 
 
 def test_lora_with_gradient_accumulation_equals_eager_accumulation():
@@ -212,7 +233,7 @@ def test_recipe_trains_from_its_command_and_the_saved_directory_reloads(tmp_path
     config = tmp_path / "lora.yaml"
     config.write_text(json.dumps(dict(model_dir=str(base), output_dir=str(tmp_path / "out"), method="lora",
                                       steps=16, warmup_steps=4, batch_size=4, seq_len=SEQ, lr=1e-2,
-                                      eval_batches=2, plan={"backend": "eager"})))
+                                      eval_batches=2, plan={"backend": "eager", "grad_clip_norm": 1.0})))
     result = main(["--config", str(config)])
     assert sum(result.losses[-4:]) / 4 < result.losses[0] - 0.05
     assert result.val_loss_after < result.val_loss_before
@@ -223,6 +244,7 @@ def test_recipe_trains_from_its_command_and_the_saved_directory_reloads(tmp_path
     # The schedule: linear warmup to the peak, then cosine down.
     assert result.lrs[3] == pytest.approx(1e-2) and result.lrs[0] == pytest.approx(2.5e-3)
     assert result.lrs[-1] < result.lrs[4]
+    assert len(result.grad_norms) == 16 and all(n > 0 for n in result.grad_norms)   # the plan clips at 1.0
 
 
 def test_data_parallel_and_zero_under_lora_communicate_and_shard_the_adapters_only():
@@ -306,7 +328,7 @@ def test_a_checkpoint_with_its_own_tokenizer_is_trained_and_saved_with_it(tmp_pa
 def _tiny_config(tmp_path):
     config = tmp_path / "tiny.yaml"
     config.write_text(json.dumps(dict(method="lora", warmup_steps=2, batch_size=4, seq_len=SEQ, lr=1e-2,
-                                      eval_batches=1, plan={"backend": "eager"})))
+                                      eval_batches=1, plan={"backend": "eager", "grad_clip_norm": 1.0})))
     return config
 
 
