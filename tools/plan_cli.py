@@ -1,0 +1,434 @@
+"""cann-plan: choose a training plan for a model on N devices, by simulating each candidate.
+
+    cann-plan llama-7b --devices 8 --device-profile ascend_910b --memory-gb 64 --seq 4096
+
+MODEL is a named shape (``cann-plan --list``) or ``pkg.module:factory``, a
+callable ``factory(rows, seq)`` returning ``(model, loss_fn, batch)``; it is
+called under ``torch.device("meta")`` and captured at its own depth.
+
+Search: dp (= devices / tp) x ZeRO stage x recompute (none, selective, full,
+budget) x microbatches x precision (x tp where asked: ``--tp 1,2``; tp must
+divide the heads). Before anything is compiled, a candidate whose model state
+alone cannot fit is dropped (the bound: fp32 master parameters, one gradient
+shard and the optimizer state, as the captured graph holds them, divided as
+the ZeRO stage divides them). The rest are compiled, cheapest first, by the
+plan's pipeline for rank 0 of a fake mesh and simulated
+(:mod:`cann_passes.simulate`). Two monotonicity assumptions skip more (said in
+the output): a candidate that saves no more memory on any axis than one that
+does not fit does not fit either; one that saves at least as much on every
+axis as one that fits is not faster.
+
+Named shapes are captured once per batch shape at two small depths (1 and 2
+layers) and every figure is continued linearly to the real depth (tests check
+this against a full-depth capture at small size); ``--full-depth`` captures
+the real depth instead (minutes per capture for 32 layers on a loaded CPU).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import itertools
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import yaml
+
+from cann_passes.cost_model import get_profile, profile_names
+from cann_passes.plan import Plan, PlanError
+from cann_passes.simulate import GB, MODELLED, NOT_MODELLED, Simulation, SimulationError, extrapolate, simulate, \
+    simulate_extrapolated
+from graph_ir import capture_train_step
+from graph_ir.analysis.memory import state_bytes
+
+RECOMPUTE_ORDER = ("none", "selective", "budget", "full")   # by memory saved (assumed order)
+EXTRAPOLATE_FROM = (1, 2)
+# Published reference throughput printed beside a prediction (tokens/s per device).
+REFERENCES = {"llama-7b": ("MindSpeed-LLM LLaMA2-7B on Atlas 900 A2 (910B), seq 4096", 2730.0)}
+
+
+class UsageError(ValueError):
+    pass
+
+
+# -- models ------------------------------------------------------------------------------------------
+
+def _hf_loss(model, batch):
+    return model(input_ids=batch, labels=batch, use_cache=False).loss
+
+
+def _llama(hidden, ffn, layers, heads, kv_heads, vocab=32000):
+    def build(rows, seq, depth=None):
+        from transformers import LlamaConfig, LlamaForCausalLM
+        cfg = LlamaConfig(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=depth or layers,
+                          num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
+                          max_position_embeddings=max(seq, 64), tie_word_embeddings=False)
+        cfg._attn_implementation = "sdpa"
+        return LlamaForCausalLM(cfg), _hf_loss, torch.zeros(rows, seq, dtype=torch.long)
+    return build
+
+
+def _gpt(**overrides):
+    def build(rows, seq, depth=None):
+        from recipes.models.gpt import GPT, gpt_7b, gpt_loss
+        fields = dict(overrides, seq_len=seq)
+        if depth:
+            fields["n_layer"] = depth
+        cfg = gpt_7b(**fields)
+        idx = torch.zeros(rows, seq, dtype=torch.long)
+        return GPT(cfg), gpt_loss, (idx, torch.zeros_like(idx))
+    return build
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    build: Callable      # (rows, seq, depth=None) -> (model, loss_fn, batch), called on meta
+    layers: int | None   # the real depth; None: captured as built (no extrapolation)
+    seq: int
+    heads: int = 0
+
+
+MODELS = {
+    "llama-tiny": ModelSpec("llama-tiny", _llama(64, 176, 4, 4, 4, vocab=256), 4, 32, 4),
+    "llama-7b": ModelSpec("llama-7b", _llama(4096, 11008, 32, 32, 32), 32, 4096, 32),
+    "llama-13b": ModelSpec("llama-13b", _llama(5120, 13824, 40, 40, 40), 40, 4096, 40),
+    "llama-70b": ModelSpec("llama-70b", _llama(8192, 28672, 80, 64, 8), 80, 4096, 64),
+    "gpt-7b": ModelSpec("gpt-7b", _gpt(), 32, 2048, 32),
+    "gpt3-175b": ModelSpec("gpt3-175b", _gpt(n_layer=96, n_head=96, d_model=12288), 96, 2048, 96),
+}
+
+
+def resolve_model(text: str) -> ModelSpec:
+    if text in MODELS:
+        return MODELS[text]
+    if ":" not in text:
+        raise UsageError(f"MODEL '{text}': not a named shape ({', '.join(MODELS)}) nor pkg.module:factory")
+    module_name, _, attr = text.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise UsageError(f"MODEL '{text}': cannot load the factory ({type(exc).__name__}: {exc})") from None
+    if not callable(factory):
+        raise UsageError(f"MODEL '{text}': {attr} is not callable (rule: factory(rows, seq) -> (model, loss_fn, batch))")
+    return ModelSpec(text, lambda rows, seq, depth=None: factory(rows, seq), None, 0)
+
+
+class Captures:
+    """One capture per (depth, rows, seq): every candidate with that batch shape reuses it."""
+
+    def __init__(self, spec: ModelSpec, seq: int, full_depth: bool = False):
+        self.spec, self.seq = spec, seq
+        self.depths = (None,) if spec.layers is None or full_depth else EXTRAPOLATE_FROM
+        self._cache: dict[tuple, object] = {}
+        self.seconds = 0.0
+
+    def get(self, rows: int, depth: int | None):
+        key = (depth, rows)
+        if key not in self._cache:
+            t0 = time.perf_counter()
+            with torch.device("meta"):
+                model, loss_fn, batch = self.spec.build(rows, self.seq, depth)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+            self._cache[key] = capture_train_step(model, optimizer, loss_fn, batch)[0]
+            self.seconds += time.perf_counter() - t0
+        return self._cache[key]
+
+    def simulate(self, plan: Plan, rows: int, profile: str, capacity: float) -> Simulation:
+        tokens = rows * self.seq
+        if self.depths == (None,):
+            return simulate(self.get(rows, None), plan, profile=profile, tokens_per_microbatch=tokens,
+                            capacity_bytes=capacity)
+        captures = {d: self.get(rows, d) for d in self.depths}
+        return simulate_extrapolated(captures, self.spec.layers, plan, profile=profile,
+                                     tokens_per_microbatch=tokens, capacity_bytes=capacity)
+
+    def model_state(self, rows: int) -> dict[str, float]:
+        """Parameter and optimizer-state bytes of the whole model (dp=1), from the captured graphs."""
+        if self.depths == (None,):
+            s = state_bytes(self.get(rows, None))
+            return {"params": s.params, "optimizer_state": s.optimizer_state}
+        (la, lb) = self.depths
+        a, b = (dataclasses.asdict(state_bytes(self.get(rows, d))) for d in (la, lb))
+        return extrapolate({k: a[k] for k in ("params", "optimizer_state")},
+                           {k: b[k] for k in ("params", "optimizer_state")}, la, lb, self.spec.layers)
+
+    @property
+    def method(self) -> str:
+        if self.depths == (None,):
+            return "captured at the model's own depth"
+        la, lb = self.depths
+        return f"captured at {la} and {lb} layers, every figure continued linearly to {self.spec.layers}"
+
+
+# -- search ------------------------------------------------------------------------------------------
+
+@dataclass
+class Candidate:
+    plan: Plan
+    rows: int                      # rows per microbatch on one dp rank
+    status: str = "pending"        # simulated | pruned-bound | skipped-dominated | failed
+    bound_bytes: float = 0.0
+    sim: Simulation | None = None
+    reason: str = ""
+
+    @property
+    def axes(self) -> tuple[int, int, int]:
+        return (self.plan.zero_stage, RECOMPUTE_ORDER.index(self.plan.recompute),
+                self.plan.microbatches)
+
+    def label(self) -> str:
+        p = self.plan
+        rc = f"budget {p.recompute_budget:g}" if p.recompute == "budget" else p.recompute
+        return f"dp={p.dp} tp={p.tp} zero={p.zero_stage} recompute={rc} mb={p.microbatches} {p.precision}"
+
+
+def model_state_bound(state: dict[str, float], plan: Plan) -> float:
+    """Bytes per rank no plan of this shape can go below: master params, a gradient shard, optimizer state."""
+    params = state["params"] / plan.tp
+    opt = state["optimizer_state"] / plan.tp
+    return (params / (plan.dp if plan.zero_stage >= 3 else 1) + params / plan.dp
+            + opt / (plan.dp if plan.zero_stage >= 1 else 1))
+
+
+def candidates(devices: int, global_batch: int, *, tps, stages, recomputes, microbatches, precisions,
+               budget: float, heads: int, backend: str = "eager") -> list[Candidate]:
+    out = []
+    for tp, z, rc, m, prec in itertools.product(tps, stages, recomputes, microbatches, precisions):
+        if devices % tp or (heads and heads % tp):
+            continue
+        dp = devices // tp
+        if global_batch % dp or (global_batch // dp) % m:
+            continue
+        if z and dp == 1:
+            continue
+        extra = {"recompute_budget": budget} if rc == "budget" else {}
+        plan = Plan(dp=dp, tp=tp, zero_stage=z, recompute=rc, microbatches=m, precision=prec,
+                    backend=backend, verify="off", **extra)
+        out.append(Candidate(plan, global_batch // dp // m))
+    out.sort(key=lambda c: (sum(c.axes[:2]) + c.axes[2].bit_length(), c.plan.tp, c.plan.precision != "bf16"))
+    return out
+
+
+def _group(c: Candidate):
+    return (c.plan.tp, c.plan.precision)
+
+
+def search(spec: ModelSpec, captures: Captures, cands: list[Candidate], *, profile: str, capacity: float,
+           progress: bool = True) -> list[Candidate]:
+    from tqdm import tqdm
+    state_by_rows: dict[int, dict] = {}
+    fits: list[Candidate] = []
+    misses: list[Candidate] = []
+    bar = tqdm(cands, desc="simulating plans", unit="plan", disable=not progress, file=sys.stderr)
+    for c in bar:
+        bar.set_postfix_str(c.label(), refresh=False)
+        if c.rows not in state_by_rows:
+            state_by_rows[c.rows] = captures.model_state(c.rows)
+        c.bound_bytes = model_state_bound(state_by_rows[c.rows], c.plan)
+        if c.bound_bytes > capacity:
+            c.status, c.reason = "pruned-bound", f"model state alone >= {c.bound_bytes / GB:.1f} GB"
+            continue
+        if any(_group(d) == _group(c) and all(x <= y for x, y in zip(c.axes, d.axes)) for d in misses):
+            c.status, c.reason = "skipped-dominated", "saves no more memory than a plan that does not fit"
+            continue
+        if any(_group(d) == _group(c) and all(x >= y for x, y in zip(c.axes, d.axes)) for d in fits):
+            c.status, c.reason = "skipped-dominated", "saves more memory than a plan that already fits (slower)"
+            continue
+        try:
+            c.sim = captures.simulate(c.plan, c.rows, profile, capacity)
+        except Exception as exc:   # a pass refusing a plan is a result of the search, not a crash
+            c.status, c.reason = "failed", f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            continue
+        c.status = "simulated"
+        (fits if c.sim.fits else misses).append(c)
+    return cands
+
+
+def ranked(cands: list[Candidate]) -> list[Candidate]:
+    done = [c for c in cands if c.sim is not None]
+    return sorted(done, key=lambda c: (not c.sim.fits, -c.sim.tokens_per_second if c.sim.fits else c.sim.peak_bytes))
+
+
+def plan_yaml(plan: Plan) -> str:
+    """The plan's fields that differ from the defaults, as a plan file ``Plan.load`` reads back."""
+    default = Plan().to_dict()
+    fields = {k: (list(v) if isinstance(v, tuple) else v) for k, v in plan.to_dict().items() if default[k] != v}
+    return yaml.safe_dump(fields, sort_keys=False)
+
+
+def table(rows: list[Candidate], top: int) -> str:
+    head = f"{'#':>3}  {'plan':<52}{'fits':>5}{'peak GB':>9}{'headroom':>9}{'step ms':>10}{'tok/s/dev':>11}{'MFU':>7}"
+    lines = [head]
+    for i, c in enumerate(rows[:top], 1):
+        s = c.sim
+        lines.append(f"{i:>3}  {c.label():<52}{'yes' if s.fits else 'no':>5}{s.peak_bytes / GB:>9.2f}"
+                     f"{s.headroom:>9.1%}{s.step_seconds * 1e3:>10.1f}{s.tokens_per_second_per_device:>11,.0f}"
+                     f"{s.mfu():>7.1%}")
+    return "\n".join(lines)
+
+
+def _ints(text: str, name: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise UsageError(f"--{name} '{text}': must be comma-separated integers") from None
+    if any(v < 0 for v in values):
+        raise UsageError(f"--{name} '{text}': values must be >= 0")
+    return values
+
+
+def _words(text: str, name: str, allowed) -> tuple[str, ...]:
+    values = tuple(v.strip() for v in text.split(","))
+    bad = [v for v in values if v not in allowed]
+    if bad:
+        raise UsageError(f"--{name} '{bad[0]}': must be one of {', '.join(allowed)}")
+    return values
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(prog="cann-plan", description=__doc__.splitlines()[0])
+    p.add_argument("model", nargs="?", help="named shape or pkg.module:factory")
+    p.add_argument("--list", action="store_true", help="list the named shapes")
+    p.add_argument("--devices", type=int, default=8)
+    p.add_argument("--device-profile", default="ascend_910b")
+    p.add_argument("--memory-gb", type=float, default=None, help="device memory (default: the profile's)")
+    p.add_argument("--seq", type=int, default=None)
+    p.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step (default: devices)")
+    p.add_argument("--zero", default="0,1,2,3")
+    p.add_argument("--recompute", default=",".join(RECOMPUTE_ORDER))
+    p.add_argument("--budget", type=float, default=0.5, help="recompute budget: fraction of saved activations kept")
+    p.add_argument("--microbatches", default="1,2,4")
+    p.add_argument("--precision", default="bf16", help="comma list of fp32,bf16 (fp32 doubles the search)")
+    p.add_argument("--tp", default="1", help="comma list of tensor-parallel degrees to try")
+    p.add_argument("--full-depth", action="store_true", help="capture the real depth (slow) instead of extrapolating")
+    p.add_argument("--no-baseline", action="store_true", help="skip the fp32 single-device comparison")
+    p.add_argument("--top", type=int, default=12)
+    p.add_argument("--out", default="best_plan.yaml", help="where to write the best plan")
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def check(args) -> ModelSpec:
+    if args.list:
+        return None
+    if not args.model:
+        raise UsageError("MODEL is required (a named shape or pkg.module:factory; --list names them)")
+    if args.devices < 1:
+        raise UsageError(f"--devices {args.devices}: must be >= 1")
+    if args.device_profile not in profile_names():
+        raise UsageError(f"--device-profile '{args.device_profile}': must be one of {', '.join(profile_names())}")
+    if args.memory_gb is not None and not args.memory_gb > 0:
+        raise UsageError(f"--memory-gb {args.memory_gb}: must be > 0")
+    if args.seq is not None and args.seq < 1:
+        raise UsageError(f"--seq {args.seq}: must be >= 1")
+    if args.global_batch is not None and args.global_batch < 1:
+        raise UsageError(f"--global-batch {args.global_batch}: must be >= 1")
+    if not 0 < args.budget <= 1:
+        raise UsageError(f"--budget {args.budget}: must be a fraction in (0, 1]")
+    args.zero_stages = _ints(args.zero, "zero")
+    if any(z > 3 for z in args.zero_stages):
+        raise UsageError(f"--zero '{args.zero}': ZeRO stages are 0..3")
+    args.microbatch_counts = _ints(args.microbatches, "microbatches")
+    args.tps = _ints(args.tp, "tp")
+    if 0 in args.microbatch_counts or 0 in args.tps:
+        raise UsageError("--microbatches and --tp values must be >= 1")
+    args.recomputes = _words(args.recompute, "recompute", RECOMPUTE_ORDER)
+    args.precisions = _words(args.precision, "precision", ("bf16", "fp32"))
+    spec = resolve_model(args.model)
+    args.seq = args.seq or spec.seq
+    if not args.seq:
+        raise UsageError(f"MODEL '{args.model}': a factory model needs --seq")
+    args.global_batch = args.global_batch or args.devices
+    return spec
+
+
+def backend_for(profile: str) -> str:
+    """Ascend profiles compile through the torchair pipeline (its legalization passes included)."""
+    return "torchair" if profile.startswith("ascend") else "eager"
+
+
+def run(args, spec: ModelSpec, out=print) -> int:
+    profile = get_profile(args.device_profile)
+    capacity = args.memory_gb * GB if args.memory_gb else profile.memory_capacity
+    captures = Captures(spec, args.seq, args.full_depth)
+    cands = candidates(args.devices, args.global_batch, tps=args.tps, stages=args.zero_stages,
+                       recomputes=args.recomputes, microbatches=args.microbatch_counts,
+                       precisions=args.precisions, budget=args.budget, heads=spec.heads,
+                       backend=backend_for(profile.name))
+    if not cands:
+        raise UsageError(f"no plan divides --global-batch {args.global_batch} over {args.devices} devices with "
+                         f"microbatches {args.microbatches} and tp {args.tp}")
+    t0 = time.perf_counter()
+    search(spec, captures, cands, profile=profile.name, capacity=capacity, progress=not args.no_progress)
+    seconds = time.perf_counter() - t0
+    rows = ranked(cands)
+    counts = {s: sum(c.status == s for c in cands) for s in ("simulated", "pruned-bound", "skipped-dominated", "failed")}
+    out(f"{spec.name}: seq {args.seq}, global batch {args.global_batch} sequences, {args.devices} x "
+        f"{profile.name} with {capacity / GB:.0f} GB; {captures.method}")
+    out(f"{len(cands)} candidates: " + ", ".join(f"{v} {k}" for k, v in counts.items())
+        + f" in {seconds:.0f}s (captures {captures.seconds:.0f}s)")
+    out(f"modelled: {MODELLED}")
+    out(f"not modelled: {NOT_MODELLED}")
+    for c in cands:
+        if c.status == "failed":
+            out(f"  refused by the pipeline: {c.label()}: {c.reason}")
+    if rows:
+        out("")
+        out(table(rows, args.top))
+    fitting = [c for c in rows if c.sim.fits]
+    out("")
+    if not fitting:
+        closest = rows[0] if rows else min(cands, key=lambda c: c.bound_bytes)
+        out(f"no plan fits in {capacity / GB:.0f} GB per device.")
+        if closest.sim is not None:
+            out(f"closest: {closest.label()}")
+            out(closest.sim.breakdown())
+            out(f"largest term: {closest.sim.largest_term} "
+                f"({closest.sim.memory[closest.sim.largest_term] / GB:.2f} GB per rank)")
+        else:
+            out(f"every candidate's model state alone exceeds the memory; smallest bound "
+                f"{closest.bound_bytes / GB:.1f} GB ({closest.label()}); largest term: optimizer_state")
+        return 1
+    best = fitting[0]
+    out(f"best: {best.label()}")
+    out(best.sim.breakdown())
+    ref = REFERENCES.get(spec.name)
+    if ref:
+        out(f"reference: {ref[0]}: {ref[1]:,.0f} tokens/s/device; predicted "
+            f"{best.sim.tokens_per_second_per_device:,.0f} ({best.sim.tokens_per_second_per_device / ref[1]:.2f}x)")
+    if not args.no_baseline:
+        base = Plan(precision="fp32", backend=backend_for(profile.name), verify="off")
+        try:
+            b = captures.simulate(base, args.global_batch // best.plan.dp // best.plan.microbatches,
+                                  profile.name, capacity)
+            out(f"fp32 single-device baseline (same microbatch, no ZeRO/recompute): peak {b.peak_bytes / GB:.1f} GB"
+                f" -> best plan {best.sim.peak_bytes / GB:.1f} GB per device "
+                f"({best.sim.peak_bytes / b.peak_bytes - 1:+.0%})")
+        except (SimulationError, PlanError, RuntimeError, ValueError) as exc:
+            out(f"fp32 single-device baseline not simulated: {exc}")
+    with open(args.out, "w") as f:
+        f.write(plan_yaml(best.plan.replace(verify="shallow", backend="auto")))
+    out(f"wrote {args.out}")
+    return 0
+
+
+def main(argv=None) -> int:
+    try:
+        args = parse(argv)
+        spec = check(args)
+        if args.list:
+            for name, s in MODELS.items():
+                print(f"{name:<12} {s.layers} layers, seq {s.seq}")
+            return 0
+        return run(args, spec)
+    except (UsageError, PlanError, SimulationError) as exc:
+        print(f"cann-plan: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
