@@ -74,3 +74,22 @@ def test_tp4_recipe_gpt_and_llama_gqa_match_single_process_training(tmp_path):
     # 8 query heads and 4 kv heads: GQA with whole kv heads on each of the 4 ranks
     for scenario, got in launch(tmp_path, 4, ["gpt:sgd", "llama8:adamw"]).items():
         assert_matches(scenario, got)
+
+
+def test_dp2_x_tp2_on_a_2d_mesh_matches_single_process_training(tmp_path):
+    # compile_for_npu(Plan(dp=2, tp=2)): tensor_parallel then data_parallel; each dp rank its rows
+    results = launch_local([WORKER, str(tmp_path), "tp=2", "step:llama:adamw"], 4, env={"PYTHONPATH": str(REPO)},
+                           timeout_s=900, cwd=str(REPO))
+    for rank, r in enumerate(results):
+        assert r.returncode == 0, f"rank {rank} exited {r.returncode}:\n{r.stderr[-4000:]}"
+    got = torch.load(tmp_path / "step:llama:adamw.tp2.dp2.pt", weights_only=False)
+    entry, optimizer = tp_worker.make("llama", "adamw")
+    for i, batch in enumerate(tp_worker.batches(entry, pad=False)):
+        optimizer.zero_grad()
+        loss = entry.loss_fn(entry.model, batch)
+        loss.backward()
+        optimizer.step()
+        assert abs(got["losses"][i] - loss.item()) <= 1e-5 * max(1.0, abs(loss.item())), f"step {i}"
+    # the TP collectives, plus the dp loss average (forward) and one gradient bucket (backward)
+    assert got["collectives"] == {"forward.all_reduce": 2 * LAYERS + 2, "forward.all_gather_into_tensor": 1,
+                                  "backward.all_reduce": 2 * LAYERS + 2}
