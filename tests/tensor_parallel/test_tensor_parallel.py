@@ -181,6 +181,19 @@ class TestRewrite:
         assert sum(2 * c[2] for c in reduces) == sum(c[2] for c in scatters) + sum(2 * c[2] for c in gathers)
 
 
+    def test_autocast_before_and_recompute_after_compose_without_duplicating_a_collective(self, llama):
+        from cann_passes.pass_manager import PassManager
+        _, graph = llama
+        split = PassManager("cleanup,autocast{dtype=bf16,policy=cuda},tensor_parallel",
+                            verify_level="deep").run(graph.copy(), PassContext(mesh=FakeMesh(2)))
+        recomputed = PassManager("recompute{policy=full},cleanup", verify_level="deep").run(
+            split.copy(), PassContext(mesh=FakeMesh(2)))
+        assert any(n.meta.get("recompute") for n in recomputed.graph.nodes)
+        assert tpp.count_collectives(recomputed) == tpp.count_collectives(split) == {
+            ("forward", "all_reduce"): 2 * LAYERS + 1, ("forward", "all_gather_into_tensor"): 1,
+            ("backward", "all_reduce"): 2 * LAYERS + 1}
+
+
 class TestBadPlans:
     def test_heads_not_divisible_by_tp_name_the_parameter_and_rule(self, gpt):
         _, graph = gpt
