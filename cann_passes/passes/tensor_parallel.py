@@ -43,7 +43,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Iterable
 
 import torch
 import torch.fx
@@ -579,7 +579,6 @@ def _retrace(graph: TrainGraph, layouts: dict[str, ParamLayout], mesh, *, sequen
              vocab_parallel_loss: bool) -> torch.fx.GraphModule:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.tensor import DTensor, Replicate
-    from torch.distributed.tensor._dispatch import redistribute_local_tensor  # noqa: F401
     from torch.distributed.tensor.experimental import implicit_replication
     from torch.distributed.tensor.parallel import loss_parallel
     from torch.fx.experimental.proxy_tensor import make_fx
