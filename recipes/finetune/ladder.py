@@ -249,3 +249,47 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
     main()
+
+
+# -- the shared optimization ladder (python -m recipes.ladder finetune) ------------------------------
+
+def family(tiny: bool = False):
+    """LoRA fine-tuning of LLaMA-7B on the shared ladder (fp32 -> bf16 -> recompute -> ZeRO-1 -> accumulation).
+
+    The rungs there add compiler techniques to one model; this family's model is the LoRA-wrapped
+    LLaMA (frozen base, adapters on q/k/v/o and the MLP), trained on the instruction batches with
+    the response-only loss. ``tiny=True`` shrinks the full size to test scale.
+    """
+    from recipes.ladder import Family
+    from transformers import LlamaForCausalLM
+
+    from .model import tiny_llama_config
+
+    lora = FinetuneConfig(method="lora", lora_r=8, lora_alpha=16.0)
+    small_cfg = tiny_llama_config(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                  num_key_value_heads=2) if tiny else tiny_llama_config()
+    full_cfg = (lambda n: tiny_llama_config(num_hidden_layers=n, hidden_size=64, intermediate_size=128)) if tiny \
+        else llama7b_config
+    full_layers, (rows, seq) = (4, (4, 96)) if tiny else (32, (4, 2048))
+    train, _ = split_pairs(load_pairs())
+
+    def small_model():
+        return prepare_model(LlamaForCausalLM(small_cfg), lora)
+
+    def full_model(layers):
+        return prepare_model(LlamaForCausalLM(full_cfg(layers or full_layers)),
+                             lora.replace(lora_r=16, lora_alpha=32.0))
+
+    def full_batch():
+        return {"input_ids": torch.zeros(rows, seq, dtype=torch.long),
+                "attention_mask": torch.ones(rows, seq, dtype=torch.long),
+                "labels": torch.zeros(rows, seq, dtype=torch.long)}
+
+    return Family(
+        name="finetune", title="LoRA fine-tuning (LLaMA + peft)", small_model=small_model,
+        small_batches=lambda n: list(InstructionBatches(train, 8, 96 if tiny else 128, num_batches=n)),
+        loss_fn=ResponseLoss(), full_model=full_model, full_batch=full_batch,
+        full_name=f"LLaMA-7B + LoRA r=16 (seq {seq}, batch {rows} per rank)" if not tiny else "tiny LLaMA + LoRA",
+        full_layers=full_layers,
+        make_optimizer=lambda params: torch.optim.AdamW([p for p in params if p.requires_grad], lr=3e-3),
+        recompute="full")

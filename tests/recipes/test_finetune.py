@@ -332,6 +332,23 @@ def _tiny_config(tmp_path):
     return config
 
 
+def test_the_lora_family_joins_the_shared_optimization_ladder():
+    from recipes import ladder
+
+    fam = ladder.family("finetune")
+    assert "finetune" in ladder.known_families() and fam.full_layers == 32
+    small = fam.small_model()
+    assert {n for n, p in small.named_parameters() if p.requires_grad} == {
+        n for n, _ in small.named_parameters() if "lora_" in n}
+    with torch.device("meta"):
+        full = fam.full_model(1)
+    assert full.base_model.model.config.hidden_size == 4096
+    r, d, mlp = 16, 4096, 11008   # A (r x in) + B (out x r) on q/k/v/o (d -> d), gate/up (d -> mlp), down
+    assert sum(p.numel() for p in full.parameters() if p.requires_grad) == r * (4 * 2 * d + 3 * (d + mlp))
+    batch = fam.small_batches(1)[0]
+    assert fam.loss_fn(small, batch).dim() == 0
+
+
 class TestInstructionData:
     def test_labels_cover_only_the_response_and_padding_is_masked(self):
         batch = collate([Pair("What?", "Because."), Pair("Why not?", "It is.")], SEQ)
