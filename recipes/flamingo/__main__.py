@@ -1,0 +1,5 @@
+from recipes.clip.train import main
+from recipes.flamingo import RECIPE
+
+if __name__ == "__main__":
+    main(RECIPE)
