@@ -267,7 +267,7 @@ def test_data_parallel_and_zero_under_lora_communicate_and_shard_the_adapters_on
     frozen_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
     n_adapters = sum(1 for p in model.parameters() if p.requires_grad)
     for stage in (1, 3):
-        zero = compile_program(captured, Plan(dp=8, zero_stage=stage, verify="deep"), MeshDesc.fake(dp=8))
+        zero = compile_program(captured, Plan(dp=8, zero_stage=stage), MeshDesc.fake(dp=8))
         state = step_state_bytes(zero)
         assert state.frozen_param_bytes == frozen_bytes
         assert state.optimizer_state_bytes == 2 * adapter_bytes // 8 + 4 * n_adapters   # + 0-dim steps
