@@ -436,7 +436,8 @@ def markdown(report: dict) -> str:
                    f"{_fmt(m['graph_peak_bytes'], MiB)} | {m['max_loss_deviation']:.2e} / "
                    f"{m['final_loss_deviation']:.2e}")
             if m["where"] != "this CPU":
-                notes.append(f"{r['label']}: measured on {m['where']}.")
+                notes.append(f"{r['label']}: measured on {m['where']}, rank 0's figures (each rank steps "
+                             "on its half of the global batch; the loss is the global one).")
         else:
             cpu = "not measured | — | — | —"
             notes.append(f"{r['label']}: {r.get('measured_error', 'not measured')}; estimate only.")
