@@ -81,6 +81,8 @@ class Plan:
     recompute_budget: float | None = None      # fraction (<= 1.0) or bytes (> 1) of saved activations
     recompute_every_n: int = 1
     recompute_bans: tuple[str, ...] = ()       # op names or module paths never recomputed
+    model_blocks: tuple[str, ...] = ()         # module-path globs of the repeated blocks, where detection needs help
+    attention_ops: tuple[str, ...] = ()        # fused attention ops beyond SDPA's ("aten.my_attention")
     dp: int = 1
     tp: int = 1
     tp_rules: dict = field(default_factory=dict)  # module-path pattern -> column|row|vocab|replicate[:parts]
@@ -118,7 +120,7 @@ class Plan:
 
     def _normalize(self) -> None:
         """Container and number types the rules below can rely on."""
-        for name in ("extra_passes", "recompute_bans"):
+        for name in ("extra_passes", "recompute_bans", "model_blocks", "attention_ops"):
             value = getattr(self, name)
             if isinstance(value, str) or not isinstance(value, (list, tuple)):
                 raise PlanError(name, "must be a list of strings", value)

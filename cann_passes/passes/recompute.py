@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 import operator
-import re
+import warnings
 
 import torch
 import torch.fx
@@ -40,6 +40,7 @@ import torch.fx
 from graph_ir import TrainGraph
 from graph_ir.analysis.cost import node_cost
 from graph_ir.analysis.memory import aliases_input, buffer_bytes, memory_profile, saved_activations, storage_roots
+from graph_ir.analysis.structure import Structure, attention_cores, find_blocks
 from graph_ir.meta import (MODULE_PATH, ORIGIN_PASS, RECOMPUTE, REGION, Region, module_path_of,
                            nbytes, region_of, tensors_of)
 
@@ -52,13 +53,27 @@ aten = torch.ops.aten
 POLICIES = ("none", "full", "selective", "every_n_layers", "budget")
 SOLVERS = ("auto", "mincut", "milp", "greedy")
 _MASK_OPS = {aten.bernoulli.p, aten.bernoulli.default}
-_SOFTMAX = {aten._softmax.default, aten.softmax.int, aten._safe_softmax.default}
 
 
 # -- the problem ----------------------------------------------------------------------------------
 
+def _draws_nothing(node: torch.fx.Node) -> bool:
+    """A seeded op given ``dropout_p=0``: SDPA's kernels are tagged (and FX calls them impure)
+    because they can apply dropout; without it they draw nothing and recompute bitwise."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+        return False
+    names = [a.name for a in schema.arguments]
+    if "dropout_p" not in names:
+        return False
+    i = names.index("dropout_p")
+    p = node.args[i] if i < len(node.args) else node.kwargs.get("dropout_p", schema.arguments[i].default_value)
+    return isinstance(p, (int, float)) and p == 0
+
+
 def _is_random(node: torch.fx.Node) -> bool:
-    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+    """An op that draws random numbers here."""
+    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()) and not _draws_nothing(node)
 
 
 def _is_float_mask(node: torch.fx.Node) -> bool:
@@ -119,11 +134,16 @@ class _Builder:
         is_root = self.root[node] is node
         v.bytes = buffer_bytes(node) if is_root else 0
         v.savable = is_root and not aliases_input(node) and not isinstance(node.meta.get("val"), (tuple, list))
-        if aliases_input(node) or node.target is operator.getitem:
+        source = self.values[self.index[node.args[0]]] if node.target is operator.getitem \
+            and node.args[0] in self.index else None
+        if source is not None and not source.recomputable:
+            # An output of a random op (or a collective) exists only as the forward made it.
+            v.recomputable, v.reason = False, source.reason
+        elif aliases_input(node) or node.target is operator.getitem:
             pass   # a view or an item of a tuple computes nothing: rebuilding it is always allowed
         elif _is_random(node):
             v.recomputable, v.reason = False, "random op: saved so that backward sees the same draw"
-        elif is_collective(node) or node.is_impure():
+        elif is_collective(node) or (node.is_impure() and not _draws_nothing(node)):
             v.recomputable, v.reason = False, "collective or side effect: never recomputed"
         elif (why := _ban_reason(node, self.bans)):
             v.recomputable, v.reason = False, why
@@ -196,13 +216,8 @@ class _Builder:
 
 # -- policies --------------------------------------------------------------------------------------
 
-_BLOCK = re.compile(r"^(.*?\.\d+)(?:\.|$)")
-
-
-def block_of(path: str) -> str:
-    """The transformer block a module path lies in: its shortest prefix ending in an index."""
-    m = _BLOCK.match(path)
-    return m.group(1) if m else ""
+class RecomputeError(ValueError):
+    """A policy that finds nothing in the model to act on, named with the rule and the remedy."""
 
 
 def _forbid_saving(problem: Problem, indices, reason: str) -> None:
@@ -212,61 +227,51 @@ def _forbid_saving(problem: Problem, indices, reason: str) -> None:
             v.savable, v.reason = False, reason
 
 
-def _apply_groups(b: _Builder, problem: Problem, every_n: int) -> None:
-    """Checkpoint groups of ``every_n`` blocks: only values crossing a group boundary are kept."""
-    blocks: list[str] = []
-    for node in b.graph.graph.nodes:
-        blk = block_of(module_path_of(node)) if region_of(node) == Region.FORWARD else ""
-        if blk and blk not in blocks:
-            blocks.append(blk)
-    group = {blk: k // every_n for k, blk in enumerate(blocks)}
+def _groups(graph: TrainGraph, structure: Structure, every_n: int) -> dict[torch.fx.Node, tuple]:
+    """Forward node -> its checkpoint group: ``every_n`` consecutive blocks of one stack, or a segment.
 
-    def group_of(node) -> int | None:
-        return group.get(block_of(module_path_of(node)))
+    Segments are the runs of forward nodes outside every block (the embeddings before a
+    stack, the head and the loss after it, what lies between an encoder and a decoder):
+    they are checkpointed like blocks, so backward keeps only what crosses a boundary.
+    """
+    index = {blk: (stack, k // every_n) for stack, blocks in structure.stacks.items()
+             for k, blk in enumerate(blocks)}
+    out: dict[torch.fx.Node, tuple] = {}
+    segment, inside = 0, False
+    for node in graph.graph.nodes:
+        if node.op != "call_function" or region_of(node) != Region.FORWARD:
+            continue
+        blk = structure.block_of(module_path_of(node))
+        if blk:
+            out[node], inside = ("block", *index[blk]), True
+        else:
+            if inside:
+                segment, inside = segment + 1, False
+            out[node] = ("segment", segment)
+    return out
 
+
+def _apply_groups(b: _Builder, problem: Problem, structure: Structure, every_n: int) -> None:
+    """Checkpoint groups of ``every_n`` blocks and the segments between: keep only what crosses."""
+    group = _groups(b.graph, structure, every_n)
     inside = []
     for i, node in b.node_of.items():
-        g = group_of(node)
+        g = group.get(node)
         if g is None:
             continue
-        crosses = any(region_of(u) == Region.FORWARD and group_of(u) != g
+        crosses = any(region_of(u) == Region.FORWARD and group.get(u) != g
                       for v in {node, *[x for x in node.users if aliases_input(x)]} for u in v.users)
         if not crosses:
             inside.append(i)
     for node, chain in b.masks.items():
-        if group_of(node) is not None:
+        if node in group:
             inside.append(chain["bool"])
-    _forbid_saving(problem, inside, f"inside a checkpointed group of {every_n} block(s)")
+    _forbid_saving(problem, inside, f"inside a checkpointed group of {every_n} block(s) or a segment")
 
 
-def attention_cores(graph: torch.fx.Graph) -> list[set[torch.fx.Node]]:
-    """Per softmax: the forward nodes from the score matmul to the attention x V matmul."""
-    def is_matmul(n):
-        return n.op == "call_function" and node_cost(n).matmul
-
-    cores = []
-    for sm in graph.nodes:
-        if sm.target not in _SOFTMAX or region_of(sm) != Region.FORWARD:
-            continue
-        core = {sm}
-        # Walk out from the softmax both ways, stopping at (and including) the matmuls
-        # on either side: score = q @ k^T before it, probs @ v after it.
-        for neighbours in (lambda n: n.all_input_nodes, lambda n: n.users):
-            stack = list(neighbours(sm))
-            while stack:
-                n = stack.pop()
-                if n in core or n.op != "call_function" or region_of(n) != Region.FORWARD:
-                    continue
-                core.add(n)
-                if not is_matmul(n):
-                    stack.extend(neighbours(n))
-        cores.append(core)
-    return cores
-
-
-def _apply_selective(b: _Builder, problem: Problem) -> None:
-    core_nodes = set().union(set(), *attention_cores(b.graph.graph))
-    # The score matmul's operands (Q, K) and V are the core's inputs: they stay saved.
+def _apply_selective(b: _Builder, problem: Problem, cores: list[set[torch.fx.Node]]) -> None:
+    core_nodes = set().union(set(), *cores)
+    # The core's inputs (Q, K, V) stay saved: only what the core computes is recomputed.
     inner = [i for i, node in b.node_of.items() if node in core_nodes]
     core_idx = set(inner)
     inner += [chain["bool"] for chain in b.masks.values()
@@ -310,8 +315,9 @@ def _apply_none(b: _Builder, problem: Problem) -> None:
 # -- rewriting -------------------------------------------------------------------------------------
 
 class _Rewriter:
-    def __init__(self, tg: TrainGraph, builder: _Builder, saved: set[int]):
+    def __init__(self, tg: TrainGraph, builder: _Builder, saved: set[int], structure: Structure):
         self.tg, self.b = tg, builder
+        self.structure = structure
         self.mode = tg.fake_mode()
         self.saved_nodes = {builder.node_of[i] for i in saved if i in builder.node_of}
         self.kept_nodes = {builder.node_of[i] for i, v in enumerate(builder.values)
@@ -422,7 +428,7 @@ class _Rewriter:
                 continue
             for arg in list(node.all_input_nodes):
                 if arg.op == "call_function" and region_of(arg) == Region.FORWARD:
-                    new = self.materialize(arg, node, block_of(module_path_of(node)))
+                    new = self.materialize(arg, node, self.structure.block_of(module_path_of(node)))
                     if new is not arg:
                         node.replace_input_with(arg, new)
 
@@ -489,12 +495,20 @@ def recompute_pass(graph: TrainGraph, ctx: PassContext, *, policy: str = "budget
     limit = math.inf
     if policy != "budget":
         builder.compact_masks(problem)
+    structure = find_blocks(graph.graph, tuple(getattr(ctx.plan, "model_blocks", ()) or ()))
     if policy == "none":
         _apply_none(builder, problem)
     elif policy in ("full", "every_n_layers"):
-        _apply_groups(builder, problem, every_n if policy == "every_n_layers" else 1)
+        if not structure.blocks:
+            raise RecomputeError(_nothing_found(policy, graph, structure))
+        _apply_groups(builder, problem, structure, every_n if policy == "every_n_layers" else 1)
+        ctx.stat("blocks", {k: len(v) for k, v in structure.stacks.items()})
     elif policy == "selective":
-        _apply_selective(builder, problem)
+        cores = attention_cores(graph.graph, tuple(getattr(ctx.plan, "attention_ops", ()) or ()))
+        if not cores:
+            raise RecomputeError(_nothing_found(policy, graph, structure))
+        _apply_selective(builder, problem, cores)
+        ctx.stat("attention_cores", len(cores))
     else:
         # Values alive anyway (the loss) that backward reads count against the budget too.
         kept = {builder.node_of[i].name for i, v in enumerate(problem.values) if v.kept and i in builder.node_of}
@@ -508,7 +522,7 @@ def recompute_pass(graph: TrainGraph, ctx: PassContext, *, policy: str = "budget
         ctx.stat("floor_bytes", floor)
         limit -= kept_bytes
     sol = solve(problem, limit, solver)
-    _Rewriter(graph, builder, sol.saved).run()
+    _Rewriter(graph, builder, sol.saved, structure).run()
     graph.graph.eliminate_dead_code()
     graph.graph.lint()
     after = memory_profile(graph.graph)
@@ -522,4 +536,23 @@ def recompute_pass(graph: TrainGraph, ctx: PassContext, *, policy: str = "budget
     ctx.stat("recompute_flops", sum(node_cost(n).flops for n in recomputed))
     ctx.stat("recompute_time_s", sum(node_time(n, profile) for n in recomputed))
     ctx.stat("estimated_peak_bytes", after.peak_bytes)
+    if policy != "none" and after.saved_bytes >= before:
+        message = (f"recompute policy {policy!r} saved no activation bytes ({before} before and after): "
+                   "nothing it selects is needed by the backward")
+        ctx.stat("warning", message)
+        warnings.warn(message, stacklevel=2)
     return graph
+
+
+def _nothing_found(policy: str, graph: TrainGraph, structure: Structure) -> str:
+    paths = sorted({module_path_of(n) for n in graph.compute_nodes(Region.FORWARD)} - {""})
+    sample = ", ".join([p for p in paths if p.count(".") <= 2][:8])
+    if policy == "selective":
+        return ("recompute policy 'selective' found no attention core in the model (rule: a softmax "
+                "between two matmuls, or a fused attention op such as aten._scaled_dot_product_"
+                "flash_attention_for_cpu); name the model's attention ops in the plan field "
+                "'attention_ops' (e.g. ['aten.my_attention']), or use policy 'budget'")
+    return (f"recompute policy {policy!r} found no repeated transformer blocks in the model (rule: "
+            f"modules '<stack>.<N>' or same-shaped sibling modules, each with at least two matmuls); "
+            f"name them in the plan field 'model_blocks' as module-path globs (module paths of this "
+            f"model include: {sample}), or use policy 'budget'")
