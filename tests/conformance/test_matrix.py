@@ -13,9 +13,7 @@ from tests.conformance.matrix import MODELS, PLANS, ModelRuns, full_recompute_ra
 
 # Cells that depend on work not landed yet in the passes (autocast and recompute on models
 # we did not write); strict, so each is unmarked as soon as it passes.
-_SELECTIVE = "recompute 'selective' finds no SDPA attention core yet: saved bytes unchanged"
-PENDING: dict[tuple[str, str], str] = {
-    (m, "selective"): _SELECTIVE for m in ("gpt2", "llama", "mistral", "bert", "vit", "clip")}
+PENDING: dict[tuple[str, str], str] = {}
 
 _runs: dict[str, ModelRuns] = {}
 
@@ -41,8 +39,7 @@ def test_cell(model, plan):
     assert cell.status == "ok", f"{model} × {plan}: {cell.status}: {cell.detail}"
 
 
-FULL_PENDING: dict[str, str] = {"gpt": "full keeps 12% of the saved bytes on the 4-layer recipe GPT",
-                                "llama": "full keeps 19% of the saved bytes on the 4-layer LLaMA"}
+FULL_PENDING: dict[str, str] = {"llama": "full keeps 19% of the saved bytes on the 4-layer LLaMA"}
 
 
 @pytest.mark.parametrize("model", [
