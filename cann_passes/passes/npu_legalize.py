@@ -196,7 +196,34 @@ def _reduce_scatter_coalesced(inputs, reduce_op, group_size, group_name):
     return _split_like(flat, shards)
 
 
+def _index_put(x, indices, values, accumulate=False):
+    """``x[i0, i1, ...] = values`` (or ``+=``) over the leading dims as one flat row index.
+
+    The backward of advanced indexing (CLIP's pooled token ``h[arange(B), eos]``) is an
+    ``index_put`` with ``accumulate=True``, whose torchair converter is a stub;
+    ``index_add`` (accumulate) and ``scatter`` (assign) on rows have real ones.
+    """
+    if any(i is None or i.dtype == torch.bool for i in indices):
+        raise _NoDecomposition("index_put with None or boolean indices")
+    lead, rest = tuple(x.shape[:len(indices)]), tuple(x.shape[len(indices):])
+    idx = torch.broadcast_tensors(*indices)
+    flat, stride = None, 1
+    for size, i in zip(reversed(lead), reversed(idx)):
+        i = torch.where(i < 0, i + size, i).to(torch.int64) * stride
+        flat, stride = i if flat is None else flat + i, stride * size
+    flat = flat.reshape(-1)
+    width = math.prod(rest)
+    rows = x.reshape(math.prod(lead), width)
+    vals = values.expand(*idx[0].shape, *rest).reshape(-1, width).to(x.dtype)
+    if accumulate:
+        out = rows.index_add(0, flat, vals)
+    else:
+        out = rows.scatter(0, flat.unsqueeze(1).expand(-1, width), vals)
+    return out.reshape(x.shape)
+
+
 DECOMPOSITIONS: dict[Any, Callable] = {
+    aten.index_put.default: _index_put,
     aten.silu_backward.default: _silu_backward,
     aten.amax.default: _amax,
     aten.amin.default: _amin,
