@@ -174,6 +174,22 @@ def test_lora_with_gradient_clipping_equals_eager_clip_grad_norm():
         torch.testing.assert_close(p, ref[name], rtol=0, atol=1e-5, msg=name)
 
 
+def test_lora_with_full_recompute_is_bitwise_the_step_without_it():
+    model = lora_model()
+    plain, reference = copy.deepcopy(model), copy.deepcopy(model)
+    batches = padded_batches(2)
+    step = compile_for_npu(model, Plan(backend="eager", recompute="full"), optimizer=adamw(model),
+                           loss_fn=ResponseLoss())
+    without = compile_for_npu(plain, Plan(backend="eager"), optimizer=adamw(plain), loss_fn=ResponseLoss())
+    losses = [step(b).item() for b in batches]
+    assert losses == [without(b).item() for b in batches]
+    assert losses == pytest.approx(eager_steps(reference, batches), abs=1e-5)
+    other = dict(plain.named_parameters())
+    assert all(torch.equal(p, other[n]) for n, p in model.named_parameters())
+    record = next(r for r in step.records if r.name == "recompute")
+    assert record.stats["saved_bytes_after"] < record.stats["saved_bytes_before"] / 2
+
+
 def test_lora_with_gradient_accumulation_equals_eager_accumulation():
     model = lora_model()
     reference = copy.deepcopy(model)
