@@ -18,8 +18,9 @@ the output): a candidate that saves no more memory on any axis than one that
 does not fit does not fit either; one that saves at least as much on every
 axis as one that fits is not faster.
 
-Named shapes are captured once per batch shape at two small depths (1 and 2
-layers) and every figure is continued linearly to the real depth (tests check
+Named shapes are captured once per batch shape at two small depths (2 and 3
+layers; one layer is not enough: with full recompute its kept activations do not
+scale like the rest) and every figure is continued linearly to the real depth (tests check
 this against a full-depth capture at small size); ``--full-depth`` captures
 the real depth instead (minutes per capture for 32 layers on a loaded CPU).
 """
@@ -45,7 +46,7 @@ from graph_ir import capture_train_step
 from graph_ir.analysis.memory import state_bytes
 
 RECOMPUTE_ORDER = ("none", "selective", "budget", "full")   # by memory saved (assumed order)
-EXTRAPOLATE_FROM = (1, 2)
+EXTRAPOLATE_FROM = (2, 3)
 # Published reference throughput printed beside a prediction (tokens/s per device).
 REFERENCES = {"llama-7b": ("MindSpeed-LLM LLaMA2-7B on Atlas 900 A2 (910B), seq 4096", 2730.0)}
 
@@ -172,6 +173,7 @@ class Candidate:
     rows: int                      # rows per microbatch on one dp rank
     status: str = "pending"        # simulated | pruned-bound | skipped-dominated | failed
     bound_bytes: float = 0.0
+    bound_terms: dict = dataclasses.field(default_factory=dict)
     sim: Simulation | None = None
     reason: str = ""
 
@@ -186,12 +188,16 @@ class Candidate:
         return f"dp={p.dp} tp={p.tp} zero={p.zero_stage} recompute={rc} mb={p.microbatches} {p.precision}"
 
 
-def model_state_bound(state: dict[str, float], plan: Plan) -> float:
-    """Bytes per rank no plan of this shape can go below: master params, a gradient shard, optimizer state."""
+def model_state_terms(state: dict[str, float], plan: Plan) -> dict[str, float]:
+    """Per-rank bytes no plan of this shape goes below: master params, a gradient shard, optimizer state."""
     params = state["params"] / plan.tp
     opt = state["optimizer_state"] / plan.tp
-    return (params / (plan.dp if plan.zero_stage >= 3 else 1) + params / plan.dp
-            + opt / (plan.dp if plan.zero_stage >= 1 else 1))
+    return {"params": params / (plan.dp if plan.zero_stage >= 3 else 1), "grads": params / plan.dp,
+            "optimizer_state": opt / (plan.dp if plan.zero_stage >= 1 else 1)}
+
+
+def model_state_bound(state: dict[str, float], plan: Plan) -> float:
+    return sum(model_state_terms(state, plan).values())
 
 
 def candidates(devices: int, global_batch: int, *, tps, stages, recomputes, microbatches, precisions,
@@ -228,7 +234,8 @@ def search(spec: ModelSpec, captures: Captures, cands: list[Candidate], *, profi
         bar.set_postfix_str(c.label(), refresh=False)
         if c.rows not in state_by_rows:
             state_by_rows[c.rows] = captures.model_state(c.rows)
-        c.bound_bytes = model_state_bound(state_by_rows[c.rows], c.plan)
+        c.bound_terms = model_state_terms(state_by_rows[c.rows], c.plan)
+        c.bound_bytes = sum(c.bound_terms.values())
         if c.bound_bytes > capacity:
             c.status, c.reason = "pruned-bound", f"model state alone >= {c.bound_bytes / GB:.1f} GB"
             continue
@@ -260,13 +267,14 @@ def plan_yaml(plan: Plan) -> str:
     return yaml.safe_dump(fields, sort_keys=False)
 
 
-def table(rows: list[Candidate], top: int) -> str:
+def table(rows: list[Candidate], top: int, memory: float) -> str:
+    """Ranked plans; headroom is the share of the device's whole memory left free at the peak."""
     head = f"{'#':>3}  {'plan':<52}{'fits':>5}{'peak GB':>9}{'headroom':>9}{'step ms':>10}{'tok/s/dev':>11}{'MFU':>7}"
     lines = [head]
     for i, c in enumerate(rows[:top], 1):
         s = c.sim
         lines.append(f"{i:>3}  {c.label():<52}{'yes' if s.fits else 'no':>5}{s.peak_bytes / GB:>9.2f}"
-                     f"{s.headroom:>9.1%}{s.step_seconds * 1e3:>10.1f}{s.tokens_per_second_per_device:>11,.0f}"
+                     f"{1 - s.peak_bytes / memory:>9.1%}{s.step_seconds * 1e3:>10.1f}{s.tokens_per_second_per_device:>11,.0f}"
                      f"{s.mfu():>7.1%}")
     return "\n".join(lines)
 
@@ -306,6 +314,9 @@ def parse(argv):
     p.add_argument("--tp", default="1", help="comma list of tensor-parallel degrees to try")
     p.add_argument("--full-depth", action="store_true", help="capture the real depth (slow) instead of extrapolating")
     p.add_argument("--no-baseline", action="store_true", help="skip the fp32 single-device comparison")
+    p.add_argument("--min-headroom", type=float, default=0.10,
+                   help="fraction of device memory a plan must leave free to count as fitting (fragmentation, "
+                        "workspaces and the runtime are not modelled)")
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--out", default="best_plan.yaml", help="where to write the best plan")
     p.add_argument("--no-progress", action="store_true")
@@ -327,6 +338,8 @@ def check(args) -> ModelSpec:
         raise UsageError(f"--seq {args.seq}: must be >= 1")
     if args.global_batch is not None and args.global_batch < 1:
         raise UsageError(f"--global-batch {args.global_batch}: must be >= 1")
+    if not 0 <= args.min_headroom < 1:
+        raise UsageError(f"--min-headroom {args.min_headroom}: must be a fraction in [0, 1)")
     if not 0 < args.budget <= 1:
         raise UsageError(f"--budget {args.budget}: must be a fraction in (0, 1]")
     args.zero_stages = _ints(args.zero, "zero")
@@ -351,10 +364,11 @@ def backend_for(profile: str) -> str:
     return "torchair" if profile.startswith("ascend") else "eager"
 
 
-def run(args, spec: ModelSpec, out=print) -> int:
+def run(args, spec: ModelSpec, out=print, captures: Captures | None = None) -> int:
     profile = get_profile(args.device_profile)
-    capacity = args.memory_gb * GB if args.memory_gb else profile.memory_capacity
-    captures = Captures(spec, args.seq, args.full_depth)
+    memory = args.memory_gb * GB if args.memory_gb else profile.memory_capacity
+    capacity = memory * (1 - args.min_headroom)   # what a fitting plan may use
+    captures = captures or Captures(spec, args.seq, args.full_depth)
     cands = candidates(args.devices, args.global_batch, tps=args.tps, stages=args.zero_stages,
                        recomputes=args.recomputes, microbatches=args.microbatch_counts,
                        precisions=args.precisions, budget=args.budget, heads=spec.heads,
@@ -368,7 +382,8 @@ def run(args, spec: ModelSpec, out=print) -> int:
     rows = ranked(cands)
     counts = {s: sum(c.status == s for c in cands) for s in ("simulated", "pruned-bound", "skipped-dominated", "failed")}
     out(f"{spec.name}: seq {args.seq}, global batch {args.global_batch} sequences, {args.devices} x "
-        f"{profile.name} with {capacity / GB:.0f} GB; {captures.method}")
+        f"{profile.name} with {memory / GB:g} GB, of which a plan may use {capacity / GB:.3g} GB "
+        f"(--min-headroom {args.min_headroom:.0%}); {captures.method}")
     out(f"{len(cands)} candidates: " + ", ".join(f"{v} {k}" for k, v in counts.items())
         + f" in {seconds:.0f}s (captures {captures.seconds:.0f}s)")
     out(f"modelled: {MODELLED}")
@@ -378,23 +393,27 @@ def run(args, spec: ModelSpec, out=print) -> int:
             out(f"  refused by the pipeline: {c.label()}: {c.reason}")
     if rows:
         out("")
-        out(table(rows, args.top))
+        out(table(rows, args.top, memory))
     fitting = [c for c in rows if c.sim.fits]
     out("")
     if not fitting:
         closest = rows[0] if rows else min(cands, key=lambda c: c.bound_bytes)
-        out(f"no plan fits in {capacity / GB:.0f} GB per device.")
+        out(f"no plan fits in {capacity / GB:.3g} GB per device.")
         if closest.sim is not None:
             out(f"closest: {closest.label()}")
             out(closest.sim.breakdown())
             out(f"largest term: {closest.sim.largest_term} "
                 f"({closest.sim.memory[closest.sim.largest_term] / GB:.2f} GB per rank)")
         else:
+            terms = closest.bound_terms
+            largest = max(terms, key=terms.get)
             out(f"every candidate's model state alone exceeds the memory; smallest bound "
-                f"{closest.bound_bytes / GB:.1f} GB ({closest.label()}); largest term: optimizer_state")
+                f"{closest.bound_bytes / GB:.3g} GB ({closest.label()}): "
+                + ", ".join(f"{k} {v / GB:.3g} GB" for k, v in terms.items())
+                + f"; largest term: {largest} ({terms[largest] / GB:.3g} GB per rank)")
         return 1
     best = fitting[0]
-    out(f"best: {best.label()}")
+    out(f"best: {best.label()}: headroom {1 - best.sim.peak_bytes / memory:.1%} of {memory / GB:g} GB")
     out(best.sim.breakdown())
     ref = REFERENCES.get(spec.name)
     if ref:

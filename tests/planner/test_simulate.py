@@ -1,0 +1,126 @@
+"""The simulator against the compiled program it reads, and the planner's choices, on a tiny LLaMA on meta."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from cann_passes import Plan
+from cann_passes.compile import compile_program
+from cann_passes.simulate import simulate, simulate_extrapolated
+from graph_ir.mesh import MeshDesc
+from tools import plan_cli
+
+ROWS = 2
+SPEC = plan_cli.MODELS["llama-tiny"]           # 4 layers, hidden 64, seq 32, built on meta
+TOKENS = ROWS * SPEC.seq
+
+
+@pytest.fixture(scope="module")
+def captures():
+    caps = plan_cli.Captures(SPEC, SPEC.seq)
+    for depth in (*plan_cli.EXTRAPOLATE_FROM, SPEC.layers):
+        caps.get(ROWS, depth)
+    return caps
+
+
+def _plan(**kw):
+    return Plan(precision="bf16", verify="off", **kw)
+
+
+@pytest.fixture(scope="module")
+def zero_sims(captures):
+    full = captures.get(ROWS, SPEC.layers)
+    return {z: simulate(full, _plan(dp=4, zero_stage=z), tokens_per_microbatch=TOKENS) for z in (0, 1, 2, 3)}
+
+
+def test_memory_terms_are_the_compiled_programs_state_bytes(captures, zero_sims):
+    plan = _plan(dp=4, zero_stage=1)
+    program = compile_program(captures.get(ROWS, SPEC.layers), plan, MeshDesc.fake(dp=4))
+    (state,) = program.state_bytes().values()
+    sim = zero_sims[1]
+    assert sim.memory == {k: v for k, v in dataclasses.asdict(state).items()}
+    assert sim.peak_bytes >= state.params + state.optimizer_state + state.buffers
+    assert sim.fits and 0 < sim.headroom < 1
+    assert sim.step_seconds >= sim.compute_seconds > 0 and sim.comm_seconds > 0
+    assert sim.tokens_per_step == TOKENS * 4 and sim.model_flops > 0
+
+
+def test_zero_stages_order_memory(zero_sims):
+    state = {z: s.memory["params"] + s.memory["grads"] + s.memory["optimizer_state"] for z, s in zero_sims.items()}
+    assert state[0] > state[1] >= state[2] > state[3]
+    assert zero_sims[1].memory["optimizer_state"] < zero_sims[0].memory["optimizer_state"] / 3
+    assert zero_sims[3].memory["params"] < zero_sims[2].memory["params"] / 3
+    assert zero_sims[0].peak_bytes > zero_sims[3].peak_bytes
+    # ZeRO-3 gathers parameters forward and backward: more communication than ZeRO-1
+    assert zero_sims[3].comm_seconds > zero_sims[1].comm_seconds
+
+
+def test_depth_extrapolation_matches_a_full_capture(captures):
+    plan = _plan(dp=4, zero_stage=2, recompute="full")
+    rows = ROWS
+    caps = {d: captures.get(rows, d) for d in plan_cli.EXTRAPOLATE_FROM}
+    full = captures.get(rows, SPEC.layers)
+    got = simulate_extrapolated(caps, SPEC.layers, plan, tokens_per_microbatch=rows * SPEC.seq)
+    want = simulate(full, plan, tokens_per_microbatch=rows * SPEC.seq)
+    for term, value in want.memory.items():
+        assert got.memory[term] == pytest.approx(value, rel=0.01, abs=64), term
+    assert got.peak_bytes == pytest.approx(want.peak_bytes, rel=0.03)
+    assert got.step_seconds == pytest.approx(want.step_seconds, rel=0.03)
+    assert got.model_flops == pytest.approx(want.model_flops, rel=0.01)
+
+
+def _args(*argv):
+    args = plan_cli.parse(["llama-tiny", "--devices", "4", "--global-batch", str(4 * ROWS), "--no-progress",
+                           "--no-baseline", "--microbatches", "1", *argv])
+    spec = plan_cli.check(args)
+    return args, spec
+
+
+def test_planner_picks_a_plan_that_fits_where_plain_dp_does_not(captures, zero_sims, tmp_path):
+    # capacity between ZeRO-3's and plain dp's peak (4 layers, extrapolated from 2 and 3)
+    capacity = (zero_sims[0].peak_bytes + zero_sims[3].peak_bytes) / 2
+    out_file = tmp_path / "best.yaml"
+    args, spec = _args("--memory-gb", str(capacity / 1e9), "--min-headroom", "0", "--zero", "0,3", "--recompute", "none",
+                       "--out", str(out_file))
+    lines = []
+    assert plan_cli.run(args, spec, out=lines.append, captures=captures) == 0
+    text = "\n".join(lines)
+    assert "best: dp=4 tp=1 zero=3" in text
+    best = Plan.load(out_file)
+    assert (best.dp, best.zero_stage, best.precision) == (4, 3, "bf16")
+
+
+def test_planner_reports_an_impossible_plan_with_its_largest_term(captures, zero_sims):
+    # room for ZeRO-3's model state, not for its activations: passes the bound, fails the simulation
+    z3 = zero_sims[3]
+    memory = 1.05 * (z3.memory["params"] + z3.memory["grads"] + z3.memory["optimizer_state"])
+    assert memory < z3.peak_bytes
+    args, spec = _args("--memory-gb", str(memory / 1e9), "--min-headroom", "0", "--zero", "3", "--recompute", "none")
+    lines = []
+    assert plan_cli.run(args, spec, out=lines.append, captures=captures) == 1
+    text = "\n".join(lines)
+    assert "1 simulated" in text
+    assert "no plan fits in" in text
+    assert "DOES NOT FIT" in text and "largest term: " in text
+
+
+def test_model_state_bound_prunes_before_compiling(captures):
+    args, spec = _args("--memory-gb", "0.00001", "--zero", "0", "--recompute", "none")
+    lines = []
+    assert plan_cli.run(args, spec, out=lines.append, captures=captures) == 1
+    text = "\n".join(lines)
+    assert "1 pruned-bound" in text and "0 simulated" in text and "model state alone" in text
+    assert "largest term: optimizer_state" in text   # plain dp, Adam: two fp32 moments per parameter
+
+
+@pytest.mark.parametrize("argv, field", [(["no-such-model"], "MODEL"), (["llama-tiny", "--devices", "0"], "--devices"),
+                                         (["llama-tiny", "--zero", "5"], "--zero"),
+                                         (["llama-tiny", "--precision", "fp8"], "--precision"),
+                                         (["llama-tiny", "--device-profile", "tpu"], "--device-profile"),
+                                         (["nosuchpkg.mod:make"], "MODEL"),
+                                         (["llama-tiny", "--global-batch", "3"], "--global-batch")])
+def test_bad_input_exits_2_with_one_line(argv, field, capsys):
+    assert plan_cli.main([*argv, "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("cann-plan: error:") and field in err
