@@ -131,3 +131,21 @@ def test_bf16_plan_lowers_to_ge_with_no_unsupported_op(tmp_path):
     matmuls = sum(histogram.get(op, 0) for op in ("MatMul", "MatMulV2", "BatchMatMul", "BatchMatMulV2"))
     assert matmuls >= 7 * 2 * 2      # q, k, v, o, gate, up, down per layer, forward and backward
     assert "DT_BF16" in (tmp_path / "ge" / "step.ge.txt").read_text()
+
+
+@pytest.mark.parametrize("path", [p for p in PLANS if Plan.load(p).dp == 1 and Plan.load(p).precision != "fp32"],
+                         ids=lambda p: p.stem)
+def test_plans_run_on_transformers_llama_with_sdpa(path):
+    """The user's own model: transformers' LlamaForCausalLM with its default SDPA attention."""
+    from transformers import LlamaForCausalLM as HF
+    cfg = llama_tiny(attention="sdpa")
+    torch.manual_seed(0)
+    ours = LlamaForCausalLM(cfg)
+    theirs = HF(cfg.to_transformers())
+    theirs.load_state_dict(ours.state_dict())
+    batch = _batches(1)[0]
+    losses = []
+    for model in (ours, theirs):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses.append(compile_for_npu(model, Plan.load(path), optimizer=opt, loss_fn=llama_loss)(batch).item())
+    assert losses[1] == pytest.approx(losses[0], abs=2e-2)       # the same model in bf16/fp16
