@@ -124,3 +124,15 @@ def test_bad_input_exits_2_with_one_line(argv, field, capsys):
     assert plan_cli.main([*argv, "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("cann-plan: error:") and field in err
+
+
+def tiny_factory(rows, seq):
+    return SPEC.build(rows, seq, 1)
+
+
+def test_a_factory_model_is_captured_at_its_own_depth():
+    spec = plan_cli.resolve_model("tests.planner.test_simulate:tiny_factory")
+    caps = plan_cli.Captures(spec, 16)
+    assert spec.layers is None and caps.depths == (None,) and "own depth" in caps.method
+    with pytest.raises(plan_cli.UsageError, match="factory model needs --seq"):
+        plan_cli.check(plan_cli.parse(["tests.planner.test_simulate:tiny_factory"]))
