@@ -21,7 +21,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from cann_passes import Plan, compile_for_npu
+from cann_passes import Plan, PlanError, compile_for_npu
 from cann_passes.runtime.distributed import init_distributed, shard_batch
 from recipes.data import TextBatches, load_corpus, train_val_split
 from recipes.models.gpt import GPT, gpt_loss, gpt_small_cpu
@@ -51,7 +51,10 @@ def evaluate(model, batches, n: int = 8) -> float:
 
 def main(argv=None) -> float:
     args = parse_args(argv)
-    plan = Plan.load(args.plan)
+    try:
+        plan = Plan.load(args.plan)
+    except PlanError as e:  # a bad plan file is the user's input: one line, not a traceback
+        raise SystemExit(f"train_gpt: {e}") from None
     if args.backend:
         plan = plan.replace(backend=args.backend)
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1 or plan.dp * plan.tp * plan.pp > 1
