@@ -248,7 +248,8 @@ def search(spec: ModelSpec, captures: Captures, cands: list[Candidate], *, profi
         try:
             c.sim = captures.simulate(c.plan, c.rows, profile, capacity)
         except Exception as exc:   # a pass refusing a plan is a result of the search, not a crash
-            c.status, c.reason = "failed", f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            first = (str(exc).splitlines() or [""])[0]
+            c.status, c.reason = "failed", f"{type(exc).__name__}: {first}"
             continue
         c.status = "simulated"
         (fits if c.sim.fits else misses).append(c)
@@ -404,6 +405,8 @@ def run(args, spec: ModelSpec, out=print, captures: Captures | None = None) -> i
             out(closest.sim.breakdown())
             out(f"largest term: {closest.sim.largest_term} "
                 f"({closest.sim.memory[closest.sim.largest_term] / GB:.2f} GB per rank)")
+        elif any(c.status == "failed" for c in cands):
+            out("no candidate was simulated: the pipeline refused every one that passed the bound (above)")
         else:
             terms = closest.bound_terms
             largest = max(terms, key=terms.get)
