@@ -18,6 +18,7 @@ trainable parameter, and the optimizer update, traced by ``make_fx`` over
 from __future__ import annotations
 
 import contextlib
+import logging
 import operator
 import os
 import traceback
@@ -508,9 +509,23 @@ def _refusing_checkpoint():
         ckpt.CheckpointFunction, ckpt._checkpoint_without_reentrant_generator = saved
 
 
+@contextlib.contextmanager
+def _quiet_fake_tensor_log():
+    """Fake tensors log a meta kernel's failure with its whole traceback before re-raising it;
+    capture turns that failure into one line of its own, so the log would only repeat it."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _trace(step, flat: list, layout: StepLayout) -> torch.fx.GraphModule:
     try:
-        with fx_traceback.preserve_node_meta(), _tracing_state(), _refusing_checkpoint():
+        with fx_traceback.preserve_node_meta(), _tracing_state(), _refusing_checkpoint(), \
+                _quiet_fake_tensor_log():
             return make_fx(torch.func.functionalize(step), tracing_mode="fake",
                            _allow_non_fake_inputs=True)(*flat)
     except CaptureError as exc:

@@ -9,9 +9,6 @@ Every case asserts one exact outcome:
   names the field or op and the rule, on one line; and after the failed step the model's
   parameters and the optimizer's state are exactly what they were before (no half-updated state).
 
-Cases whose fix is not in the project yet are ``xfail(strict=True)`` with what they need: they
-fail loudly the day the fix lands, so that the mark is removed.
-
 Everything here is tiny (the recipe MLP, a 2-layer GPT, a 2-layer transformers GPT-2) and runs on
 the eager backend.
 """
@@ -101,21 +98,9 @@ def assert_close_tree(a, b, what: str, atol: float = 1e-5):
         assert a == b or (isinstance(a, float) and math.isnan(a) and math.isnan(b)), f"{what}: {a} vs {b}"
 
 
-# A first step that fails leaves behind the optimizer state that capture initialised before
-# tracing (zeros, step 0: what torch.optim would create on its next step anyway). Until that is
-# dropped on failure (test_a_failed_first_step_creates_no_optimizer_state), a refused step may
-# leave exactly that fresh state and nothing else.
-FRESH_STATE_TOLERATED = True
-
-
 def assert_unchanged(model, optimizer, before: dict):
     """Bitwise: a refused step changes no parameter, buffer, hyperparameter or optimizer state."""
     after = snapshot(model, optimizer)
-    if FRESH_STATE_TOLERATED:
-        for name in set(after["state"]) - set(before["state"]):
-            fresh = after["state"].pop(name)
-            assert all(not torch.is_tensor(v) or not v.any() for v in fresh.values()), \
-                f"a failed step left non-initial optimizer state for {name}: {fresh}"
     assert_close_tree(after, before, "after the failed step", atol=0.0)
 
 
@@ -679,8 +664,6 @@ def test_torch_utils_checkpoint_in_the_model_is_refused_pointing_at_plan_recompu
     refused(compiled(_Checkpointed(), mlp_loss), batches(1)[0], CaptureError, "checkpoint", "recompute")
 
 
-@pytest.mark.xfail(strict=True, reason="needs capture to keep torch's fake-tensor logger from printing the "
-                                       "meta kernel's traceback (fake_tensor.py logs it with log.exception)")
 def test_a_batch_whose_feature_size_does_not_fit_is_named(mlp):
     x, y = batches(1, features=13)[0]
     refused(compiled(mlp(), mlp_loss), (x, y), (CaptureError, RuntimeError), "batch[0]", "(8, 13)")
@@ -795,8 +778,6 @@ def test_checkpoint_load_of_a_missing_path_is_an_ordinary_error_naming_it(mlp, t
     assert_unchanged(model, step.optimizer, before)
 
 
-@pytest.mark.xfail(strict=True, reason="needs the optimizer state created for a first step to be dropped when "
-                                       "that step fails (capture initialises it before tracing)")
 @pytest.mark.parametrize("when", ["capture", "run"])
 def test_a_failed_first_step_creates_no_optimizer_state(mlp, when):
     model = mlp()

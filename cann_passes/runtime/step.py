@@ -20,6 +20,7 @@ shards live in the store and :meth:`CompiledStep.sync_model` gathers them.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -198,6 +199,23 @@ class CompiledStep:
         """One optimizer step on ``batch``; with ``plan.microbatches`` N the batch is split into N
         microbatches; with ``plan.accumulate_target`` the batch is one microbatch and the optimizer
         runs once the accumulated samples reach the target (see ``step.accumulation``)."""
+        with self._no_state_left_on_failure():
+            return self._step(batch)
+
+    @contextlib.contextmanager
+    def _no_state_left_on_failure(self):
+        """Capture initialises optimizer state before tracing (as torch.optim would on its first
+        step); a step that then fails has updated nothing, so that state is dropped and the
+        optimizer is left exactly as the user gave it."""
+        had_state = {id(p) for p, s in self.optimizer.state.items() if s}
+        try:
+            yield
+        except BaseException:
+            for param in [p for p, s in self.optimizer.state.items() if s and id(p) not in had_state]:
+                del self.optimizer.state[param]
+            raise
+
+    def _step(self, batch: Any) -> torch.Tensor:
         if self.plan.accumulate_target is not None:
             return self.accumulation.dynamic_step(self, batch)
         if self.plan.microbatches > 1:
