@@ -11,10 +11,6 @@ import pytest
 
 from tests.conformance.matrix import MODELS, PLANS, ModelRuns, full_recompute_ratio, run_cell
 
-# Cells that depend on work not landed yet in the passes (autocast and recompute on models
-# we did not write); strict, so each is unmarked as soon as it passes.
-PENDING: dict[tuple[str, str], str] = {}
-
 _runs: dict[str, ModelRuns] = {}
 
 
@@ -29,8 +25,7 @@ def _model_runs(name: str) -> ModelRuns:
 def _cases():
     for m in MODELS:
         for p in PLANS:
-            marks = [pytest.mark.xfail(strict=True, reason=PENDING[(m, p)])] if (m, p) in PENDING else []
-            yield pytest.param(m, p, marks=marks, id=f"{m}-{p.replace(' ', '_')}")
+            yield pytest.param(m, p, id=f"{m}-{p.replace(' ', '_')}")
 
 
 @pytest.mark.parametrize("model, plan", list(_cases()))
@@ -39,11 +34,6 @@ def test_cell(model, plan):
     assert cell.status == "ok", f"{model} × {plan}: {cell.status}: {cell.detail}"
 
 
-FULL_PENDING: dict[str, str] = {"llama": "full keeps 19% of the saved bytes on the 4-layer LLaMA"}
-
-
-@pytest.mark.parametrize("model", [
-    pytest.param(m, marks=[pytest.mark.xfail(strict=True, reason=FULL_PENDING[m])] if m in FULL_PENDING else [])
-    for m in ("gpt", "llama")])
+@pytest.mark.parametrize("model", ["gpt", "llama"])
 def test_full_recompute_keeps_at_most_a_tenth_of_the_saved_bytes_on_4_layers(model):
     assert full_recompute_ratio(model, layers=4) <= 0.10

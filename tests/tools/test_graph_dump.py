@@ -345,9 +345,15 @@ class TestGeSection:
         assert f"{len(bad)} unsupported" in stdout and f"GE lowering (offline): {len(bad)} unsupported" in page
         listed = re.findall(r'<a class="module-link" href="#module=([^"]+)" data-node="([^"]+)">', section)
         assert sorted(listed) == sorted((u["module_path"], u["node"]) for u in bad)
+        attention = 0
         for path, name in listed:      # each links to the module its node belongs to in the final graph
-            assert nodes[name]["module_path"] == path and re.fullmatch(r"layers\.\d+\.attn", path)
-            assert "scaled_dot_product" in nodes[name]["target"]
+            assert nodes[name]["module_path"] == path
+            if "scaled_dot_product" in nodes[name]["target"]:
+                attention += 1
+                assert re.fullmatch(r"layers\.\d+\.attn", path)
+            else:   # AdamW's lerp, which only npu_legalize rewrites: this pipeline is cleanup alone
+                assert nodes[name]["target"] == "aten.lerp.Tensor"
+        assert attention >= 2          # forward and backward attention
         assert "no torchair FX-&gt;GE converter registered" in section
 
     def test_stale_and_dropped_reports(self, ge_sdpa, tmp_path):
