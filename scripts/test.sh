@@ -4,4 +4,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 ./scripts/install_browser.sh
-exec .venv/bin/python -m pytest -q -ra -p no:cacheprovider "$@"
+exec .venv/bin/python -m pytest -q -ra -n 2 -p no:cacheprovider "$@"
