@@ -1,0 +1,216 @@
+"""Pipeline stage balancing: an exact contiguous partition under a memory limit.
+
+Units (layers, or finer: embedding, blocks, head) are given in model order with a cost
+(seconds of forward + backward) and optionally static bytes (weights, gradients, optimizer
+state) and activation bytes per microbatch. :func:`balance` cuts them into ``n_stages``
+contiguous stages minimizing the largest stage cost, subject to each stage's memory,
+``static + in_flight[stage] * activations``, staying within ``memory_limit``; in_flight is
+how many microbatches the schedule keeps alive on that stage (:func:`in_flight_for`, from
+the schedule simulator).
+
+Why our own: this is the linear-partition problem, solved exactly by a dynamic program
+(``best[k][j]`` = the smallest max cost of the first ``j`` units in ``k`` stages) in
+O(n^2 p) with numpy over the split point; the memory rule is one mask per stage. No
+maintained library in reach does contiguous partitioning (networkx has none; a scipy MILP
+would solve it approximately and slower), and the DP is exact and a page long.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Split:
+    """Stages as contiguous unit ranges: stage k runs units boundaries[k]..boundaries[k+1]-1."""
+    boundaries: tuple[int, ...]       # start unit index of each stage
+    n_units: int
+    stage_costs: tuple[float, ...]
+    stage_bytes: tuple[float, ...]    # static + in_flight * activation bytes
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.boundaries)
+
+    @property
+    def imbalance(self) -> float:
+        """Largest stage cost over the mean (1.0 is perfect)."""
+        mean = sum(self.stage_costs) / len(self.stage_costs)
+        return max(self.stage_costs) / mean if mean > 0 else 1.0
+
+    def ranges(self) -> list[range]:
+        ends = list(self.boundaries[1:]) + [self.n_units]
+        return [range(b, e) for b, e in zip(self.boundaries, ends)]
+
+    def stage_of_unit(self) -> list[int]:
+        return [k for k, r in enumerate(self.ranges()) for _ in r]
+
+    def table(self) -> str:
+        lines = [f"{'stage':>5}{'units':>12}{'cost':>14}{'bytes':>14}"]
+        for k, r in enumerate(self.ranges()):
+            lines.append(f"{k:>5}{f'{r.start}-{r.stop - 1}':>12}{self.stage_costs[k]:>14.6g}"
+                         f"{self.stage_bytes[k]:>14.6g}")
+        lines.append(f"imbalance (max/mean cost): {self.imbalance:.4f}")
+        return "\n".join(lines)
+
+
+def _arrays(unit_costs, n_stages, unit_static_bytes, unit_activation_bytes, in_flight):
+    costs = np.asarray(unit_costs, dtype=np.float64)
+    n = len(costs)
+    if costs.ndim != 1 or n == 0:
+        raise ValueError("unit_costs: must be a non-empty list of numbers")
+    if not (isinstance(n_stages, int) and n_stages >= 1):
+        raise ValueError(f"n_stages: must be an integer >= 1 (got {n_stages!r})")
+    if n_stages > n:
+        raise ValueError(f"n_stages = {n_stages}: more stages than units ({n}); every stage needs "
+                         "at least one unit")
+    if not np.all(np.isfinite(costs)) or np.any(costs < 0):
+        raise ValueError("unit_costs: must be finite and >= 0")
+
+    def per_unit(values, what):
+        if values is None:
+            return np.zeros(n)
+        arr = np.asarray(values, dtype=np.float64)
+        if arr.shape != (n,) or np.any(arr < 0) or not np.all(np.isfinite(arr)):
+            raise ValueError(f"{what}: must be {n} finite numbers >= 0, one per unit")
+        return arr
+
+    static = per_unit(unit_static_bytes, "unit_static_bytes")
+    act = per_unit(unit_activation_bytes, "unit_activation_bytes")
+    flights = np.ones(n_stages) if in_flight is None else np.asarray(in_flight, dtype=np.float64)
+    if flights.shape != (n_stages,) or np.any(flights < 0):
+        raise ValueError(f"in_flight: must be {n_stages} counts >= 0, one per stage")
+    return costs, static, act, flights
+
+
+def _prefix(x: np.ndarray) -> np.ndarray:
+    return np.concatenate([[0.0], np.cumsum(x)])
+
+
+def balance(unit_costs: Sequence[float], n_stages: int, *, unit_static_bytes=None,
+            unit_activation_bytes=None, in_flight=None, memory_limit: float | None = None) -> Split:
+    """The contiguous split of units into ``n_stages`` minimizing the largest stage cost.
+
+    Exact (dynamic program). Memory per stage = its units' static bytes + ``in_flight[stage]``
+    x their activation bytes, at most ``memory_limit``. Among splits with the same largest
+    cost the one found first (earliest stages as full as allowed) is returned. Raises
+    ValueError naming the stage and its bytes when no split fits.
+    """
+    costs, static, act, flights = _arrays(unit_costs, n_stages, unit_static_bytes,
+                                          unit_activation_bytes, in_flight)
+    n, p = len(costs), n_stages
+    C, S, A = _prefix(costs), _prefix(static), _prefix(act)
+    limit = np.inf if memory_limit is None else float(memory_limit)
+    inf = np.inf
+    # best[k, j]: smallest max cost placing units 0..j-1 in stages 0..k-1; arg[k, j]: where
+    # stage k-1 starts in that split.
+    best = np.full((p + 1, n + 1), inf)
+    arg = np.zeros((p + 1, n + 1), dtype=np.int64)
+    best[0, 0] = 0.0
+    for k in range(1, p + 1):
+        f = flights[k - 1]
+        for j in range(k, n - (p - k) + 1):
+            i = np.arange(k - 1, j)                      # stage k-1 runs units i..j-1
+            stage_cost = C[j] - C[i]
+            stage_mem = (S[j] - S[i]) + f * (A[j] - A[i])
+            cand = np.maximum(best[k - 1, i], stage_cost)
+            cand[stage_mem > limit * (1 + 1e-12)] = inf
+            t = int(np.argmin(cand))
+            best[k, j], arg[k, j] = cand[t], i[t]
+    if not np.isfinite(best[p, n]):
+        raise ValueError(_infeasible(n, p, S, A, flights, limit))
+    starts = [0] * p
+    j = n
+    for k in range(p, 0, -1):
+        starts[k - 1] = int(arg[k, j])
+        j = starts[k - 1]
+    return _split(starts, n, C, S, A, flights)
+
+
+def _split(starts, n, C, S, A, flights) -> Split:
+    ends = list(starts[1:]) + [n]
+    stage_costs = tuple(float(C[e] - C[b]) for b, e in zip(starts, ends))
+    stage_bytes = tuple(float(S[e] - S[b] + f * (A[e] - A[b]))
+                        for b, e, f in zip(starts, ends, flights))
+    return Split(tuple(int(s) for s in starts), n, stage_costs, stage_bytes)
+
+
+def _infeasible(n, p, S, A, flights, limit) -> str:
+    """Name the first stage that cannot hold what it must: greedy fill by memory alone.
+
+    Filling each stage with as many units as fit is the split that gets furthest (a stage
+    range inside a fitting one fits too), so the stage where it stalls is the culprit.
+    """
+    start = 0
+    for k in range(p):
+        last_allowed = n - (p - k - 1)       # leave one unit for each later stage
+        stop = start
+        while stop < last_allowed and (S[stop + 1] - S[start]) + flights[k] * (A[stop + 1] - A[start]) <= limit:
+            stop += 1
+        if stop == start:
+            need = (S[start + 1] - S[start]) + flights[k] * (A[start + 1] - A[start])
+            return (f"no split into {p} stages fits memory_limit = {limit:.6g} bytes: stage {k} cannot "
+                    f"hold unit {start} alone ({S[start + 1] - S[start]:.6g} static + {flights[k]:g} "
+                    f"in flight x {A[start + 1] - A[start]:.6g} activation = {need:.6g} bytes)")
+        if k == p - 1 and stop < n:
+            need = (S[n] - S[start]) + flights[k] * (A[n] - A[start])
+            return (f"no split into {p} stages fits memory_limit = {limit:.6g} bytes: with every earlier "
+                    f"stage as full as it can be, stage {k} must hold units {start}-{n - 1}: "
+                    f"{S[n] - S[start]:.6g} static + {flights[k]:g} in flight x "
+                    f"{A[n] - A[start]:.6g} activation = {need:.6g} bytes")
+        start = stop
+    return f"no split into {p} stages fits memory_limit = {limit:.6g} bytes"
+
+
+def layer_count_split(unit_layers: Sequence[int | None], counts: Sequence[int], *, unit_costs=None,
+                      unit_static_bytes=None, unit_activation_bytes=None, in_flight=None) -> Split:
+    """The user's override: stage k takes the next ``counts[k]`` layers.
+
+    ``unit_layers[i]`` is the layer index of unit i (non-decreasing), or None for a unit outside
+    the repeated layers (embedding, final norm, head): those before the first layer go to the
+    first stage, the others with the layer before them.
+    """
+    counts = list(counts)
+    if not counts or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in counts):
+        raise ValueError(f"pipeline_split = {counts!r}: every stage needs a whole number >= 1 of layers")
+    layers = []
+    for u in unit_layers:
+        if u is not None and u not in layers:
+            if layers and u < layers[-1]:
+                raise ValueError(f"unit_layers: layer {u} appears after layer {layers[-1]}; units must "
+                                 "be in model order")
+            layers.append(u)
+    if sum(counts) != len(layers):
+        raise ValueError(f"pipeline_split = {counts!r}: {sum(counts)} layers for {len(counts)} stages, "
+                         f"but the model has {len(layers)} layers")
+    stage_of_layer = {}
+    idx = 0
+    for k, c in enumerate(counts):
+        for _ in range(c):
+            stage_of_layer[layers[idx]] = k
+            idx += 1
+    starts = [None] * len(counts)
+    current = 0
+    for i, u in enumerate(unit_layers):
+        if u is not None:
+            current = stage_of_layer[u]
+        if starts[current] is None:
+            starts[current] = i
+    n = len(unit_layers)
+    costs, static, act, flights = _arrays(unit_costs if unit_costs is not None else [0.0] * n,
+                                          len(counts), unit_static_bytes, unit_activation_bytes,
+                                          in_flight)
+    return _split(starts, n, _prefix(costs), _prefix(static), _prefix(act), flights)
+
+
+def in_flight_for(name: str, pp: int, microbatches: int, v: int = 1) -> list[int]:
+    """Microbatches whose activations each stage holds at its peak under schedule ``name``.
+
+    From the schedule simulator with equal stage costs (the counts are a property of the
+    order: 1F1B keeps pp - s on stage s, GPipe all m).
+    """
+    from .schedules import simulate
+    peaks = simulate(name, pp, microbatches, v=v).in_flight()
+    return [peaks.get(s, 0) for s in range(max(peaks) + 1)]
