@@ -34,7 +34,7 @@ import yaml
 PRECISIONS = ("fp32", "bf16", "fp16")
 RECOMPUTE_POLICIES = ("none", "full", "selective", "every_n_layers", "budget")
 BACKENDS = ("auto", "eager", "inductor", "torchair")
-PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zero_bubble")
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zb1p", "dualpipev", "dynamic")
 VERIFY_LEVELS = ("off", "shallow", "deep")
 LOSS_SCALES = ("auto", "none", "static", "dynamic", "adaptive")
 DEVICE_PROFILES = ("auto", "cpu", "ascend_910b", "ascend_a3", "a100", "h100", "h200")
@@ -45,7 +45,8 @@ _ENUMS = {"precision": PRECISIONS, "recompute": RECOMPUTE_POLICIES, "backend": B
           "pipeline_schedule": PIPELINE_SCHEDULES, "verify": VERIFY_LEVELS,
           "allreduce_algo": ALLREDUCE_ALGOS, "loss_scale": LOSS_SCALES,
           "device_profile": DEVICE_PROFILES, "grad_reduce_dtype": ("fp32", "bf16")}
-_POSITIVE_INTS = ("dp", "tp", "pp", "microbatches", "recompute_every_n", "loss_scale_growth_interval")
+_POSITIVE_INTS = ("dp", "tp", "pp", "microbatches", "recompute_every_n", "loss_scale_growth_interval",
+                  "pipeline_virtual_stages")
 
 
 def _is_number(value: Any) -> bool:
@@ -93,7 +94,9 @@ class Plan:
     microbatches: int = 1
     accumulate_target: int | None = None       # dynamic accumulation: samples per optimizer step
     grad_clip_norm: float | None = None        # clip the global gradient 2-norm to this (grad_clip pass)
-    pipeline_schedule: str = "1f1b"
+    pipeline_schedule: str = "1f1b"            # cann_passes.schedules; dynamic = chosen by simulation
+    pipeline_virtual_stages: int = 1           # stages per rank (interleaved_1f1b >= 2, zb1p any, dualpipev 2)
+    pipeline_split: str | tuple = "cost"       # "cost" (the balancer) or layers per stage (pp * v counts)
     allreduce_algo: str = "auto"
     bucket_mb: float = 25.0
     backend: str = "auto"
@@ -107,6 +110,7 @@ class Plan:
     def __post_init__(self):
         self._normalize()
         self._check_values()
+        self._check_pipeline_parallel()
         self._check_capabilities()
         self._check_pipelines()
         self._check_dependencies()
@@ -236,7 +240,7 @@ class Plan:
                  ("accumulate_target", self.accumulate_target is not None, "grad_accumulation",
                   "dynamic gradient accumulation"),
                  ("tp", self.tp > 1, "tensor_parallel", "tensor parallelism"),
-                 ("pp", self.pp > 1, "pipeline_parallel", "pipeline parallelism")]
+                 ("pp", self.pp > 1, "pipeline_split", "pipeline parallelism")]
         for field_name, asked, pass_name, capability in needs:
             if asked and not is_registered(pass_name):
                 raise NotImplementedError(
@@ -246,9 +250,51 @@ class Plan:
             raise NotImplementedError(
                 f"plan field 'grad_reduce_dtype' = {self.grad_reduce_dtype!r} asks for gradient "
                 "reduction in low precision, which is not built yet (gradients are reduced in fp32)")
-        if self.pipeline_schedule != "1f1b" and self.pp == 1:
-            raise PlanError("pipeline_schedule", "only applies when pp > 1 (pp = 1)",
-                            self.pipeline_schedule)
+
+    def _check_pipeline_parallel(self) -> None:
+        """The pipeline fields: each schedule's own requirements (torch's), refused by field.
+
+        ``dualpipev`` runs exactly two stages per rank: ``pipeline_virtual_stages`` left at its
+        default 1 becomes 2, any other value is refused. ``dynamic`` picks the schedule (and so
+        the stage count) by simulation, so a layer-count split cannot be given with it.
+        """
+        from .schedules import ScheduleError, check
+        split = self.pipeline_split
+        if isinstance(split, (list, tuple)):
+            if not split or not all(_is_int(c) and c >= 1 for c in split):
+                raise PlanError("pipeline_split", "must be 'cost' or a list of whole layer counts >= 1, "
+                                "one per stage", split)
+            self._set("pipeline_split", tuple(int(c) for c in split))
+        elif split != "cost":
+            raise PlanError("pipeline_split", "must be 'cost' (split by the cost model) or a list of "
+                            "layer counts, one per stage", split)
+        if self.pp == 1:
+            for name in ("pipeline_schedule", "pipeline_virtual_stages", "pipeline_split"):
+                if self._changed(name):
+                    raise PlanError(name, "only applies when pp > 1 (pp = 1)", getattr(self, name))
+            return
+        schedule, v = self.pipeline_schedule, self.pipeline_virtual_stages
+        if schedule == "dualpipev" and v == 1:
+            self._set("pipeline_virtual_stages", 2)
+            v = 2
+        if schedule == "dynamic":
+            if isinstance(self.pipeline_split, tuple):
+                raise PlanError("pipeline_split", "a layer-count split needs a fixed schedule: "
+                                "pipeline_schedule = 'dynamic' chooses the number of stages", split)
+            return
+        fields = {"virtual_stages": "pipeline_virtual_stages", "microbatches": "microbatches",
+                  "pp": "pp"}
+        try:
+            check(schedule, self.pp, self.microbatches, v)
+        except ScheduleError as exc:
+            name = fields[exc.field]
+            raise PlanError(name, f"{exc} (pipeline_schedule = {schedule!r})", getattr(self, name)) from None
+        if isinstance(self.pipeline_split, tuple):
+            stages = self.pp * (2 if schedule == "dualpipev" else v)
+            if len(self.pipeline_split) != stages:
+                raise PlanError("pipeline_split", f"needs one layer count per stage: {stages} stages "
+                                f"(pp = {self.pp} x {stages // self.pp} per rank under "
+                                f"{schedule!r}), got {len(self.pipeline_split)}", self.pipeline_split)
 
     def _changed(self, name: str) -> bool:
         """Whether a field differs from its default: only such a field can be ignored."""
@@ -382,6 +428,8 @@ class Plan:
             agree("grad_clip_norm", "grad_clip", "max_norm", self.grad_clip_norm)
         if self.tp > 1:
             agree("tp", "tensor_parallel")
+        if self.pp > 1:
+            agree("pp", "pipeline_split")
 
     # -- loading ----------------------------------------------------------------------------
     @classmethod

@@ -45,7 +45,15 @@ _CLASS_NAMES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
 
 
 class ScheduleError(ValueError):
-    """A schedule cannot run with these sizes; the message names the schedule and the rule."""
+    """A schedule cannot run with these sizes; the message names the schedule and the rule.
+
+    ``field`` says which size breaks it: ``schedule``, ``pp``, ``microbatches`` or
+    ``virtual_stages``.
+    """
+
+    def __init__(self, message: str, field: str = "schedule"):
+        super().__init__(message)
+        self.field = field
 
 
 def _known(name: str) -> None:
@@ -75,31 +83,36 @@ def check(name: str, pp: int, microbatches: int | None, v: int = 1, *, sizes: bo
     """Raise :class:`ScheduleError` where torch's schedule (or its premise) refuses these sizes."""
     _known(name)
     if not (isinstance(v, int) and v >= 1):
-        raise ScheduleError(f"{name}: virtual stages per rank must be an integer >= 1 (got {v!r})")
+        raise ScheduleError(f"{name}: virtual stages per rank must be an integer >= 1 (got {v!r})",
+                            "virtual_stages")
     if name in ("gpipe", "1f1b") and v != 1:
-        raise ScheduleError(f"{name} runs one stage per rank: virtual stages must be 1 (got {v})")
+        raise ScheduleError(f"{name} runs one stage per rank: virtual stages must be 1 (got {v})",
+                            "virtual_stages")
     if name == "interleaved_1f1b" and v < 2:
-        raise ScheduleError(f"{name} needs at least 2 stages per rank (virtual stages = {v})")
+        raise ScheduleError(f"{name} needs at least 2 stages per rank (virtual stages = {v})",
+                            "virtual_stages")
     if name == "dualpipev" and v not in (1, 2):
-        raise ScheduleError(f"{name} runs exactly 2 stages per rank (virtual stages = {v})")
+        raise ScheduleError(f"{name} runs exactly 2 stages per rank (virtual stages = {v})",
+                            "virtual_stages")
     if not sizes:
         return
     if not (isinstance(pp, int) and pp >= 2):
-        raise ScheduleError(f"{name}: a pipeline needs pp >= 2 ranks (got {pp!r})")
+        raise ScheduleError(f"{name}: a pipeline needs pp >= 2 ranks (got {pp!r})", "pp")
     m = microbatches
     if not (isinstance(m, int) and m >= 1):
-        raise ScheduleError(f"{name}: microbatches must be an integer >= 1 (got {m!r})")
+        raise ScheduleError(f"{name}: microbatches must be an integer >= 1 (got {m!r})", "microbatches")
     if name == "1f1b" and m < pp:
         raise ScheduleError(f"1f1b needs microbatches >= pp to fill the pipeline "
-                            f"(microbatches = {m}, pp = {pp})")
+                            f"(microbatches = {m}, pp = {pp})", "microbatches")
     if name in ("interleaved_1f1b", "zb1p"):
         rounds = max(1, m // pp)
         if m % rounds:
             raise ScheduleError(f"{name} needs microbatches to be a multiple of the number of rounds "
-                                f"max(1, microbatches // pp) = {rounds} (microbatches = {m}, pp = {pp})")
+                                f"max(1, microbatches // pp) = {rounds} (microbatches = {m}, pp = {pp})",
+                                "microbatches")
     if name == "dualpipev" and m < 2 * pp:
         raise ScheduleError(f"dualpipev needs microbatches >= its 2*pp = {2 * pp} stages "
-                            f"(microbatches = {m})")
+                            f"(microbatches = {m})", "microbatches")
 
 
 def _v(name: str, v: int) -> int:
