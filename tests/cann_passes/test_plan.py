@@ -101,3 +101,64 @@ def test_a_plan_file_that_does_not_parse_is_named(tmp_path):
 def test_low_precision_gradient_reduction_is_not_built():
     with pytest.raises(NotImplementedError, match="grad_reduce_dtype"):
         Plan(grad_reduce_dtype="bf16")
+
+
+# -- pipeline parallelism: schedules, virtual stages, split ------------------------------------
+
+@pytest.fixture
+def pipeline_pass_registered(monkeypatch):
+    """The plan's rules for pp > 1, whether or not the pipeline_split pass is built yet."""
+    import cann_passes.pass_manager as pm
+    real = pm.is_registered
+    monkeypatch.setattr(pm, "is_registered", lambda name: name == "pipeline_split" or real(name))
+
+
+@pytest.mark.parametrize("fields", [
+    {"pp": 2, "microbatches": 2},
+    {"pp": 4, "microbatches": 4, "pipeline_schedule": "gpipe"},
+    {"pp": 2, "microbatches": 1, "pipeline_schedule": "gpipe"},
+    {"pp": 2, "microbatches": 4, "pipeline_schedule": "interleaved_1f1b", "pipeline_virtual_stages": 2},
+    {"pp": 4, "microbatches": 3, "pipeline_schedule": "interleaved_1f1b", "pipeline_virtual_stages": 2},
+    {"pp": 2, "microbatches": 4, "pipeline_schedule": "zb1p"},
+    {"pp": 2, "microbatches": 4, "pipeline_schedule": "zb1p", "pipeline_virtual_stages": 2,
+     "pipeline_split": [1, 2, 2, 1]},
+    {"pp": 2, "microbatches": 4, "pipeline_schedule": "dynamic", "pipeline_virtual_stages": 2},
+    {"pp": 2, "microbatches": 4, "pipeline_split": [3, 1]},
+])
+def test_pipeline_plans_that_apply_are_accepted(pipeline_pass_registered, fields):
+    plan = Plan(**fields)
+    assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+
+
+def test_dualpipev_implies_two_stages_per_rank(pipeline_pass_registered):
+    plan = Plan(pp=2, microbatches=4, pipeline_schedule="dualpipev")
+    assert plan.pipeline_virtual_stages == 2
+    assert Plan(pp=2, microbatches=4, pipeline_schedule="dualpipev", pipeline_split=[1, 1, 1, 1]).pipeline_split \
+        == (1, 1, 1, 1)
+    with pytest.raises(PlanError, match="4 stages .*got 2") as info:
+        Plan(pp=2, microbatches=4, pipeline_schedule="dualpipev", pipeline_split=[2, 2])
+    assert info.value.field == "pipeline_split"
+
+
+@pytest.mark.parametrize("fields, name, rule", [
+    ({"pp": 4, "microbatches": 2}, "microbatches", "1f1b needs microbatches >= pp"),
+    ({"pp": 2, "microbatches": 4, "pipeline_schedule": "interleaved_1f1b"}, "pipeline_virtual_stages",
+     "at least 2 stages per rank"),
+    ({"pp": 2, "microbatches": 4, "pipeline_schedule": "gpipe", "pipeline_virtual_stages": 2},
+     "pipeline_virtual_stages", "one stage per rank"),
+    ({"pp": 2, "microbatches": 5, "pipeline_schedule": "zb1p", "pipeline_virtual_stages": 2}, "microbatches",
+     "multiple of the number of rounds"),
+    ({"pp": 2, "microbatches": 4, "pipeline_schedule": "interleaved_1f1b", "pipeline_virtual_stages": 2,
+      "pipeline_split": [1, 1]}, "pipeline_split", "4 stages"),
+    ({"pp": 2, "microbatches": 2, "pipeline_split": [1.0, 1]}, "pipeline_split", "whole layer counts"),
+])
+def test_bad_pipeline_plans_are_refused_by_field_before_the_capability_check(fields, name, rule):
+    with pytest.raises(PlanError, match=rule) as info:
+        Plan(**fields)
+    assert info.value.field == name
+
+
+def test_pipeline_text_with_pp_needs_the_pipeline_split_pass(pipeline_pass_registered):
+    with pytest.raises(PlanError, match="pipeline_split") as info:
+        Plan(pp=2, microbatches=2, pipeline="cleanup,grad_accumulation{microbatches=2}")
+    assert info.value.field == "pp"
