@@ -1,0 +1,113 @@
+"""Pipeline bubbles: torch's schedules simulated with the cost model, beside the papers' forms.
+
+    python bench/pipeline_bubbles.py [--trace out/pipeline_zb1p_p4_m8.json] [--profile ascend_910b]
+
+1. For p in {2, 4, 8} ranks and m in {4, 8, 16} microbatches, each schedule's action
+   lists (taken from torch.distributed.pipelining's own classes) replayed with equal stage
+   costs (F = I = W = 1: the backward is twice the forward) and free transfers: the bubble
+   fraction (idle / (ranks x makespan)) beside the closed form (GPipe / 1F1B
+   (p-1)/(m+p-1), interleaved (p-1)/(vm+p-1), ZB1P (p-1)(F+B-2W), DualPipeV
+   (p-1)(F&B+B-3W) on half stages, as fractions of the step) and their ratio. The forms
+   are stated for m >= p (a multiple of p for interleaving); below that torch's flexible
+   schedules leave more bubble than the form, and the table shows it.
+2. The same schedules with a GPT-sized layer on a device profile: stage times from the
+   roofline (6 * params * tokens FLOPs per layer split F : I : W = 1 : 1 : 1), activations
+   sent between stages over the profile's link (alpha-beta), and the dynamic choice under a
+   memory limit.
+3. One Chrome trace (opens in Perfetto) of the schedule named by --trace.
+
+Simulation only: nothing here runs a pipeline (the measured CPU bubbles come from the
+pipeline runtime's events through ``schedules.timeline_from_events``).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+from cann_passes import schedules as S
+from cann_passes.cost_model import get_profile
+from cann_passes.schedules import StageCost
+
+CANDIDATES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb1p", 1), ("zb1p", 2),
+              ("dualpipev", 2))
+EQUAL = StageCost(1.0, 1.0, 1.0)
+
+
+def label(name: str, v: int) -> str:
+    return name if v == 1 or name == "dualpipev" else f"{name} v={v}"
+
+
+def formula_table() -> None:
+    print("Bubble fraction, equal stage costs (F = I = W), free transfers: simulated vs closed form")
+    print(f"{'schedule':<22}{'p':>3}{'m':>4}{'simulated':>11}{'formula':>10}{'sim/formula':>13}"
+          f"{'peak in flight (stage 0)':>26}")
+    for name, v in CANDIDATES:
+        for p in (2, 4, 8):
+            for m in (4, 8, 16):
+                try:
+                    tl = S.simulate(name, p, m, EQUAL, v)
+                except S.ScheduleError as exc:
+                    print(f"{label(name, v):<22}{p:>3}{m:>4}{'-':>11}{'-':>10}{'-':>13}   refused: "
+                          f"{str(exc).split('(')[0].strip()}")
+                    continue
+                f = S.bubble_fraction_formula(name, p, m, v, EQUAL)
+                print(f"{label(name, v):<22}{p:>3}{m:>4}{tl.bubble_fraction:>11.4f}{f:>10.4f}"
+                      f"{tl.bubble_fraction / f:>13.3f}{tl.in_flight()[0]:>26}")
+        print()
+
+
+def layer_costs(profile_name: str, *, hidden: int, seq: int, micro_batch: int, layers: int, pp: int):
+    """A GPT block's time on the profile's matrix unit (bf16), and the bytes a stage sends."""
+    profile = get_profile(profile_name)
+    import torch
+    rate = profile.matrix_rate(torch.bfloat16)
+    tokens = seq * micro_batch
+    params = 12 * hidden * hidden
+    flops_f = 2 * params * tokens + 4 * seq * seq * hidden * micro_batch     # matmuls + attention
+    f = flops_f / rate
+    per_stage = layers // pp
+    send = tokens * hidden * 2                                               # bf16 activations
+    return profile, StageCost(per_stage * f, per_stage * f, per_stage * f, send_bytes=send)
+
+
+def profile_table(profile_name: str) -> None:
+    hidden, seq, mb, layers, p, m = 4096, 4096, 1, 32, 4, 16
+    profile, cost = layer_costs(profile_name, hidden=hidden, seq=seq, micro_batch=mb, layers=layers, pp=p)
+    xfer = S.transfer_seconds(cost.send_bytes, profile, p)
+    print(f"{profile.name}: GPT block d={hidden}, seq {seq}, microbatch {mb}, {layers} layers on p={p}, "
+          f"m={m}: stage F = {cost.forward_s * 1e3:.2f} ms, activation {cost.send_bytes / 2**20:.0f} MiB, "
+          f"transfer {xfer * 1e3:.3f} ms")
+    act_per_stage = 34 * seq * mb * hidden * (layers // p)     # Korthikanti et al. 2022, bf16, no recompute
+    static = 16 * 12 * hidden * hidden * (layers // p)         # bf16 weights+grads, fp32 Adam + master
+    limit = 0.75 * profile.memory_capacity
+    name, tl = S.choose_schedule(p, m, [cost] * p, link=profile, stage_activation_bytes=[act_per_stage] * p,
+                                 stage_static_bytes=[static] * p, memory_limit=limit,
+                                 candidates=CANDIDATES)
+    print(f"dynamic schedule (memory limit {limit / 2**30:.1f} GiB per rank, activations "
+          f"{act_per_stage / 2**30:.2f} GiB per microbatch per stage): {label(name, tl.extra['v'])}")
+    print(tl.extra["table"])
+    print()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trace", default="out/pipeline_zb1p_p4_m8.json",
+                    help="Chrome-trace path; the schedule, p and m are read from the name")
+    ap.add_argument("--profile", default="ascend_910b")
+    args = ap.parse_args()
+    formula_table()
+    profile_table(args.profile)
+    base = os.path.basename(args.trace).removesuffix(".json").split("_")
+    try:
+        p = int(base[-2].removeprefix("p"))
+        m = int(base[-1].removeprefix("m"))
+        name = "_".join(base[1:-2])
+    except (ValueError, IndexError):
+        raise SystemExit(f"--trace {args.trace!r}: name it pipeline_<schedule>_p<P>_m<M>.json") from None
+    v = 2 if name in ("interleaved_1f1b", "dualpipev") else 1
+    tl = S.simulate(name, p, m, StageCost(1e-3, 1e-3, 1e-3), v)
+    print(f"Chrome trace ({tl.summary()}): {tl.to_chrome_trace(args.trace)}")
+
+
+if __name__ == "__main__":
+    main()
