@@ -198,6 +198,31 @@ def _grouped_lists(name: str, pp: int, microbatches: int, v: int) -> dict[int, l
     return groups
 
 
+def torch_actions(name: str, pp: int, microbatches: int, v: int = 1) -> dict[int, list]:
+    """torch ``_Action`` lists (compute only) to load into ``_PipelineScheduleRuntime``.
+
+    The schedule's own order with its idle slots and ``REDUCE_GRAD`` entries dropped (the
+    runtime's ``_prepare_schedule_with_comms(actions, format="compute_only")`` refuses
+    anything but compute actions and adds the sends, receives and gradient reductions itself),
+    OVERLAP_F_B pairs kept, and 1F1B's last-rank forwards renumbered (see
+    :func:`_renumber_forwards`).
+    """
+    from torch.distributed.pipelining.schedules import _Action, _ComputationType as T
+    order = torch_pipeline_order(name, pp, microbatches, v)
+    lists = {r: [a for a in order[r] if a is not None and a.is_compute_op] for r in range(pp)}
+    if name == "1f1b":
+        for r, acts in lists.items():
+            count: dict[int, int] = defaultdict(int)
+            fixed = []
+            for a in acts:
+                if a.computation_type == T.FORWARD:
+                    a = _Action(a.stage_index, T.FORWARD, count[a.stage_index])
+                    count[a.stage_index] += 1
+                fixed.append(a)
+            lists[r] = fixed
+    return lists
+
+
 def action_lists(name: str, pp: int, microbatches: int, v: int = 1) -> dict[int, list[Action]]:
     """Compute actions of each rank in torch's order (no bubbles, no comms, no REDUCE_GRAD)."""
     return {r: [a for g in gs for a in g] for r, gs in _grouped_lists(name, pp, microbatches, v).items()}

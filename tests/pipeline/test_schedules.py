@@ -153,3 +153,31 @@ def test_sizes_a_schedule_cannot_run_are_refused_naming_the_rule(name, v, p, m, 
     with pytest.raises(S.ScheduleError) as info:
         S.simulate(name, p, m, v=v)
     assert info.value.field == field and name in str(info.value)
+
+
+@pytest.mark.parametrize("name, v", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb1p", 1),
+                                     ("zb1p", 2), ("dualpipev", 2)])
+def test_torch_actions_lower_with_torchs_runtime_and_pass_its_dry_run(name, v):
+    from torch.distributed.pipelining import schedules as T
+    p, m = 4, 8
+    owner = S.stage_to_rank(name, p, v)
+    n = len(owner)
+    runtime = T._PipelineScheduleRuntime([S._stand_in_stage(n, p, 0, s) for s in range(n) if owner[s] == 0], m)
+    runtime._prepare_schedule_with_comms(S.torch_actions(name, p, m, v))    # adds sends / receives
+    lowered = runtime.pipeline_order_with_comms
+    assert {a.computation_type for acts in lowered.values() for a in acts} >= {T.SEND_F, T.RECV_F}
+    if name != "dualpipev":      # torch's dry run knows no OVERLAP_F_B
+        compute = {r: [a for a in acts if a.computation_type not in (T.UNSHARD, T.RESHARD, T.REDUCE_GRAD)]
+                   for r, acts in lowered.items()}
+        T._simulate_comms_compute(compute, lambda s: owner[s], n)
+
+
+def test_torchs_own_1f1b_order_is_renumbered_only_where_it_is_wrong():
+    from torch.distributed.pipelining import schedules as T
+    raw = T.Schedule1F1B(S._stand_in_stage(4, 4, 0, 0), 8).pipeline_order
+    ours = S.torch_actions("1f1b", 4, 8)
+    for r in range(3):
+        assert [str(a) for a in ours[r]] == [str(a) for a in raw[r] if a is not None and a.is_compute_op]
+    last = [a for a in raw[3] if a is not None and a.is_compute_op]
+    assert [str(a) for a in ours[3]][:2] == ["3F0", "3B0"]
+    assert [a.computation_type for a in ours[3]] == [a.computation_type for a in last]
