@@ -214,3 +214,115 @@ def in_flight_for(name: str, pp: int, microbatches: int, v: int = 1) -> list[int
     from .schedules import simulate
     peaks = simulate(name, pp, microbatches, v=v).in_flight()
     return [peaks.get(s, 0) for s in range(max(peaks) + 1)]
+
+
+# -- a split per schedule, and the dynamic choice over both ------------------------------------
+
+@dataclass
+class PipelinePlan:
+    """A schedule, its stages per rank, the split into stages and its simulated timeline."""
+    schedule: str
+    v: int
+    split: Split
+    timeline: object                  # schedules.Timeline
+    rank_bytes: dict[int, float]
+    table: str = ""
+
+
+def plan_pipeline(unit_costs: Sequence[float], pp: int, microbatches: int, *, schedule: str = "dynamic",
+                  v: int = 1, unit_static_bytes=None, unit_activation_bytes=None,
+                  memory_limit: float | None = None, forward_fraction: float = 1 / 3,
+                  weight_fraction: float = 1 / 3, send_bytes: int = 0, link=None,
+                  candidates=None) -> PipelinePlan:
+    """Split the units for a schedule and simulate it; with ``dynamic``, for every candidate.
+
+    Each candidate schedule keeps its own number of microbatches alive per stage
+    (:func:`in_flight_for`), so the memory-constrained split differs per schedule; each split
+    is simulated and the fastest whose ranks fit ``memory_limit`` is returned. ``unit_costs``
+    are forward + backward seconds per unit, divided into forward, input-gradient and
+    weight-gradient parts by ``forward_fraction`` and ``weight_fraction`` (1/3 each: the
+    backward is twice the forward, half of it for weights). With several stages per rank the
+    balancer gives each stage an equal share of the rank's limit; the simulated per-rank
+    peak (static + activations its stages hold together) is then checked against the whole
+    limit. Raises ValueError with the comparison table when nothing fits.
+    """
+    from . import schedules as S
+    if schedule == "dynamic":
+        cands = list(candidates or S.DEFAULT_CANDIDATES)
+    else:
+        cands = [(schedule, v)]
+    static = np.zeros(len(unit_costs)) if unit_static_bytes is None else np.asarray(unit_static_bytes, float)
+    rows: list[tuple] = []
+    best: PipelinePlan | None = None
+    for cand in cands:
+        name, cv = (cand, v) if isinstance(cand, str) else cand
+        try:
+            spr = S.stages_per_rank(name, cv)
+            S.check(name, pp, microbatches, cv)
+            flights = in_flight_for(name, pp, microbatches, cv)
+        except ValueError as exc:            # ScheduleError is a ValueError
+            rows.append((name, cv, None, None, None, f"refused: {exc}"))
+            continue
+        # One stage per rank: the stage's limit is the rank's. Several: a stage's own peak may
+        # exceed its share while the rank's combined peak fits (the stages peak at different
+        # times), so try the whole limit first and shrink towards an equal share.
+        shares = [1.0] if spr == 1 or memory_limit is None else \
+            [(1 / spr) ** (i / 4) for i in range(5)]
+        tried = None
+        for share in shares:
+            try:
+                split = balance(unit_costs, pp * spr, unit_static_bytes=unit_static_bytes,
+                                unit_activation_bytes=unit_activation_bytes, in_flight=flights,
+                                memory_limit=None if memory_limit is None else memory_limit * share)
+            except ValueError as exc:
+                tried = tried or (None, None, None, f"refused: {exc}")
+                continue
+            tl, rank_bytes = _simulate_split(S, name, cv, pp, microbatches, split, static,
+                                             unit_activation_bytes, forward_fraction, weight_fraction,
+                                             send_bytes, link)
+            peak = max(rank_bytes.values())
+            if memory_limit is None or peak <= memory_limit * (1 + 1e-12):
+                tried = (tl, split, rank_bytes, "")
+                break
+            tried = (tl, split, rank_bytes, f"refused: a rank needs {peak:.4g} bytes > {memory_limit:.4g}")
+        tl, split, rank_bytes, verdict = tried
+        if tl is None:
+            rows.append((name, cv, None, None, None, verdict))
+            continue
+        rows.append((name, spr, tl, split, max(rank_bytes.values()), verdict))
+        if not verdict and (best is None or tl.makespan < best.timeline.makespan):
+            best = PipelinePlan(name, spr, split, tl, rank_bytes)
+    lines = [f"{'schedule':<18}{'v':>3}{'makespan s':>14}{'bubble':>9}{'imbalance':>11}{'peak bytes':>14}  verdict"]
+    for name, cv, tl, split, peak, verdict in rows:
+        if tl is None:
+            lines.append(f"{name:<18}{cv:>3}{'-':>14}{'-':>9}{'-':>11}{'-':>14}  {verdict}")
+            continue
+        if not verdict and best is not None:
+            verdict = ("chosen" if (name, cv) == (best.schedule, best.v)
+                       else f"{tl.makespan / best.timeline.makespan:.3f}x slower")
+        lines.append(f"{name:<18}{cv:>3}{tl.makespan:>14.6g}{tl.bubble_fraction:>9.3f}{split.imbalance:>11.4f}"
+                     f"{peak:>14.4g}  {verdict}")
+    table = "\n".join(lines)
+    if best is None:
+        raise ValueError(f"no pipeline schedule and split for pp = {pp}, microbatches = {microbatches} fits\n"
+                         + table)
+    best.table = table
+    return best
+
+
+def _simulate_split(S, name, v, pp, microbatches, split, static, unit_activation_bytes, forward_fraction,
+                    weight_fraction, send_bytes, link):
+    """The split's timeline and each rank's peak bytes (static + activations held together)."""
+    costs = [S.StageCost(c * forward_fraction, c * (1 - forward_fraction - weight_fraction),
+                         c * weight_fraction, send_bytes) for c in split.stage_costs]
+    tl = S.simulate(name, pp, microbatches, costs, v, link)
+    act = [0.0] * split.n_stages
+    if unit_activation_bytes is not None:
+        A = _prefix(np.asarray(unit_activation_bytes, float))
+        act = [float(A[r.stop] - A[r.start]) for r in split.ranges()]
+    P = _prefix(static)
+    held = tl.peak_activation_bytes(act)
+    owner = S.stage_to_rank(name, pp, v)
+    return tl, {rk: held.get(rk, 0.0) + sum(float(P[r.stop] - P[r.start])
+                                            for s, r in enumerate(split.ranges()) if owner[s] == rk)
+                for rk in range(pp)}

@@ -106,3 +106,28 @@ def test_in_flight_counts_come_from_the_schedule():
     assert in_flight_for("gpipe", 2, 6) == [6, 6]
     assert len(in_flight_for("interleaved_1f1b", 2, 4, 2)) == 4
     assert len(in_flight_for("dualpipev", 2, 4)) == 4
+
+
+def test_plan_pipeline_splits_per_schedule_and_takes_the_fastest_that_fits():
+    from cann_passes import schedules as S
+    from cann_passes.stage_balance import plan_pipeline
+    costs = [0.2] + [0.4, 0.6] * 16 + [1.8]
+    free = plan_pipeline(costs, 4, 8)
+    makespans = {}
+    for name, v in S.DEFAULT_CANDIDATES:
+        split = balance(costs, 4 * S.stages_per_rank(name, v))
+        stage = [S.StageCost(c / 3, c / 3, c / 3) for c in split.stage_costs]
+        makespans[name] = S.simulate(name, 4, 8, stage, v).makespan
+    assert free.timeline.makespan == pytest.approx(min(makespans.values()))
+    assert free.schedule == min(makespans, key=makespans.get) and "chosen" in free.table
+    # a fixed schedule is split for its own stage count
+    fixed = plan_pipeline(costs, 4, 8, schedule="interleaved_1f1b", v=2)
+    assert fixed.schedule == "interleaved_1f1b" and fixed.split.n_stages == 8
+    # GPipe keeps all 8 microbatches alive: under a tight limit it is refused, 1F1B is split to fit
+    act = [1.0] * len(costs)
+    tight = plan_pipeline(costs, 4, 8, unit_activation_bytes=act, memory_limit=40,
+                          candidates=[("gpipe", 1), ("1f1b", 1)])
+    assert tight.schedule == "1f1b" and max(tight.rank_bytes.values()) <= 40
+    assert "gpipe" in tight.table and "refused" in tight.table
+    with pytest.raises(ValueError, match="no pipeline schedule and split"):
+        plan_pipeline(costs, 4, 8, unit_activation_bytes=act, memory_limit=3)
