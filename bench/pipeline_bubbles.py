@@ -1,6 +1,7 @@
 """Pipeline bubbles: torch's schedules simulated with the cost model, beside the papers' forms.
 
     python bench/pipeline_bubbles.py [--trace out/pipeline_zb1p_p4_m8.json] [--profile ascend_910b]
+    python bench/pipeline_bubbles.py --measured out/events_1f1b.json [--measured ...]
 
 1. For p in {2, 4, 8} ranks and m in {4, 8, 16} microbatches, each schedule's action
    lists (taken from torch.distributed.pipelining's own classes) replayed with equal stage
@@ -16,8 +17,10 @@
    memory limit.
 3. One Chrome trace (opens in Perfetto) of the schedule named by --trace.
 
-Simulation only: nothing here runs a pipeline (the measured CPU bubbles come from the
-pipeline runtime's events through ``schedules.timeline_from_events``).
+4. With --measured: events a pipeline run recorded (``schedules.save_events``), their
+   bubble beside the simulation of the same schedule with the measured mean stage costs.
+
+Nothing here runs a pipeline: measured events come from the pipeline runtime.
 """
 from __future__ import annotations
 
@@ -89,12 +92,36 @@ def profile_table(profile_name: str) -> None:
     print()
 
 
+def measured_table(paths: list[str]) -> None:
+    """Measured bubbles beside the simulation of the same schedule with the measured mean costs."""
+    print("Measured bubble vs simulated (same schedule, mean measured stage costs, free transfers) vs formula")
+    print(f"{'schedule':<22}{'p':>3}{'m':>4}{'measured':>10}{'simulated':>11}{'formula':>10}"
+          f"{'makespan meas/sim':>19}")
+    for path in paths:
+        measured = S.load_events(path)
+        name, v = measured.name, measured.v
+        costs = S.stage_costs_from_timeline(measured)
+        sim = S.simulate(name, measured.pp, measured.microbatches, costs, v)
+        mean = StageCost(*(sum(getattr(c, k) for c in costs) / len(costs)
+                           for k in ("forward_s", "backward_input_s", "backward_weight_s")))
+        f = S.bubble_fraction_formula(name, measured.pp, measured.microbatches, v, mean)
+        print(f"{label(name, v):<22}{measured.pp:>3}{measured.microbatches:>4}{measured.bubble_fraction:>10.4f}"
+              f"{sim.bubble_fraction:>11.4f}{f:>10.4f}{measured.makespan / sim.makespan:>19.3f}")
+        trace = os.path.splitext(path)[0] + ".trace.json"
+        print(f"  measured trace: {measured.to_chrome_trace(trace)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", default="out/pipeline_zb1p_p4_m8.json",
                     help="Chrome-trace path; the schedule, p and m are read from the name")
     ap.add_argument("--profile", default="ascend_910b")
+    ap.add_argument("--measured", action="append", default=[],
+                    help="events JSON of a measured run (schedules.save_events); repeatable")
     args = ap.parse_args()
+    if args.measured:
+        measured_table(args.measured)
+        return
     formula_table()
     profile_table(args.profile)
     base = os.path.basename(args.trace).removesuffix(".json").split("_")

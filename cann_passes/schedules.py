@@ -444,6 +444,49 @@ class Timeline:
         return str(path)
 
 
+def save_events(timeline: Timeline, path: str | os.PathLike) -> str:
+    """The timeline's events as JSON (``load_events`` reads it back): for measured runs."""
+    doc = {"schedule": timeline.name, "pp": timeline.pp, "microbatches": timeline.microbatches,
+           "v": timeline.v, "events": [[e.rank, e.stage, e.microbatch, e.kind, e.start_s, e.end_s]
+                                       for e in timeline.events]}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(doc, f)
+    return str(path)
+
+
+def load_events(path: str | os.PathLike) -> Timeline:
+    with open(path, encoding="utf-8") as f:
+        doc = json.load(f)
+    tl = timeline_from_events(doc["events"], name=doc.get("schedule", "measured"))
+    tl.pp = doc.get("pp", tl.pp)
+    tl.microbatches = doc.get("microbatches", tl.microbatches)
+    tl.v = doc.get("v", 1)
+    return tl
+
+
+def stage_costs_from_timeline(timeline: Timeline) -> list[StageCost]:
+    """Mean measured seconds per stage and kind, as StageCosts to re-simulate with.
+
+    A full backward (B) measured without its I / W halves is divided evenly between them.
+    """
+    sums: dict[tuple[int, str], list[float]] = defaultdict(list)
+    for e in timeline.events:
+        sums[(e.stage, e.kind)].append(e.end_s - e.start_s)
+
+    def mean(stage: int, kind: str) -> float | None:
+        xs = sums.get((stage, kind))
+        return sum(xs) / len(xs) if xs else None
+
+    out = []
+    for s in range(max(e.stage for e in timeline.events) + 1):
+        f, b, i, w = (mean(s, k) for k in KINDS)
+        if i is None or w is None:
+            i = w = (b or 0.0) / 2
+        out.append(StageCost(f or 0.0, i, w))
+    return out
+
+
 def timeline_from_events(events: Iterable[tuple], name: str = "measured") -> Timeline:
     """A Timeline from measured ``(rank, stage, microbatch, kind, start_s, end_s)`` tuples."""
     evs = []

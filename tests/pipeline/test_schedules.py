@@ -181,3 +181,15 @@ def test_torchs_own_1f1b_order_is_renumbered_only_where_it_is_wrong():
     last = [a for a in raw[3] if a is not None and a.is_compute_op]
     assert [str(a) for a in ours[3]][:2] == ["3F0", "3B0"]
     assert [a.computation_type for a in ours[3]] == [a.computation_type for a in last]
+
+
+def test_measured_events_round_trip_and_give_costs_to_resimulate(tmp_path):
+    sim = S.simulate("1f1b", 2, 4, StageCost(2.0, 1.0, 1.0))
+    path = S.save_events(sim, tmp_path / "events.json")
+    back = S.load_events(path)
+    assert (back.name, back.pp, back.microbatches) == ("1f1b", 2, 4)
+    assert back.bubble_fraction == pytest.approx(sim.bubble_fraction)
+    costs = S.stage_costs_from_timeline(back)
+    assert costs == [StageCost(2.0, 1.0, 1.0)] * 2        # B split evenly into I and W
+    again = S.simulate("1f1b", 2, 4, costs)
+    assert again.makespan == pytest.approx(sim.makespan)
