@@ -10,7 +10,8 @@ simulate is the order torch runs. Nothing here re-derives a schedule by hand.
 :func:`simulate` replays those lists with per-stage costs (forward, input
 gradient, weight gradient) and point-to-point transfer times (alpha-beta over
 the profile's link): an action starts when its rank is free and its inputs
-have arrived; compute on one rank is serial, transfers overlap compute. It
+have arrived; compute on one rank is serial, transfers overlap compute and each other
+(no link contention is modelled). It
 gives per-rank events, the makespan, the bubble fraction (idle time over
 ranks x makespan) and the peak number of microbatches whose activations each
 stage holds. torch's own ``_simulate_comms_compute`` counts unit steps only.
@@ -36,7 +37,7 @@ from typing import Callable, Iterable, Sequence
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb1p", "dualpipev")
 NAMES = SCHEDULES + ("dynamic",)
 KINDS = ("F", "B", "I", "W")
-#: schedules whose backward is split into I and W actions
+#: schedules whose actions split the backward into I and W (DualPipeV runs full B actions too)
 SPLIT_BACKWARD = ("zb1p", "dualpipev")
 
 _CLASS_NAMES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
