@@ -15,9 +15,10 @@
    roofline (6 * params * tokens FLOPs per layer split F : I : W = 1 : 1 : 1), activations
    sent between stages over the profile's link (alpha-beta), and the dynamic choice under a
    memory limit.
-3. One Chrome trace (opens in Perfetto) of the schedule named by --trace.
+3. The ratio simulated / formula when F, I and W differ.
+4. One Chrome trace (opens in Perfetto) of the schedule named by --trace.
 
-4. With --measured: events a pipeline run recorded (``schedules.save_events``), their
+5. With --measured: events a pipeline run recorded (``schedules.save_events``), their
    bubble beside the simulation of the same schedule with the measured mean stage costs.
 
 Nothing here runs a pipeline: measured events come from the pipeline runtime.
@@ -57,6 +58,23 @@ def formula_table() -> None:
                 print(f"{label(name, v):<22}{p:>3}{m:>4}{tl.bubble_fraction:>11.4f}{f:>10.4f}"
                       f"{tl.bubble_fraction / f:>13.3f}{tl.in_flight()[0]:>26}")
         print()
+
+
+def cost_ratio_table() -> None:
+    """How far each form holds when F, I and W differ (GPipe / 1F1B / interleaved: exactly)."""
+    ratios = [StageCost(1.0, 1.0, 1.0), StageCost(1.0, 1.2, 0.8), StageCost(1.0, 1.5, 0.5),
+              StageCost(1.0, 0.8, 1.2), StageCost(1.0, 2.0, 2.0)]
+    print("Simulated / formula bubble when stage costs differ (p=4, m=16; free transfers)")
+    print(f"{'F:I:W':<14}" + "".join(f"{label(n, v):>22}" for n, v in CANDIDATES))
+    for c in ratios:
+        cells = []
+        for name, v in CANDIDATES:
+            tl = S.simulate(name, 4, 16, c, v)
+            cells.append(f"{tl.bubble_fraction / S.bubble_fraction_formula(name, 4, 16, v, c):>22.3f}")
+        ratio = f"{c.forward_s:g}:{c.backward_input_s:g}:{c.backward_weight_s:g}"
+        print(f"{ratio:<14}" + "".join(cells))
+    print("(ZB1P / DualPipeV: torch's fixed orders meet the papers' forms at F = I = W; the papers'\n"
+          " forms assume a schedule fitted to the costs)\n")
 
 
 def layer_costs(profile_name: str, *, hidden: int, seq: int, micro_batch: int, layers: int, pp: int):
@@ -123,6 +141,7 @@ def main() -> None:
         measured_table(args.measured)
         return
     formula_table()
+    cost_ratio_table()
     profile_table(args.profile)
     base = os.path.basename(args.trace).removesuffix(".json").split("_")
     try:

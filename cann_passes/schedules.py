@@ -612,6 +612,10 @@ def bubble_fraction_formula(name: str, pp: int, m: int, v: int = 1,
       (p-1)(F+2B-3W) on costs of one of the rank's two stages; compute 2m(F+B).
 
     ``cost`` is one stage's cost (for the schedules with 2 or v stages per rank: one of them).
+    The forms hold for m >= p (a multiple of p when interleaving). The zero-bubble forms assume
+    a schedule fitted to the costs (the paper's ZB-1p comes from a solver); torch's orders are
+    fixed and meet them at F = I = W: with W > F the simulated bubble is larger
+    (bench/pipeline_bubbles.py prints the ratios).
     """
     _known(name)
     F, B, W = cost.forward_s, cost.backward_s, cost.backward_weight_s
