@@ -32,7 +32,7 @@ import os
 import types
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Iterable, Sequence
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb1p", "dualpipev")
 NAMES = SCHEDULES + ("dynamic",)
@@ -83,7 +83,7 @@ def stages_per_rank(name: str, v: int = 1) -> int:
 def check(name: str, pp: int, microbatches: int | None, v: int = 1, *, sizes: bool = True) -> None:
     """Raise :class:`ScheduleError` where torch's schedule (or its premise) refuses these sizes."""
     _known(name)
-    if not (isinstance(v, int) and v >= 1):
+    if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
         raise ScheduleError(f"{name}: virtual stages per rank must be an integer >= 1 (got {v!r})",
                             "virtual_stages")
     if name in ("gpipe", "1f1b") and v != 1:
@@ -97,10 +97,10 @@ def check(name: str, pp: int, microbatches: int | None, v: int = 1, *, sizes: bo
                             "virtual_stages")
     if not sizes:
         return
-    if not (isinstance(pp, int) and pp >= 2):
+    if not (isinstance(pp, int) and not isinstance(pp, bool) and pp >= 2):
         raise ScheduleError(f"{name}: a pipeline needs pp >= 2 ranks (got {pp!r})", "pp")
     m = microbatches
-    if not (isinstance(m, int) and m >= 1):
+    if not (isinstance(m, int) and not isinstance(m, bool) and m >= 1):
         raise ScheduleError(f"{name}: microbatches must be an integer >= 1 (got {m!r})", "microbatches")
     if name == "1f1b" and m < pp:
         raise ScheduleError(f"1f1b needs microbatches >= pp to fill the pipeline "
