@@ -39,7 +39,11 @@ def test_memory_terms_are_the_compiled_programs_state_bytes(captures, zero_sims)
     program = compile_program(captures.get(ROWS, SPEC.layers), plan, MeshDesc.fake(dp=4))
     (state,) = program.state_bytes().values()
     sim = zero_sims[1]
-    assert sim.memory == {k: v for k, v in dataclasses.asdict(state).items()}
+    want = dataclasses.asdict(state)
+    # the bf16 weight casts kept for backward are reported apart from the activations
+    assert sim.memory["param_copies"] > 0
+    assert sim.memory["activations"] + sim.memory["param_copies"] == want.pop("activations")
+    assert {k: sim.memory[k] for k in want} == want
     assert sim.peak_bytes >= state.params + state.optimizer_state + state.buffers
     assert sim.fits and 0 < sim.headroom < 1
     assert sim.step_seconds >= sim.compute_seconds > 0 and sim.comm_seconds > 0
