@@ -13,20 +13,35 @@
     <plan.extra_passes>          the user's own passes
     npu_legalize                 Ascend converter coverage   (backend torchair)
     cleanup
-    split_grad_apply             grad / apply graphs         (accumulating plans)
+    split_grad_apply             grad / apply graphs         (accumulating plans, pp = 1)
+    pipeline_split{stages,...}   pipeline stage graphs       (plan.pp > 1)
     spell_out_alpha              inductor's addmm pattern    (backend inductor)
+
+With pp > 1 the plan's ``microbatches`` are the pipeline's: ``grad_accumulation``
+gives every parameter its accumulator and ``pipeline_split`` (not
+``split_grad_apply``) cuts the accumulating step into stages, whose backward
+graphs add each microbatch's gradient and whose apply graphs update once per
+step; the runtime's accumulation loop does not run. Gradients are
+all-reduced (or reduce-scattered) one parameter at a time, so every
+collective lands in the stage that owns its gradient.
 
 A plan's ``pipeline`` field replaces all of this with its own text.
 """
 from __future__ import annotations
 
 from .pass_manager import Pipeline, is_registered, spec
-from .plan import Plan
+from .plan import Plan, PlanError
+
+# With pp > 1 each gradient is its own bucket: a bucket spanning two stages' gradients would be a
+# collective no stage could run alone.
+PIPELINE_BUCKET_MB = 1e-9
 
 
 def build_pipeline(plan: Plan, backend: str) -> Pipeline:
     if plan.pipeline:
         return Pipeline.parse(plan.pipeline)
+    if plan.pp > 1:
+        _check_pipeline_plan(plan)
     steps: list[str] = ["cleanup"]
     if plan.precision != "fp32":
         steps.append(f"autocast{{dtype={plan.precision},policy={'npu' if backend == 'torchair' else 'cuda'}}}")
@@ -40,21 +55,51 @@ def build_pipeline(plan: Plan, backend: str) -> Pipeline:
     if plan.recompute != "none":
         budget = "" if plan.recompute_budget is None else f",budget={plan.recompute_budget}"
         steps.append(f"recompute{{policy={plan.recompute},every_n={plan.recompute_every_n}{budget}}}")
-    if plan.microbatches > 1 or plan.accumulate_target is not None:
+    if plan.microbatches > 1 or plan.accumulate_target is not None or plan.pp > 1:
         steps.append(f"grad_accumulation{{microbatches={plan.microbatches},"
                      f"target={plan.accumulate_target or 0}}}")
+    bucket_mb = PIPELINE_BUCKET_MB if plan.pp > 1 else plan.bucket_mb
     if plan.dp > 1 and plan.zero_stage == 0:
-        steps.append(f"data_parallel{{bucket_mb={plan.bucket_mb},algo={plan.allreduce_algo}}}")
+        steps.append(f"data_parallel{{bucket_mb={bucket_mb},algo={plan.allreduce_algo}}}")
     if plan.zero_stage:
-        steps.append(f"optimizer_shard{{stage={plan.zero_stage},bucket_mb={plan.bucket_mb}}}")
+        steps.append(f"optimizer_shard{{stage={plan.zero_stage},bucket_mb={bucket_mb}}}")
     if plan.grad_clip_norm is not None:
         steps.append(f"grad_clip{{max_norm={float(plan.grad_clip_norm)!r}}}")
     steps.extend(plan.extra_passes)
     if backend == "torchair" and is_registered("npu_legalize"):
         steps.append("npu_legalize")
     steps.append("cleanup")
-    if plan.microbatches > 1 or plan.accumulate_target is not None:
+    if plan.pp > 1:
+        steps.append(str(pipeline_split_spec(plan)))
+    elif plan.microbatches > 1 or plan.accumulate_target is not None:
         steps.append("split_grad_apply")
     if backend == "inductor":
         steps.append("spell_out_alpha")
     return Pipeline.of(*steps)
+
+
+def pipeline_stages(plan: Plan) -> int:
+    from .schedules import stages_per_rank
+    return plan.pp * stages_per_rank(plan.pipeline_schedule, plan.pipeline_virtual_stages)
+
+
+def pipeline_split_spec(plan: Plan):
+    layers = "" if plan.pipeline_split == "cost" else ";".join(str(c) for c in plan.pipeline_split)
+    return spec("pipeline_split", stages=pipeline_stages(plan), pp=plan.pp, schedule=plan.pipeline_schedule,
+                layers=layers)
+
+
+def _check_pipeline_plan(plan: Plan) -> None:
+    """What pipeline parallelism does not compose with yet, refused by field."""
+    if plan.tp > 1:
+        raise PlanError("tp", f"tensor parallelism with pp = {plan.pp} is not built yet (rule: tp = 1 "
+                              "when pp > 1)", plan.tp)
+    if plan.accumulate_target is not None:
+        raise PlanError("accumulate_target", "dynamic accumulation with pp > 1 is not built (rule: the "
+                                             "pipeline's microbatches are fixed per step)", plan.accumulate_target)
+    if plan.zero_stage == 3:
+        raise PlanError("zero_stage", "ZeRO-3 with pp > 1 is not built yet (rule: zero_stage <= 2 when "
+                                      "pp > 1)", plan.zero_stage)
+    if plan.pipeline_schedule == "dynamic":
+        raise PlanError("pipeline_schedule", "'dynamic' must be resolved to a schedule before compiling "
+                                             "(cann_passes.schedules.choose_schedule)", plan.pipeline_schedule)

@@ -47,6 +47,9 @@ class GraphAttr:
     GRAD_ACCUMULATION = "grad_accumulation"  # {microbatches, target}: accumulating step
     MESH = "mesh"                      # the mesh description the graph was compiled for (JSON)
     RANK = "rank"                      # the global rank a per-rank graph belongs to
+    STAGE = "stage"                    # a pipeline stage graph: {index, stages, rank, first, last}
+    # On a Program (program.attrs): the pipeline split (stages, stage -> rank, units, costs).
+    PIPELINE_PARALLEL = "pipeline_parallel"
 
 
 class GraphKind(str, enum.Enum):
@@ -57,6 +60,12 @@ class GraphKind(str, enum.Enum):
     APPLY = "apply"          # once per optimizer step: gradient sync and optimizer; no loss
     FORWARD = "forward"      # torch.compile's forward half (AOTAutograd)
     BACKWARD = "backward"    # torch.compile's backward half
+    # One pipeline stage (pipeline_split), run per microbatch except apply:
+    STAGE_FORWARD = "stage_forward"                  # boundary in -> boundary out (loss on the last), saved values
+    STAGE_BACKWARD = "stage_backward"                # saved + boundary gradients -> gradients for the previous stage
+    STAGE_BACKWARD_INPUT = "stage_backward_input"    # the part of backward the previous stage waits for
+    STAGE_BACKWARD_WEIGHT = "stage_backward_weight"  # the rest: parameter gradients into the accumulators
+    STAGE_APPLY = "stage_apply"                      # once per step: the stage's optimizer update
 
     def __str__(self) -> str:
         return self.value
@@ -64,6 +73,25 @@ class GraphKind(str, enum.Enum):
 
 def graph_kind(attrs: dict) -> GraphKind:
     return GraphKind(attrs.get(GraphAttr.KIND, GraphKind.STEP.value))
+
+
+def expected_losses(attrs: dict) -> int:
+    """How many loss outputs a graph of this kind has: one for what computes a microbatch's loss."""
+    kind = graph_kind(attrs)
+    if kind == GraphKind.STAGE_FORWARD:
+        return int(bool(attrs.get(GraphAttr.STAGE, {}).get("last")))
+    return 0 if kind in (GraphKind.APPLY, GraphKind.STAGE_BACKWARD, GraphKind.STAGE_BACKWARD_INPUT,
+                         GraphKind.STAGE_BACKWARD_WEIGHT, GraphKind.STAGE_APPLY) else 1
+
+
+class StageValue:
+    """Signature kinds of the values that pass between pipeline stage graphs (named by the step's node)."""
+
+    ACTIVATION = "activation"      # a forward value sent to the next stage
+    GRADIENT = "boundary_grad"     # a backward value sent to the previous stage
+    SAVED = "saved"                # a forward value the same stage's backward reads
+    INTERMEDIATE = "bw_intermediate"  # handed from backward_input to backward_weight
+    KINDS = (ACTIVATION, GRADIENT, SAVED, INTERMEDIATE)
 
 
 # Step-state names of gradient accumulation, shared by the pass that adds them and the runtime

@@ -23,7 +23,7 @@ import torch
 import torch.fx
 
 from .build import propagate_fake_values
-from .meta import MODULE_PATH, REGION, GraphAttr, GraphKind, Region, describe_value, graph_kind
+from .meta import MODULE_PATH, REGION, GraphAttr, GraphKind, Region, describe_value, expected_losses, graph_kind
 from .serialize import value_matches
 from .signature import InputKind, OutputKind
 from .train_graph import TrainGraph
@@ -45,7 +45,7 @@ _REGIONS_OF_KIND = {GraphKind.GRAD: {Region.FORWARD, Region.BACKWARD},
 
 
 def _check_signature(tg: TrainGraph) -> list[str]:
-    problems = list(tg.signature.check(losses=0 if graph_kind(tg.attrs) == GraphKind.APPLY else 1))
+    problems = list(tg.signature.check(losses=expected_losses(tg.attrs)))
     placeholders, outputs = tg.placeholders(), tg.output_values()
     if len(placeholders) != len(tg.signature.inputs):
         problems.append(f"{len(placeholders)} placeholders but the signature names "

@@ -43,7 +43,7 @@ from ..dump import dump_dir_from
 from ..lowering import get_lowering, resolve_backend
 from ..pass_manager import PassContext, PassRecord, Pipeline
 from ..plan import Plan
-from . import accumulation, distributed, user_state
+from . import accumulation, distributed, pipeline, user_state
 from .binding import ShardStore, StepState, bind_inputs, source_token, write_back
 
 log = logging.getLogger("cann_passes")
@@ -120,6 +120,8 @@ class CompiledStep:
                                "process launched by torchrun (to compile without processes, use "
                                "cann_passes.compile_program with a MeshDesc.fake mesh)")
         self.mesh = MeshDesc.from_device_mesh(self.world.mesh) if self.world is not None else MeshDesc.single()
+        if self.world is None and plan.pp > 1:   # every stage in this process (runtime/pipeline.py)
+            self.mesh = MeshDesc.fake(pp=plan.pp)
         self.shards = ShardStore(self.mesh)
         self.accumulation = accumulation.AccumulationState(plan)
         # True while the model's parameters are older than the step's shards (ZeRO-3 after a step);
@@ -184,6 +186,8 @@ class CompiledStep:
         self.optimizer.state[params[name]].update(self.rule.init_state(params[name].detach(), group))
 
     def _inputs(self, graph: TrainGraph, batch: Any) -> list[torch.Tensor]:
+        if pipeline.takes_stage_values(graph):
+            return pipeline.example_inputs(self, graph, batch)
         return bind_inputs(graph, self.model, self.optimizer, batch, self.step_state, self.shards,
                            self._init_state)
 
@@ -216,6 +220,8 @@ class CompiledStep:
             raise
 
     def _step(self, batch: Any) -> torch.Tensor:
+        if self.plan.pp > 1:
+            return pipeline.step(self, batch)
         if self.plan.accumulate_target is not None:
             return self.accumulation.dynamic_step(self, batch)
         if self.plan.microbatches > 1:

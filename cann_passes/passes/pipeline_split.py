@@ -1,0 +1,632 @@
+"""pipeline_split: cut the whole step into pipeline stages, each with forward, backward and apply graphs.
+
+A program pass. It takes the accumulating whole step (``grad_accumulation`` ran:
+the optimizer reads ``scale * acc``) and replaces it with, per stage ``s``:
+
+- ``stage<s>.forward``: its parameters, the boundary activations from stage
+  ``s-1`` (or only the batch, on the first stage) -> boundary activations for
+  stage ``s+1`` (the loss on the last stage) and the values its backward reads;
+- ``stage<s>.backward``: saved values + the backward boundary values from stage
+  ``s+1`` -> the backward boundary values for stage ``s-1`` and the updated
+  gradient accumulators (``acc = acc_in + weight * grad``, per microbatch);
+- ``stage<s>.backward_input`` / ``stage<s>.backward_weight``: the same backward,
+  split for zero-bubble schedules: the first computes only what stage ``s-1``
+  waits for, the second the parameter gradients (from values the first hands it);
+- ``stage<s>.apply``: the optimizer update of the stage's parameters, once per step.
+
+Everything is decided from the graph: the forward region in node order is cut
+only where few bytes cross (between blocks and between the halves of a block,
+wherever the residual stream alone is live), giving *units*; each unit is
+priced with the cost model (its forward nodes, the backward nodes that belong
+to it, its optimizer nodes) and weighed by memory (parameters, gradients,
+optimizer state, saved activations); ``cann_passes.stage_balance.balance``
+picks the cuts. ``layers=`` (counts per stage) cuts at block boundaries
+instead, blocks found by :mod:`graph_ir.analysis.structure`.
+
+Backward nodes belong to a stage by dependence, not by name: a backward node
+goes to the lowest stage allowed by what it reads (a parameter pins it to the
+parameter's stage, a forward value to a stage no earlier than the value's) and
+by who reads it (values flow from later stages to earlier ones in backward);
+a node reading only other backward values is placed as late as its inputs
+allow, so a residual stream's gradient crosses once, already summed (views
+excepted: they stay with their readers). Nodes that
+depend only on the batch, hyperparameters, read-only buffers or constants
+(masks, positions, rotary tables, ``lr`` arithmetic) are copied into every
+graph that needs them instead of being sent. Random ops are never copied.
+
+Refused, naming the rule: a parameter read by two stages (tied embeddings:
+untie them, or keep both ends on one stage), an optimizer-region value that
+combines stages (global gradient clipping, loss scaling's ``found_inf``), and
+more stages than units.
+
+The stage graphs carry ``attrs['stage']`` (index, rank, first/last) and the
+program ``attrs['pipeline']`` (stages, stage -> rank, units, cuts, costs); which
+rank runs a stage is ``cann_passes.schedules.stage_to_rank`` for the schedule.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+from graph_ir import TrainGraph
+from graph_ir.analysis.cost import node_cost
+from graph_ir.analysis.memory import aliases_input
+from graph_ir.analysis.structure import find_blocks
+from graph_ir.meta import (ACCUMULATOR_PREFIX, REGION, GraphAttr, GraphKind, Region, StageValue,
+                           graph_kind, module_path_of, nbytes, region_of)
+from graph_ir.program import EVERY_MICROBATCH, EVERY_STEP, Flow, Program, Run
+from graph_ir.signature import InputKind, OutputKind, Spec, StepSignature, split_state_name
+
+from ..cost_model import get_profile, node_time
+from ..pass_manager import PassContext, register_pass
+from ..plan import PlanError
+
+# A position in the forward order is a unit boundary when at most this many times the fewest bytes
+# anywhere in the forward cross it (the residual stream, plus small tensors such as a mask).
+CROSSING_SLACK = 1.5
+
+
+class PipelineSplitError(ValueError):
+    pass
+
+
+# -- what each node is --------------------------------------------------------------------------
+
+@dataclass
+class _Nodes:
+    graph: TrainGraph
+    order: dict[torch.fx.Node, int]
+    spec_of: dict[torch.fx.Node, Spec]                # placeholder -> its input spec
+    owner: dict[torch.fx.Node, str]                   # staged placeholder -> parameter (or buffer) name
+    free: set[torch.fx.Node]                          # copied wherever needed
+    forward: list[torch.fx.Node]                      # non-free forward computation, in order
+    backward: list[torch.fx.Node]
+    optimizer: list[torch.fx.Node]
+    outputs: list[tuple[Spec, object]] = field(default_factory=list)
+
+
+def _is_random(node: torch.fx.Node) -> bool:
+    tags = getattr(node.target, "tags", ())
+    return torch.Tag.nondeterministic_seeded in tags or node.is_impure()
+
+
+def _classify(graph: TrainGraph) -> _Nodes:
+    placeholders = graph.placeholders()
+    spec_of = dict(zip(placeholders, graph.signature.inputs))
+    updated_buffers = {s.name for s in graph.signature.outputs if s.kind == OutputKind.BUFFER}
+    owner: dict[torch.fx.Node, str] = {}
+    for node, spec in spec_of.items():
+        if spec.kind == InputKind.PARAM or (spec.kind == InputKind.BUFFER and spec.name in updated_buffers):
+            owner[node] = spec.name
+        elif spec.kind == InputKind.OPT_STATE:
+            owner[node] = split_state_name(spec.name)[0]
+        elif spec.kind == InputKind.STEP_STATE and spec.name.startswith(ACCUMULATOR_PREFIX):
+            owner[node] = spec.name[len(ACCUMULATOR_PREFIX):]
+    free: set[torch.fx.Node] = set()
+    forward, backward, optimizer = [], [], []
+    order = {}
+    for i, node in enumerate(graph.graph.nodes):
+        order[node] = i
+        if node.op != "call_function":
+            continue
+        if not _is_random(node) and all(a in free or (a.op == "placeholder" and a not in owner)
+                                        for a in node.all_input_nodes):
+            free.add(node)
+            continue
+        {Region.FORWARD: forward, Region.BACKWARD: backward, Region.OPTIMIZER: optimizer}.get(
+            region_of(node), forward).append(node)
+    nodes = _Nodes(graph, order, spec_of, owner, free, forward, backward, optimizer)
+    nodes.outputs = list(zip(graph.signature.outputs, graph.output_values()))
+    return nodes
+
+
+# -- units of the forward -----------------------------------------------------------------------
+
+def _crossing_bytes(nodes: _Nodes) -> list[int]:
+    """crossing[i]: bytes of forward values made before forward position i and read at or after it."""
+    position = {n: i for i, n in enumerate(nodes.forward)}
+    diff = [0] * (len(nodes.forward) + 2)
+    for i, node in enumerate(nodes.forward):
+        last = max((position[u] for u in node.users if u in position), default=i)
+        if last > i and not aliases_input(node):
+            diff[i + 1] += nbytes(node.meta.get("val"))
+            diff[last + 1] -= nbytes(node.meta.get("val"))
+    crossing, running = [], 0
+    for i in range(len(nodes.forward)):
+        running += diff[i]
+        crossing.append(running)
+    return crossing
+
+
+def _unit_starts(nodes: _Nodes) -> list[int]:
+    """Forward positions where a unit starts (0 first): where few bytes cross."""
+    crossing = _crossing_bytes(nodes)
+    # A view crossing a cut is sent as its own tensor (counting its base alone would hide that), and a
+    # multi-output node cannot cross at all: only single tensors are sent or saved.
+    position = {n: i for i, n in enumerate(nodes.forward)}
+    marks = [0] * (len(nodes.forward) + 2)
+    for i, node in enumerate(nodes.forward):
+        if aliases_input(node) or not isinstance(node.meta.get("val"), torch.Tensor):
+            last = max((position[u] for u in node.users if u in position), default=i)
+            if last > i:
+                marks[i + 1] += 1
+                marks[last + 1] -= 1
+    view_cross, open_spans = [], 0
+    for i in range(len(nodes.forward)):
+        open_spans += marks[i]
+        view_cross.append(open_spans > 0)
+    # The floor is taken where real work lies on both sides (not after the loss's last reduction,
+    # where only a scalar is left), and a unit must hold some arithmetic of its own.
+    flops = [node_cost(n).flops for n in nodes.forward]
+    total = sum(flops) or 1
+    before, running = [], 0
+    for f in flops:
+        before.append(running)
+        running += f
+    interior = [crossing[i] for i in range(1, len(crossing))
+                if crossing[i] > 0 and 0.02 * total <= before[i] <= 0.98 * total]
+    if not interior:
+        return [0]
+    limit = CROSSING_SLACK * min(interior)
+    starts = [0]
+    for i in range(1, len(crossing)):
+        if 0 < crossing[i] <= limit and not view_cross[i] and before[i] > before[starts[-1]]:
+            starts.append(i)
+    if len(starts) > 1 and before[starts[-1]] == total:   # the last unit would hold no arithmetic
+        starts.pop()
+    return starts
+
+
+# -- stage of every node ------------------------------------------------------------------------
+
+def _homes(nodes: _Nodes, fstage: dict[torch.fx.Node, int], last: int, strict: bool) -> dict[str, int]:
+    """Parameter (and updated buffer) name -> the stage whose forward reads it (``strict``: only one)."""
+    readers: dict[str, set[int]] = {}
+    for node, name in nodes.owner.items():
+        stages = {fstage[u] for u in node.users if u in fstage}
+        readers.setdefault(name, set()).update(stages)
+    homes = {}
+    for name, stages in readers.items():
+        if len(stages) > 1 and strict:
+            raise PlanError("pp", f"parameter '{name}' is read by the forward of stages {sorted(stages)} "
+                                  "(rule: a parameter lives on one stage; untie tied weights such as shared "
+                                  "input/output embeddings, or cut so that both uses fall in one stage)")
+        homes[name] = min(stages) if stages else last
+    return homes
+
+
+def _assign(nodes: _Nodes, fstage: dict[torch.fx.Node, int], n_stages: int, strict: bool = True) -> tuple[dict, dict]:
+    """The stage of every non-free node (forward given), and each parameter's home. Not ``strict`` (pricing
+    units): a parameter read by several units counts in the first, and nothing is refused."""
+    homes = _homes(nodes, fstage, n_stages - 1, strict)
+    stage = dict(fstage)
+    out_home: dict[torch.fx.Node, set[int]] = {}
+    for spec, value in nodes.outputs:
+        if isinstance(value, torch.fx.Node) and spec.kind in (OutputKind.PARAM, OutputKind.OPT_STATE,
+                                                               OutputKind.STEP_STATE, OutputKind.BUFFER):
+            name = spec.name
+            if spec.kind == OutputKind.OPT_STATE:
+                name = split_state_name(name)[0]
+            elif spec.kind == OutputKind.STEP_STATE:
+                if not name.startswith(ACCUMULATOR_PREFIX):
+                    continue
+                name = name[len(ACCUMULATOR_PREFIX):]
+            if name in homes:
+                out_home.setdefault(value, set()).add(homes[name])
+    # Optimizer nodes: the stage of the state they read and of the outputs they feed.
+    opt = set(nodes.optimizer)
+    up: dict[torch.fx.Node, set[int]] = {}
+    for node in nodes.optimizer:
+        s = set()
+        for a in node.all_input_nodes:
+            if a in nodes.owner:
+                s.add(homes[nodes.owner[a]])
+            elif a in opt:
+                s |= up[a]
+        up[node] = s
+    down: dict[torch.fx.Node, set[int]] = {}
+    for node in reversed(nodes.optimizer):
+        s = set(out_home.get(node, ()))
+        for u in node.users:
+            if u in opt:
+                s |= down[u]
+        down[node] = s
+    for node in nodes.optimizer:
+        stages = up[node] | down[node]
+        if len(stages) > 1 and strict:
+            raise PlanError("pp", f"optimizer node {node.name} ({node.target}) combines values of stages "
+                                  f"{sorted(stages)} (rule: each stage's update reads only its own gradients "
+                                  "and state; global gradient clipping and loss scaling across stages are not "
+                                  "built for pp > 1)")
+        stage[node] = max(stages) if stages else n_stages - 1
+    # Backward, lower bounds from readers and reads (users first).
+    back = set(nodes.backward)
+    low: dict[torch.fx.Node, int] = {}
+    pinned: set[torch.fx.Node] = set()
+    for node in reversed(nodes.backward):
+        bound = max(out_home.get(node, {0}))
+        for u in node.users:
+            if u in back:
+                bound = max(bound, low[u])
+            elif u in stage:
+                bound = max(bound, stage[u])
+        for a in node.all_input_nodes:
+            if a in nodes.owner:
+                bound = max(bound, homes[nodes.owner[a]])
+                pinned.add(node)
+            elif a in fstage:
+                bound = max(bound, fstage[a])
+                pinned.add(node)
+        low[node] = bound
+    for node in nodes.backward:
+        preds = [stage[a] for a in node.all_input_nodes if a in back]
+        # A view costs nothing and crossing it would send its base again: it stays with its readers.
+        late = preds and node not in pinned and not aliases_input(node)
+        stage[node] = max(low[node], min(preds)) if late else low[node]
+    for node in nodes.backward if strict else ():
+        for a in node.all_input_nodes:
+            if a in nodes.owner and homes[nodes.owner[a]] != stage[node]:
+                raise PipelineSplitError(
+                    f"backward node {node.name} ({node.target}) reads '{nodes.owner[a]}' of stage "
+                    f"{homes[nodes.owner[a]]} but its gradient flow puts it in stage {stage[node]}")
+    return stage, homes
+
+
+# -- costs of units -----------------------------------------------------------------------------
+
+@dataclass
+class UnitCosts:
+    seconds: list[float]          # forward + backward + optimizer, per unit
+    forward_seconds: list[float]
+    static_bytes: list[int]       # parameters, gradient accumulators, optimizer state
+    activation_bytes: list[int]   # saved for backward, per microbatch in flight
+
+
+def _unit_costs(nodes: _Nodes, starts: list[int], profile) -> UnitCosts:
+    n = len(starts)
+    fstage = _forward_stages(nodes, starts)
+    stage, homes = _assign(nodes, fstage, n, strict=False)
+    seconds, fwd = [0.0] * n, [0.0] * n
+    for node in (*nodes.forward, *nodes.backward, *nodes.optimizer):
+        t = node_time(node, profile)
+        seconds[stage[node]] += t
+        if node in fstage:
+            fwd[stage[node]] += t
+    static = [0] * n
+    for node, name in nodes.owner.items():
+        static[homes[name]] += nbytes(node.meta.get("val"))
+    saved = [0] * n
+    back = set(nodes.backward)
+    for node in nodes.forward:
+        readers = {stage[u] for u in node.users if u in back}
+        if readers and not aliases_input(node):
+            saved[max(readers)] += nbytes(node.meta.get("val"))
+    return UnitCosts(seconds, fwd, static, saved)
+
+
+def _forward_stages(nodes: _Nodes, starts: list[int]) -> dict[torch.fx.Node, int]:
+    stage, s = {}, 0
+    bounds = list(starts[1:]) + [len(nodes.forward)]
+    for i, node in enumerate(nodes.forward):
+        while i >= bounds[s]:
+            s += 1
+        stage[node] = s
+    return stage
+
+
+def _balance(costs: UnitCosts, n_stages: int, in_flight: list[int] | None):
+    from .. import stage_balance
+    return stage_balance.balance(costs.seconds, n_stages, unit_static_bytes=costs.static_bytes,
+                                 unit_activation_bytes=costs.activation_bytes, in_flight=in_flight)
+
+
+def _layer_starts(nodes: _Nodes, units: list[int], layers: list[int]) -> list[int]:
+    """Unit indices where each stage starts when stage ``s`` holds ``layers[s]`` blocks."""
+    structure = find_blocks(nodes.graph.graph)
+    blocks = structure.blocks
+    if sum(layers) != len(blocks):
+        raise PlanError("pipeline_split", f"the layer counts {layers} sum to {sum(layers)}, but the model has "
+                                          f"{len(blocks)} blocks (rule: counts per stage that sum to the "
+                                          "number of blocks)", layers)
+    first_at: dict[str, int] = {}
+    for i, node in enumerate(nodes.forward):
+        block = structure.block_of(module_path_of(node))
+        if block:
+            first_at.setdefault(block, i)
+    starts, taken = [0], 0
+    for count in layers[:-1]:
+        taken += count
+        position = first_at[blocks[taken]]
+        # The last unit boundary at or before the block's first node.
+        unit = max(k for k, start in enumerate(units) if start <= position)
+        if unit <= starts[-1]:
+            raise PlanError("pipeline_split", f"stage {len(starts)} would be empty: no cut point between "
+                                              f"blocks {blocks[taken - count]} and {blocks[taken]}", layers)
+        starts.append(unit)
+    return starts
+
+
+# -- building the stage graphs ------------------------------------------------------------------
+
+def _free_closure(nodes: _Nodes, wanted) -> set[torch.fx.Node]:
+    out, todo = set(), [a for n in wanted for a in n.all_input_nodes if a in nodes.free]
+    while todo:
+        node = todo.pop()
+        if node not in out:
+            out.add(node)
+            todo.extend(a for a in node.all_input_nodes if a in nodes.free)
+    return out
+
+
+def _extract(nodes: _Nodes, compute: list[torch.fx.Node], cut: list[tuple[Spec, torch.fx.Node]],
+             outputs: list[tuple[Spec, object]], attrs: dict) -> TrainGraph:
+    """A graph of ``compute`` (plus the free nodes it needs); ``cut`` values become inputs by their spec."""
+    source = nodes.graph
+    body = set(compute) | _free_closure(nodes, [*compute, *(v for _, v in outputs if isinstance(v, torch.fx.Node))])
+    body |= {v for _, v in outputs if isinstance(v, torch.fx.Node) and v in nodes.free}
+    cut_of = {node: spec for spec, node in cut}
+    new = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    inputs: list[Spec] = []
+    needed = {a for n in body for a in n.all_input_nodes} | {v for _, v in outputs if isinstance(v, torch.fx.Node)}
+    for node in source.placeholders():
+        if node in needed and node not in cut_of:
+            env[node] = new.node_copy(node)
+            inputs.append(nodes.spec_of[node])
+    for spec, node in cut:
+        if node in env or node not in needed:
+            continue
+        placeholder = new.placeholder(f"{spec.kind}_{node.name}")
+        placeholder.meta = {"val": node.meta.get("val"), REGION: Region.IO.value}
+        env[node] = placeholder
+        inputs.append(spec)
+    for node in source.graph.nodes:
+        if node in body and node not in env:
+            missing = [a for a in node.all_input_nodes if a not in env]
+            if missing:
+                raise PipelineSplitError(f"{attrs[GraphAttr.NAME]}: node {node.name} reads {missing[0].name}, "
+                                         "which this stage graph neither computes nor receives")
+            env[node] = new.node_copy(node, env.__getitem__)
+    new.output([env[v] if isinstance(v, torch.fx.Node) else v for _, v in outputs])
+    gm = torch.fx.GraphModule(source.gm, new)
+    return TrainGraph(gm, StepSignature(inputs, [s for s, _ in outputs]), attrs)
+
+
+@dataclass
+class _Stage:
+    index: int
+    forward: list = field(default_factory=list)
+    backward: list = field(default_factory=list)
+    optimizer: list = field(default_factory=list)
+    acts_in: list = field(default_factory=list)      # forward values from earlier stages, in order
+    grads_in: list = field(default_factory=list)     # backward values from later stages, in order
+    saved: list = field(default_factory=list)
+
+
+def _act(node):
+    return Spec(StageValue.ACTIVATION, node.name)
+
+
+def _grad(node):
+    return Spec(StageValue.GRADIENT, node.name)
+
+
+def _saved(node):
+    return Spec(StageValue.SAVED, node.name)
+
+
+def _inter(node):
+    return Spec(StageValue.INTERMEDIATE, node.name)
+
+
+def _build_stages(nodes: _Nodes, stage: dict, homes: dict, n: int, ranks: list[int],
+                  base: dict) -> tuple[dict, list, list]:
+    stages = [_Stage(i) for i in range(n)]
+    fwd, back = set(nodes.forward), set(nodes.backward)
+    for node in nodes.forward:
+        stages[stage[node]].forward.append(node)
+    for node in nodes.backward:
+        stages[stage[node]].backward.append(node)
+    for node in nodes.optimizer:
+        stages[stage[node]].optimizer.append(node)
+    for node in nodes.optimizer:
+        for a in node.all_input_nodes:
+            if a in fwd or (a in back and stage[a] != stage[node]):
+                raise PipelineSplitError(f"optimizer node {node.name} reads {a.name} ({region_of(a).value}, "
+                                         f"stage {stage[a]}) (rule: an update reads only accumulated gradients)")
+    # Boundaries: a value crosses every cut between where it is made and its last reader.
+    opt = set(nodes.optimizer)
+    for node in nodes.forward:
+        readers = [stage[u] for u in node.users if u in stage and u not in opt]
+        for s in range(stage[node] + 1, max(readers, default=stage[node]) + 1):
+            stages[s].acts_in.append(node)
+    for node in nodes.backward:
+        readers = [stage[u] for u in node.users if u in back]
+        for s in range(min(readers, default=stage[node]), stage[node]):
+            stages[s].grads_in.append(node)
+    for st in stages:
+        have = set(st.forward) | set(st.acts_in)
+        st.saved = [v for v in nodes.forward if v in have and any(u in back and stage[u] == st.index for u in v.users)]
+    graphs: dict = {}
+    flows: list[Flow] = []
+    loss_spec = Spec(OutputKind.LOSS, "loss")
+    for st in stages:
+        s = st.index
+        name = f"stage{s}"
+        info = {"index": s, "stages": n, "rank": ranks[s], "first": s == 0, "last": s == n - 1}
+
+        def attrs(kind: GraphKind, part: str):
+            return dict(base, **{GraphAttr.NAME: f"{base.get(GraphAttr.NAME, 'step')}.{name}.{part}",
+                                 GraphAttr.KIND: kind.value, GraphAttr.STAGE: dict(info)})
+        own_out = [(sp, v) for sp, v in nodes.outputs if isinstance(v, torch.fx.Node) and stage.get(v) == s]
+        acts_out = stages[s + 1].acts_in if s + 1 < n else []
+        f_outputs = [(_act(v), v) for v in acts_out]
+        f_outputs += [(sp, v) for sp, v in own_out if v in fwd]
+        f_outputs += [(_saved(v), v) for v in st.saved]
+        graphs[f"{name}.forward"] = _extract(nodes, st.forward, [(_act(v), v) for v in st.acts_in], f_outputs,
+                                             attrs(GraphKind.STAGE_FORWARD, "forward"))
+        grads_out = stages[s - 1].grads_in if s > 0 else []
+        b_cut = [(_saved(v), v) for v in st.saved] + [(_grad(v), v) for v in st.grads_in]
+        b_state = [(sp, v) for sp, v in own_out if v in back]
+        graphs[f"{name}.backward"] = _extract(nodes, st.backward, b_cut,
+                                              [(_grad(v), v) for v in grads_out] + b_state,
+                                              attrs(GraphKind.STAGE_BACKWARD, "backward"))
+        # Input-gradient part: what the previous stage waits for; the rest is the weight part.
+        mine = set(st.backward)
+        needed, todo = set(), [v for v in grads_out if v in mine]
+        while todo:
+            v = todo.pop()
+            if v not in needed:
+                needed.add(v)
+                todo.extend(a for a in v.all_input_nodes if a in back and stage[a] == s)
+        # A multi-output node's parts stay with it: only single tensors are handed on.
+        needed |= {u for v in needed if not isinstance(v.meta.get("val"), torch.Tensor) for u in v.users
+                   if u in back and stage[u] == s}
+        b_input = [v for v in st.backward if v in needed]
+        b_weight = [v for v in st.backward if v not in needed]
+        weight_part = set(b_weight)
+        handed = [v for v in b_input if any(u in weight_part for u in v.users)]
+        graphs[f"{name}.backward_input"] = _extract(
+            nodes, b_input, b_cut, [(_grad(v), v) for v in grads_out] + [(_inter(v), v) for v in handed],
+            attrs(GraphKind.STAGE_BACKWARD_INPUT, "backward_input"))
+        graphs[f"{name}.backward_weight"] = _extract(
+            nodes, b_weight, b_cut + [(_inter(v), v) for v in handed], b_state,
+            attrs(GraphKind.STAGE_BACKWARD_WEIGHT, "backward_weight"))
+        acc_cut = [(Spec(InputKind.STEP_STATE, sp.name), v) for sp, v in b_state
+                   if sp.kind == OutputKind.STEP_STATE and sp.name.startswith(ACCUMULATOR_PREFIX)]
+        updates = set(st.optimizer)
+        a_outputs = [(sp, v) for sp, v in own_out if v in updates]
+        a_outputs += _placeholder_outputs(nodes, stage, homes, s, n)
+        graphs[f"{name}.apply"] = _extract(nodes, st.optimizer, acc_cut, a_outputs,
+                                           attrs(GraphKind.STAGE_APPLY, "apply"))
+        if s == n - 1 and loss_spec not in graphs[f"{name}.forward"].signature.outputs:
+            raise PipelineSplitError("the loss is not computed by the last stage's forward")
+        # Flows: what each graph hands to another, per microbatch (accumulators: per step to apply).
+        for v in acts_out:
+            flows.append(Flow(f"{name}.forward", _act(v), f"stage{s + 1}.forward", _act(v)))
+        for part in ("backward", "backward_input", "backward_weight"):
+            target = graphs[f"{name}.{part}"]
+            for v in st.saved:
+                if _saved(v) in target.signature.inputs:
+                    flows.append(Flow(f"{name}.forward", _saved(v), f"{name}.{part}", _saved(v)))
+        for v in handed:
+            flows.append(Flow(f"{name}.backward_input", _inter(v), f"{name}.backward_weight", _inter(v)))
+        for spec, _ in acc_cut:
+            out = Spec(OutputKind.STEP_STATE, spec.name)
+            for part in ("backward", "backward_weight"):
+                flows.append(Flow(f"{name}.{part}", out, f"{name}.apply", spec))
+                flows.append(Flow(f"{name}.{part}", out, f"{name}.{part}", spec))
+    for st in stages[:-1]:
+        s = st.index
+        for part, source in (("backward", "backward"), ("backward_input", "backward_input"),
+                             ("backward_weight", "backward_input")):
+            for v in st.grads_in:
+                if _grad(v) in graphs[f"stage{s}.{part}"].signature.inputs:
+                    flows.append(Flow(f"stage{s + 1}.{source}", _grad(v), f"stage{s}.{part}", _grad(v)))
+    covered = {(sp.kind, sp.name) for g in graphs.values() for sp in g.signature.outputs}
+    lost = [sp for sp, _ in nodes.outputs if (sp.kind, sp.name) not in covered]
+    if lost:
+        raise PipelineSplitError(f"no stage graph outputs {lost[0].kind} '{lost[0].name}'")
+    return graphs, flows, stages
+
+
+def _placeholder_outputs(nodes: _Nodes, stage: dict, homes: dict, s: int, n: int) -> list:
+    """Outputs that are inputs passed through or free values (a frozen parameter's 'update')."""
+    out = []
+    for spec, value in nodes.outputs:
+        if not isinstance(value, torch.fx.Node) or value in stage:
+            continue
+        name = spec.name if spec.kind != OutputKind.OPT_STATE else split_state_name(spec.name)[0]
+        owner_stage = homes.get(name, n - 1)
+        if owner_stage == s:
+            out.append((spec, value))
+    return out
+
+
+# -- the pass -----------------------------------------------------------------------------------
+
+def _default_ranks(n_stages: int, pp: int, schedule: str) -> list[int]:
+    try:
+        from .. import schedules
+        return list(schedules.stage_to_rank(schedule, pp, n_stages // pp))
+    except (ImportError, AttributeError):
+        if schedule in ("dualpipev", "zbv"):
+            return [s if s < pp else 2 * pp - 1 - s for s in range(n_stages)]
+        return [s % pp for s in range(n_stages)]
+
+
+def parse_layers(text: str) -> list[int]:
+    try:
+        counts = [int(x) for x in text.replace(";", " ").replace("-", " ").split()]
+    except ValueError:
+        raise PlanError("pipeline_split", f"layer counts {text!r} must be integers such as '2;1;1'", text) from None
+    if any(c < 0 for c in counts):
+        raise PlanError("pipeline_split", f"layer counts {counts} must be >= 0", text)
+    return counts
+
+
+@register_pass("pipeline_split", preserves=(), on="program")
+def pipeline_split_pass(program: Program, ctx: PassContext, *, stages: int = 2, pp: int = 0,
+                        schedule: str = "1f1b", layers: str = "", in_flight: str = "") -> Program:
+    """Cut the accumulating whole step into ``stages`` pipeline stages (forward, backward, apply each)."""
+    targets = [n for n, g in program.graphs.items()
+               if graph_kind(g.attrs) == GraphKind.STEP and GraphAttr.GRAD_ACCUMULATION in g.attrs]
+    if not targets:
+        raise PipelineSplitError("pipeline_split: no whole-step graph accumulates gradients "
+                                 "(rule: run grad_accumulation first; the stages accumulate per microbatch)")
+    if stages < 1:
+        raise PlanError("pp", f"pipeline_split needs stages >= 1 (got {stages})", stages)
+    pp = pp or stages
+    name = targets[0]
+    graph = program.graphs[name]
+    nodes = _classify(graph)
+    if not nodes.forward:
+        raise PipelineSplitError("pipeline_split: the step has no forward computation to cut")
+    units = _unit_starts(nodes)
+    if len(units) < stages:
+        raise PlanError("pp", f"the step has {len(units)} cuttable unit(s) (cut points where only the residual "
+                              f"stream crosses), fewer than the {stages} stages asked for (rule: at most one "
+                              "stage per unit)", stages)
+    plan = getattr(ctx, "plan", None)
+    profile = get_profile(getattr(plan, "device_profile", "910b") if plan is not None else "910b")
+    costs = _unit_costs(nodes, units, profile)
+    flights = [int(x) for x in in_flight.split(";")] if in_flight else None
+    if layers:
+        unit_of_stage = _layer_starts(nodes, units, parse_layers(layers))
+        if len(unit_of_stage) != stages:
+            raise PlanError("pipeline_split", f"{len(unit_of_stage)} layer counts for {stages} stages "
+                                              "(rule: one count per stage, pp x virtual stages)", layers)
+        method = "layers"
+    else:
+        try:
+            split = _balance(costs, stages, flights)
+        except ValueError as exc:
+            raise PlanError("pp", f"no split of {len(units)} units into {stages} stages fits: {exc}", stages) from None
+        unit_of_stage = list(split.boundaries)
+        method = "cost"
+    starts = [units[u] for u in unit_of_stage]
+    fstage = _forward_stages(nodes, starts)
+    stage, homes = _assign(nodes, fstage, stages)
+    ranks = _default_ranks(stages, pp, schedule)
+    base = {k: v for k, v in graph.attrs.items() if k != GraphAttr.KIND}
+    graphs, flows, built = _build_stages(nodes, stage, homes, stages, ranks, base)
+    stage_cost = [0.0] * stages
+    for u, t in enumerate(costs.seconds):
+        stage_cost[max(s for s in range(stages) if unit_of_stage[s] <= u)] += t
+    mean = sum(stage_cost) / stages
+    schedule_runs = [Run(g, EVERY_MICROBATCH) for g in graphs if not g.endswith(".apply")]
+    schedule_runs += [Run(g, EVERY_STEP) for g in graphs if g.endswith(".apply")]
+    program.replace(name, graphs, schedule_runs, flows)
+    program.attrs[GraphAttr.PIPELINE_PARALLEL] = {
+        "stages": stages, "pp": pp, "schedule": schedule, "stage_to_rank": ranks, "split": method,
+        "units": len(units), "unit_starts": unit_of_stage, "unit_seconds": costs.seconds,
+        "unit_static_bytes": costs.static_bytes, "unit_activation_bytes": costs.activation_bytes,
+        "stage_seconds": stage_cost, "imbalance": max(stage_cost) / mean if mean else 1.0,
+        "boundary_tensors": [len(st.acts_in) for st in built],
+        "param_stage": homes, "microbatches": graph.attrs[GraphAttr.GRAD_ACCUMULATION]["microbatches"]}
+    ctx.stat("stages", stages)
+    ctx.stat("units", len(units))
+    ctx.stat("imbalance", round(program.attrs[GraphAttr.PIPELINE_PARALLEL]["imbalance"], 4))
+    return program

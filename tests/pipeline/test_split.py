@@ -1,0 +1,165 @@
+"""pipeline_split: the stage graphs of a captured step, and running them all in one process.
+
+Without a process group a ``pp > 1`` plan runs every stage in this process
+(``runtime/pipeline.run_local``): per microbatch all forwards, then all
+backwards, then every stage's apply. That must be the unsplit step: bitwise
+the accumulating (grad/apply) program, and eager PyTorch to rounding.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from cann_passes import Plan, compile_for_npu
+from cann_passes.compile import compile_program
+from cann_passes.pass_manager import PassFailure
+from cann_passes.plan import PlanError
+from graph_ir import capture_train_step
+from graph_ir.mesh import MeshDesc
+from graph_ir.meta import GraphAttr, GraphKind, StageValue
+from graph_ir.verifier import verify_program
+from recipes.models.gpt import GPT, gpt_loss, gpt_tiny
+from tests.zoo import build, compare, default_optimizer
+
+PP = GraphAttr.PIPELINE_PARALLEL
+
+
+def _gpt(layers=4, **kw):
+    torch.manual_seed(0)
+    return GPT(gpt_tiny(n_layer=layers, tie_weights=False, bias=False, **kw))
+
+
+def _batch(seed, rows=4, seq=16):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, 256, (rows, seq), generator=g)
+    return idx, torch.roll(idx, -1, dims=1)
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def _program(model, plan, rows=2, rank=0):
+    opt = _sgd(model.parameters())
+    captured, _ = capture_train_step(model, opt, gpt_loss, _batch(0, rows=rows))
+    return compile_program(captured, plan, MeshDesc.fake(pp=plan.pp, dp=plan.dp, rank=rank))
+
+
+def _train(model, plan, steps=2):
+    step = compile_for_npu(model, plan, optimizer=_sgd(model.parameters()), loss_fn=gpt_loss)
+    losses = [float(step(_batch(100 + i))) for i in range(steps)]
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, step
+
+
+class TestStageGraphs:
+    def test_every_stage_has_forward_backward_parts_and_apply_and_verifies(self):
+        program = _program(_gpt(), Plan(pp=2, microbatches=2, backend="eager"))
+        verify_program(program, deep=True)
+        kinds = {name: program.kind(name) for name in program.graphs}
+        for s in range(2):
+            assert kinds[f"stage{s}.forward"] == GraphKind.STAGE_FORWARD
+            assert kinds[f"stage{s}.backward"] == GraphKind.STAGE_BACKWARD
+            assert kinds[f"stage{s}.backward_input"] == GraphKind.STAGE_BACKWARD_INPUT
+            assert kinds[f"stage{s}.backward_weight"] == GraphKind.STAGE_BACKWARD_WEIGHT
+            assert kinds[f"stage{s}.apply"] == GraphKind.STAGE_APPLY
+        info = program.attrs[PP]
+        assert info["stages"] == 2 and info["stage_to_rank"] == [0, 1]
+        # Only the last stage computes the loss; the first receives nothing.
+        assert [s.kind for s in program["stage1.forward"].signature.outputs].count("loss") == 1
+        assert "loss" not in [s.kind for s in program["stage0.forward"].signature.outputs]
+        assert not [s for s in program["stage0.forward"].signature.inputs if s.kind == StageValue.ACTIVATION]
+        # The residual stream crosses as one tensor each way.
+        acts = [s for s in program["stage1.forward"].signature.inputs if s.kind == StageValue.ACTIVATION]
+        grads = [s for s in program["stage0.backward"].signature.inputs if s.kind == StageValue.GRADIENT]
+        assert len(acts) == 1 and len(grads) == 1
+        # Each parameter is updated by exactly one stage's apply graph.
+        updated = [s.name for n in program.of_kind(GraphKind.STAGE_APPLY) for s in program[n].signature.outputs
+                   if s.kind == "param"]
+        assert sorted(updated) == sorted(n for n, _ in _gpt().named_parameters())
+
+    def test_flows_connect_outputs_to_inputs_of_the_same_shape(self):
+        program = _program(_gpt(), Plan(pp=4, microbatches=4, backend="eager"))
+        assert program.check_flows() == []
+        assert any(f.source == "stage1.forward" and f.target == "stage2.forward" for f in program.flows)
+        assert any(f.source == "stage2.backward_input" and f.target == "stage1.backward_input"
+                   for f in program.flows)
+        assert any(f.source == "stage1.backward_input" and f.target == "stage1.backward_weight"
+                   for f in program.flows)
+
+    def test_backward_input_part_leaves_parameter_gradients_to_the_weight_part(self):
+        program = _program(_gpt(), Plan(pp=2, microbatches=2, backend="eager"))
+        for s in range(2):
+            bi, bw = program[f"stage{s}.backward_input"], program[f"stage{s}.backward_weight"]
+            assert not [o for o in bi.signature.outputs if o.kind == "step_state"]
+            assert [o for o in bw.signature.outputs if o.kind == "step_state"]
+        # The first stage sends no gradient back: all of its backward is weight gradients.
+        assert program["stage0.backward_input"].num_nodes() < program["stage0.backward_weight"].num_nodes()
+
+    def test_layer_count_override_cuts_at_blocks(self):
+        program = _program(_gpt(), Plan(pp=2, microbatches=2, backend="eager", pipeline_split=[3, 1]))
+        info = program.attrs[PP]
+        assert info["split"] == "layers"
+        homes = info["param_stage"]
+        assert {homes[f"layers.{i}.attn.qkv.weight"] for i in range(3)} == {0}
+        assert homes["layers.3.attn.qkv.weight"] == 1 and homes["lm_head.weight"] == 1
+        assert homes["wte.weight"] == 0
+
+    def test_cost_split_balances_a_heavy_head_better_than_layer_counts(self):
+        model = _gpt(layers=4, vocab_size=4096)   # the head and its loss weigh about two blocks
+        cost = _program(model, Plan(pp=2, microbatches=2, backend="eager")).attrs[PP]
+        layers = _program(model, Plan(pp=2, microbatches=2, backend="eager", pipeline_split=[2, 2])).attrs[PP]
+        assert cost["imbalance"] < layers["imbalance"]
+        assert cost["imbalance"] <= 1.10
+
+    def test_compiles_for_one_rank_of_a_fake_mesh_without_processes(self):
+        program = _program(_gpt(), Plan(pp=2, dp=2, microbatches=2, backend="eager"), rank=3)
+        assert program.mesh.local_rank("pp") == 1 and program.mesh.local_rank("dp") == 1
+        verify_program(program)
+        # Each gradient's all-reduce lands in the apply graph of the stage that owns it.
+        for name in program.of_kind(GraphKind.STAGE_APPLY):
+            graph = program[name]
+            reduces = [n for n in graph.graph.nodes if "all_reduce" in str(n.target)]
+            assert len(reduces) == len([s for s in graph.signature.outputs if s.kind == "param"])
+
+
+class TestRefusals:
+    def test_tied_embeddings_across_stages_are_refused_naming_the_parameter(self):
+        torch.manual_seed(0)
+        model = GPT(gpt_tiny(n_layer=2, tie_weights=True, bias=False))
+        with pytest.raises(PassFailure, match=r"plan field 'pp'.*wte.weight.*one stage"):
+            _program(model, Plan(pp=2, microbatches=2, backend="eager"))
+
+    def test_more_stages_than_units_is_refused(self):
+        with pytest.raises(PassFailure, match=r"plan field 'pp'.*cuttable unit"):
+            _program(_gpt(layers=1), Plan(pp=8, microbatches=8, backend="eager", pipeline_schedule="gpipe"))
+
+    def test_pp_with_tp_is_refused_by_field(self):
+        with pytest.raises(PlanError, match="plan field 'tp'"):
+            _program(_gpt(), Plan(pp=2, tp=2, microbatches=2, backend="eager"))
+
+    def test_global_gradient_clipping_across_stages_is_refused(self):
+        with pytest.raises(PassFailure, match=r"plan field 'pp'.*combines values of stages"):
+            _program(_gpt(), Plan(pp=2, microbatches=2, backend="eager", grad_clip_norm=1.0))
+
+
+class TestAllStagesInOneProcess:
+    def test_gpt_equals_the_unsplit_accumulating_step_bitwise(self):
+        base = _gpt()
+        ref_losses, ref_params, _ = _train(copy.deepcopy(base), Plan(microbatches=4, backend="eager"))
+        for plan in (Plan(pp=2, microbatches=4, backend="eager", pipeline_schedule="gpipe"),
+                     Plan(pp=4, microbatches=4, backend="eager", pipeline_schedule="zb1p")):
+            losses, params, step = _train(copy.deepcopy(base), plan)
+            assert losses == ref_losses, plan.pipeline_schedule
+            for name, want in ref_params.items():
+                assert torch.equal(params[name], want), (plan.pipeline_schedule, name)
+
+    def test_transformers_llama_matches_eager(self):
+        run = compare("llama", Plan(pp=2, microbatches=2, backend="eager"), steps=2, layers=2,
+                      optimizer=default_optimizer)
+        for got, want in zip(run.compiled_losses, run.eager_losses, strict=True):
+            assert abs(got - want) <= 1e-5 * abs(want)
+        assert run.max_param_diff() <= 1e-5
+        info = run.step.last.program.attrs[PP]
+        assert info["stages"] == 2 and info["units"] >= 4
