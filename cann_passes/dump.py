@@ -9,6 +9,7 @@ Layout (``NNN`` is the pass's position; ``000`` is the captured graph)::
     DIR/NNN_<pass>.json         every node: op, inputs, value, region, module path, cost
     DIR/NNN_<pass>.constants.pt graph constants, where the graph has any
     DIR/program.txt, .json      the compiled Program: its graphs, schedule, flows, placements
+    DIR/simulation.json         this rank's memory by term and step time on the plan's device profile
     DIR/<graph>/...             the same files for each further graph of the program (the grad
                                 and apply graphs of accumulation), from the pass that made it on;
                                 they run on DIR/inputs.pt
@@ -153,7 +154,30 @@ class DumpWriter:
             self._write_records(name)
         self.write_program(program)
 
+    def write_simulation(self, program) -> None:
+        """``simulation.json``: this rank's memory by term and step time on the plan's device profile.
+
+        The dump page's planner section reads it. A program the simulator cannot read (no plan in its
+        context) gets the reason instead, so a dump never fails for it.
+        """
+        from .cost_model import get_profile
+        from .simulate import MODELLED, NOT_MODELLED, program_figures   # simulate imports compile: lazily
+        try:
+            plan = program.context.plan
+            profile = get_profile(plan.device_profile)
+            fig = program_figures(program, plan, profile)
+            peak_graph = max(fig["peaks"], key=fig["peaks"].get)
+            data = {"profile": profile.name, "capacity_bytes": profile.memory_capacity, "rank": program.mesh.rank,
+                    "world_size": program.mesh.world_size, "memory": fig["memory"], "peaks": fig["peaks"],
+                    "peak_graph": peak_graph, "compute_s": fig["compute"], "comm_s": fig["comm"],
+                    "step_s": fig["step"], "modelled": MODELLED, "not_modelled": NOT_MODELLED}
+        except Exception as exc:   # the dump is a debugging aid: say why, keep dumping
+            data = {"error": f"{type(exc).__name__}: {exc}"}
+        with open(os.path.join(self.directory, "simulation.json"), "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1, default=str)
+
     def write_program(self, program) -> None:
+        self.write_simulation(program)
         with open(os.path.join(self.directory, "program.txt"), "w", encoding="utf-8") as f:
             f.write(str(program) + "\n")
         with open(os.path.join(self.directory, "program.json"), "w", encoding="utf-8") as f:

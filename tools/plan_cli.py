@@ -6,9 +6,10 @@ MODEL is a named shape (``cann-plan --list``) or ``pkg.module:factory``, a
 callable ``factory(rows, seq)`` returning ``(model, loss_fn, batch)``; it is
 called under ``torch.device("meta")`` and captured at its own depth.
 
-Search: dp (= devices / tp) x ZeRO stage x recompute (none, selective, full,
-budget) x microbatches x precision (x tp where asked: ``--tp 1,2``; tp must
-divide the heads). Before anything is compiled, a candidate whose model state
+Search: dp (= devices / (tp x pp)) x ZeRO stage x recompute (none, selective, full,
+budget) x microbatches x precision (x tp and pp where asked: ``--tp 1,2 --pp 1,2``; tp must
+divide the heads; a pipelined plan runs 1F1B over its microbatches, simulated from its pp = 1
+program's per-block figures, see :func:`cann_passes.simulate.simulate_pipeline`). Before anything is compiled, a candidate whose model state
 alone cannot fit is dropped (the bound: fp32 master parameters, one gradient
 shard and the optimizer state, as the captured graph holds them, divided as
 the ZeRO stage divides them). The rest are compiled, cheapest first, by the
@@ -138,14 +139,16 @@ class Captures:
             self.seconds += time.perf_counter() - t0
         return self._cache[key]
 
-    def simulate(self, plan: Plan, rows: int, profile: str, capacity: float) -> Simulation:
+    def simulate(self, plan: Plan, rows: int, profile: str, capacity: float, pp: int = 1,
+                 schedule: str = "1f1b") -> Simulation:
         tokens = rows * self.seq
         if self.depths == (None,):
             return simulate(self.get(rows, None), plan, profile=profile, tokens_per_microbatch=tokens,
-                            capacity_bytes=capacity)
+                            capacity_bytes=capacity, pp=pp, schedule=schedule)
         captures = {d: self.get(rows, d) for d in self.depths}
         return simulate_extrapolated(captures, self.spec.layers, plan, profile=profile,
-                                     tokens_per_microbatch=tokens, capacity_bytes=capacity)
+                                     tokens_per_microbatch=tokens, capacity_bytes=capacity, pp=pp,
+                                     schedule=schedule)
 
     def model_state(self, rows: int) -> dict[str, float]:
         """Parameter and optimizer-state bytes of the whole model (dp=1), from the captured graphs."""
@@ -176,6 +179,7 @@ class Candidate:
     bound_terms: dict = dataclasses.field(default_factory=dict)
     sim: Simulation | None = None
     reason: str = ""
+    pp: int = 1                    # a Plan carries pp > 1 only once pipeline_split is registered
 
     @property
     def axes(self) -> tuple[int, int, int]:
@@ -185,13 +189,14 @@ class Candidate:
     def label(self) -> str:
         p = self.plan
         rc = f"budget {p.recompute_budget:g}" if p.recompute == "budget" else p.recompute
-        return f"dp={p.dp} tp={p.tp} zero={p.zero_stage} recompute={rc} mb={p.microbatches} {p.precision}"
+        return (f"dp={p.dp} tp={p.tp}{f' pp={self.pp}' if self.pp > 1 else ''} zero={p.zero_stage} "
+                f"recompute={rc} mb={p.microbatches} {p.precision}")
 
 
-def model_state_terms(state: dict[str, float], plan: Plan) -> dict[str, float]:
+def model_state_terms(state: dict[str, float], plan: Plan, pp: int = 1) -> dict[str, float]:
     """Per-rank bytes no plan of this shape goes below: master params, a gradient shard, optimizer state."""
-    params = state["params"] / plan.tp
-    opt = state["optimizer_state"] / plan.tp
+    params = state["params"] / plan.tp / pp
+    opt = state["optimizer_state"] / plan.tp / pp
     return {"params": params / (plan.dp if plan.zero_stage >= 3 else 1), "grads": params / plan.dp,
             "optimizer_state": opt / (plan.dp if plan.zero_stage >= 1 else 1)}
 
@@ -201,12 +206,12 @@ def model_state_bound(state: dict[str, float], plan: Plan) -> float:
 
 
 def candidates(devices: int, global_batch: int, *, tps, stages, recomputes, microbatches, precisions,
-               budget: float, heads: int, backend: str = "eager") -> list[Candidate]:
+               budget: float, heads: int, backend: str = "eager", pps=(1,)) -> list[Candidate]:
     out = []
-    for tp, z, rc, m, prec in itertools.product(tps, stages, recomputes, microbatches, precisions):
-        if devices % tp or (heads and heads % tp):
+    for tp, pp, z, rc, m, prec in itertools.product(tps, pps, stages, recomputes, microbatches, precisions):
+        if devices % (tp * pp) or (heads and heads % tp) or (pp > 1 and m < pp):
             continue
-        dp = devices // tp
+        dp = devices // (tp * pp)
         if global_batch % dp or (global_batch // dp) % m:
             continue
         if z and dp == 1:
@@ -214,13 +219,13 @@ def candidates(devices: int, global_batch: int, *, tps, stages, recomputes, micr
         extra = {"recompute_budget": budget} if rc == "budget" else {}
         plan = Plan(dp=dp, tp=tp, zero_stage=z, recompute=rc, microbatches=m, precision=prec,
                     backend=backend, verify="off", **extra)
-        out.append(Candidate(plan, global_batch // dp // m))
-    out.sort(key=lambda c: (sum(c.axes[:2]) + c.axes[2].bit_length(), c.plan.tp, c.plan.precision != "bf16"))
+        out.append(Candidate(plan, global_batch // dp // m, pp=pp))
+    out.sort(key=lambda c: (sum(c.axes[:2]) + c.axes[2].bit_length(), c.plan.tp, c.pp, c.plan.precision != "bf16"))
     return out
 
 
 def _group(c: Candidate):
-    return (c.plan.tp, c.plan.precision)
+    return (c.plan.tp, c.pp, c.plan.precision)
 
 
 def search(spec: ModelSpec, captures: Captures, cands: list[Candidate], *, profile: str, capacity: float,
@@ -234,7 +239,7 @@ def search(spec: ModelSpec, captures: Captures, cands: list[Candidate], *, profi
         bar.set_postfix_str(c.label(), refresh=False)
         if c.rows not in state_by_rows:
             state_by_rows[c.rows] = captures.model_state(c.rows)
-        c.bound_terms = model_state_terms(state_by_rows[c.rows], c.plan)
+        c.bound_terms = model_state_terms(state_by_rows[c.rows], c.plan, c.pp)
         c.bound_bytes = sum(c.bound_terms.values())
         if c.bound_bytes > capacity:
             c.status, c.reason = "pruned-bound", f"model state alone >= {c.bound_bytes / GB:.1f} GB"
@@ -246,7 +251,7 @@ def search(spec: ModelSpec, captures: Captures, cands: list[Candidate], *, profi
             c.status, c.reason = "skipped-dominated", "saves more memory than a plan that already fits (slower)"
             continue
         try:
-            c.sim = captures.simulate(c.plan, c.rows, profile, capacity)
+            c.sim = captures.simulate(c.plan, c.rows, profile, capacity, pp=c.pp)
         except Exception as exc:   # a pass refusing a plan is a result of the search, not a crash
             first = (str(exc).splitlines() or [""])[0]
             c.status, c.reason = "failed", f"{type(exc).__name__}: {first}"
@@ -261,10 +266,13 @@ def ranked(cands: list[Candidate]) -> list[Candidate]:
     return sorted(done, key=lambda c: (not c.sim.fits, -c.sim.tokens_per_second if c.sim.fits else c.sim.peak_bytes))
 
 
-def plan_yaml(plan: Plan) -> str:
-    """The plan's fields that differ from the defaults, as a plan file ``Plan.load`` reads back."""
+def plan_yaml(plan: Plan, pp: int = 1) -> str:
+    """The plan's fields that differ from the defaults, as a plan file ``Plan.load`` reads back
+    (a pp > 1 plan loads once a pipeline_split pass is registered)."""
     default = Plan().to_dict()
     fields = {k: (list(v) if isinstance(v, tuple) else v) for k, v in plan.to_dict().items() if default[k] != v}
+    if pp > 1:
+        fields["pp"] = pp
     return yaml.safe_dump(fields, sort_keys=False)
 
 
@@ -313,6 +321,9 @@ def parse(argv):
     p.add_argument("--microbatches", default="1,2,4")
     p.add_argument("--precision", default="bf16", help="comma list of fp32,bf16 (fp32 doubles the search)")
     p.add_argument("--tp", default="1", help="comma list of tensor-parallel degrees to try")
+    p.add_argument("--pp", default="1", help="comma list of pipeline degrees to try (1F1B, microbatches >= pp)")
+    p.add_argument("--breakdown", default=None, metavar="PNG",
+                   help="write the best (or, when none fits, the closest) plan's per-rank memory and time picture")
     p.add_argument("--full-depth", action="store_true", help="capture the real depth (slow) instead of extrapolating")
     p.add_argument("--no-baseline", action="store_true", help="skip the fp32 single-device comparison")
     p.add_argument("--min-headroom", type=float, default=0.10,
@@ -348,8 +359,9 @@ def check(args) -> ModelSpec:
         raise UsageError(f"--zero '{args.zero}': ZeRO stages are 0..3")
     args.microbatch_counts = _ints(args.microbatches, "microbatches")
     args.tps = _ints(args.tp, "tp")
-    if 0 in args.microbatch_counts or 0 in args.tps:
-        raise UsageError("--microbatches and --tp values must be >= 1")
+    args.pps = _ints(args.pp, "pp")
+    if 0 in args.microbatch_counts or 0 in args.tps or 0 in args.pps:
+        raise UsageError("--microbatches, --tp and --pp values must be >= 1")
     args.recomputes = _words(args.recompute, "recompute", RECOMPUTE_ORDER)
     args.precisions = _words(args.precision, "precision", ("bf16", "fp32"))
     spec = resolve_model(args.model)
@@ -373,10 +385,10 @@ def run(args, spec: ModelSpec, out=print, captures: Captures | None = None) -> i
     cands = candidates(args.devices, args.global_batch, tps=args.tps, stages=args.zero_stages,
                        recomputes=args.recomputes, microbatches=args.microbatch_counts,
                        precisions=args.precisions, budget=args.budget, heads=spec.heads,
-                       backend=backend_for(profile.name))
+                       backend=backend_for(profile.name), pps=args.pps)
     if not cands:
         raise UsageError(f"no plan divides --global-batch {args.global_batch} over {args.devices} devices with "
-                         f"microbatches {args.microbatches} and tp {args.tp}")
+                         f"microbatches {args.microbatches}, tp {args.tp} and pp {args.pp}")
     t0 = time.perf_counter()
     search(spec, captures, cands, profile=profile.name, capacity=capacity, progress=not args.no_progress)
     seconds = time.perf_counter() - t0
@@ -403,6 +415,7 @@ def run(args, spec: ModelSpec, out=print, captures: Captures | None = None) -> i
         if closest.sim is not None:
             out(f"closest: {closest.label()}")
             out(closest.sim.breakdown())
+            _picture(args, closest, out)
             out(f"largest term: {closest.sim.largest_term} "
                 f"({closest.sim.memory[closest.sim.largest_term] / GB:.2f} GB per rank)")
         elif any(c.status == "failed" for c in cands):
@@ -418,6 +431,7 @@ def run(args, spec: ModelSpec, out=print, captures: Captures | None = None) -> i
     best = fitting[0]
     out(f"best: {best.label()}: headroom {1 - best.sim.peak_bytes / memory:.1%} of {memory / GB:g} GB")
     out(best.sim.breakdown())
+    _picture(args, best, out)
     ref = REFERENCES.get(spec.name)
     if ref:
         out(f"reference: {ref[0]}: {ref[1]:,.0f} tokens/s/device; predicted "
@@ -433,9 +447,15 @@ def run(args, spec: ModelSpec, out=print, captures: Captures | None = None) -> i
         except (SimulationError, PlanError, RuntimeError, ValueError) as exc:
             out(f"fp32 single-device baseline not simulated: {exc}")
     with open(args.out, "w") as f:
-        f.write(plan_yaml(best.plan.replace(verify="shallow", backend="auto")))
+        f.write(plan_yaml(best.plan.replace(verify="shallow", backend="auto"), best.pp))
     out(f"wrote {args.out}")
     return 0
+
+
+def _picture(args, cand: Candidate, out) -> None:
+    if args.breakdown:
+        from cann_passes.reports.breakdown import plot_breakdown
+        out(f"wrote {plot_breakdown(cand.sim, args.breakdown, title=f'{args.model}: {cand.label()}')}")
 
 
 def main(argv=None) -> int:

@@ -246,6 +246,34 @@ def program_section(dump: DumpDir) -> str:
             f'{len(program["graphs"])} graphs ({flows} values flow between them):</p><ul>{"".join(rows)}</ul>')
 
 
+def planner_section(directory: str) -> str:
+    """This rank's memory by term (bars) and step time, from ``simulation.json`` (cann_passes.simulate)."""
+    path = os.path.join(directory, "simulation.json")
+    if not os.path.exists(path):
+        return '<p class="muted">No simulation.json in this dump (written by compile_program\'s dump).</p>'
+    with open(path, encoding="utf-8") as f:
+        sim = json.load(f)
+    if "error" in sim:
+        return f'<p class="muted">Not simulated: {_esc(sim["error"])}</p>'
+    memory = sim["memory"]
+    largest = max(memory, key=memory.get)
+    top = max(max(memory.values()), 1)
+    rows = "".join(
+        f'<tr><td>{_esc(k)}{" (largest)" if k == largest else ""}</td><td class="num">{fmt_bytes(v)}</td>'
+        f'<td><div style="background:#4a7bd0;height:10px;width:{max(1, int(300 * v / top))}px"></div></td></tr>'
+        for k, v in memory.items())
+    peaks = ", ".join(f"{_esc(g)} {fmt_bytes(b)}" for g, b in sim["peaks"].items())
+    exposed = max(0.0, sim["step_s"] - sim["compute_s"])
+    return (f'<p>Rank {sim["rank"]} of {sim["world_size"]} on <b>{_esc(sim["profile"])}</b> '
+            f'({fmt_bytes(sim["capacity_bytes"])}): peak {fmt_bytes(sim["peaks"][sim["peak_graph"]])} in graph '
+            f'{_esc(sim["peak_graph"])} (per graph: {peaks}).</p>'
+            f'<table id="planner-memory"><thead><tr><th>term</th><th>bytes</th><th></th></tr></thead>'
+            f'<tbody>{rows}</tbody></table>'
+            f'<p id="planner-time">Step {sim["step_s"] * 1e3:.3g} ms = compute {sim["compute_s"] * 1e3:.3g} ms + '
+            f'exposed communication {exposed * 1e3:.3g} ms (communication in all {sim["comm_s"] * 1e3:.3g} ms).</p>'
+            f'<p class="muted">Modelled: {_esc(sim["modelled"])}. Not modelled: {_esc(sim["not_modelled"])}.</p>')
+
+
 def render(dump: DumpDir, diffs: dict[str, str], svgs: set[str] = frozenset()) -> str:
     # Parts that need two graphs first: the pass table then drops all but the last from memory.
     summary = _summary(dump) + program_section(dump)
@@ -263,6 +291,7 @@ def render(dump: DumpDir, diffs: dict[str, str], svgs: set[str] = frozenset()) -
                            " (around recompute)" if after.name == "recompute" else " (first vs last)"))),
                        ("COLLECTIVES", collectives_section(dump.last)),
                        ("GE", ge_section(dump.directory, dump.last.stem)),
+                       ("PLANNER", planner_section(dump.directory)),
                        ("PASSES_JSON", _json_script("passes-data", infos)),
                        ("MODULES_JSON", _json_script("modules-data", module_index(dump.last))),
                        ("DIFFS_JSON", diff_scripts(diffs)), ("JS", _JS)):
@@ -313,6 +342,9 @@ window.addEventListener("error", function (e) {
 </section>
 <section id="ge-section"><h2>GE lowering (offline)</h2>
 @@GE@@
+</section>
+<section id="planner-section"><h2>Memory and time per rank (simulated)</h2>
+@@PLANNER@@
 </section>
 <section id="modules-section"><h2>Final graph by module</h2>
 <div class="row"><input id="module-filter" placeholder="filter module paths (prefix, e.g. layers.3.attn)" size="50">
