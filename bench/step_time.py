@@ -1,70 +1,204 @@
-"""Step time of the compiled whole step against eager PyTorch, small GPT on this CPU.
+"""Step time of the compiled whole step against eager PyTorch and torch.compile, side by side.
 
-    python -m bench.step_time [--steps 30] [--backends eager inductor]
+    python -m bench.step_time [--rounds 5] [--steps 3] [--rows ...] [--zoo llama]
 
-Eager PyTorch (forward, backward, torch.optim.AdamW.step) is the baseline;
-each compiled backend's median step time is printed beside it as a ratio.
-Compilation time is reported separately and excluded from step time.
+One 6-layer GPT-style model (d_model 256, 4 heads, seq 128, batch 8) trained
+with AdamW, every row from the same initial weights:
+
+- ``eager``: forward, backward, ``torch.optim.AdamW.step`` (torch's default
+  implementation on CPU: the per-parameter loop) -- the 1.00x baseline;
+- ``foreach`` / ``fused``: AdamW with ``foreach=True`` / ``fused=True``;
+- ``compile``: ``torch.compile(model)``, eager AdamW;
+- ``compile+opt``: ``torch.compile(model)`` and ``torch.compile(opt.step)``;
+- ``ours-eager`` / ``ours-inductor``: the compiled whole step on each backend.
+
+Rows run in interleaved rounds (every row once per round, in a rotating
+order) so that load from other processes on the machine falls on all rows
+alike; each row's time is the median over all its timed steps, and its ratio
+is the median over rounds of (row / eager in the same round). The matmul
+floor is eager's step time times the matmul share of that step measured by
+``torch.profiler`` (self CPU time of mm / addmm / bmm / baddbmm / SDPA over
+the profiled wall time): the time left if everything but the matmuls took
+nothing, with the same BLAS. Compilation happens before the timed rounds and
+is reported separately. ``--zoo NAME`` repeats the table on a model from
+``tests/zoo.py`` (transformers, built from a config at the same width).
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
 from cann_passes import Plan, compile_for_npu
-from recipes.data import TextBatches, load_corpus
-from recipes.models.gpt import GPT, gpt_loss, gpt_small_cpu
+
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
+              "aten::_scaled_dot_product_flash_attention_for_cpu",
+              "aten::_scaled_dot_product_flash_attention_for_cpu_backward")
+ROWS = ("eager", "foreach", "fused", "compile", "compile+opt", "ours-eager", "ours-inductor")
 
 
-def _median_step(fn, batches, warmup: int = 3) -> float:
-    times = []
-    for i, b in enumerate(batches):
+@dataclass
+class Case:
+    """A model factory, its loss and a batch."""
+    name: str
+    make_model: Callable[[], torch.nn.Module]
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]
+    batch: Any
+    tokens: int
+
+
+@dataclass
+class Row:
+    name: str
+    step: Callable[[Any], Any]
+    compile_s: float = 0.0
+    times: list[float] = field(default_factory=list)
+    ratios: list[float] = field(default_factory=list)
+
+
+def gpt_case(batch_size: int, seq_len: int) -> Case:
+    from recipes.models.gpt import GPT, GPTConfig, gpt_loss
+    cfg = GPTConfig(vocab_size=256, n_layer=6, n_head=4, d_model=256, seq_len=seq_len, dropout=0.0)
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, cfg.vocab_size, (batch_size, seq_len + 1), generator=g)
+    return Case("GPT 6L d256 (recipe model)", lambda: GPT(cfg), gpt_loss,
+                (idx[:, :-1].contiguous(), idx[:, 1:].contiguous()),
+                batch_size * seq_len)
+
+
+def zoo_case(name: str, batch_size: int, seq_len: int) -> Case:
+    from tests.zoo import build, hf_loss
+    width = dict(vocab_size=256, hidden_size=256, intermediate_size=1024, num_attention_heads=4,
+                 num_key_value_heads=4, max_position_embeddings=seq_len)
+    if name == "gpt2":
+        width = dict(vocab_size=256, n_embd=256, n_inner=1024, n_head=4, n_positions=seq_len)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 256, (batch_size, seq_len), generator=g)
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    model = lambda: build(name, layers=6, **width).model  # noqa: E731
+    return Case(f"transformers {type(model()).__name__} 6L d256", model, hf_loss, batch, batch_size * seq_len)
+
+
+def _adamw(model, **kw):
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, **kw)
+
+
+def make_row(name: str, case: Case) -> Row:
+    torch.manual_seed(0)
+    model = case.make_model()
+    model.train()
+    if name.startswith("ours-"):
+        opt = _adamw(model)
+        step = compile_for_npu(model, Plan(backend=name[len("ours-"):]), optimizer=opt, loss_fn=case.loss_fn)
         t0 = time.perf_counter()
-        fn(b)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        step.compile(case.batch)
+        step(case.batch)
+        return Row(name, step, time.perf_counter() - t0)
+    opt = _adamw(model, **({"foreach": True} if name == "foreach" else {"fused": True} if name == "fused"
+                           else {"foreach": False}))
+    fwd = torch.compile(model) if name.startswith("compile") else model
+    opt_step = torch.compile(opt.step) if name == "compile+opt" else opt.step
+
+    def step(batch):
+        opt.zero_grad(set_to_none=True)
+        case.loss_fn(fwd, batch).backward()
+        opt_step()
+
+    t0 = time.perf_counter()
+    step(case.batch)
+    return Row(name, step, time.perf_counter() - t0 if name.startswith("compile") else 0.0)
+
+
+def matmul_share(step, batch, steps: int = 2) -> tuple[float, dict[str, float]]:
+    """Share of the step's wall time spent in matmul kernels (self CPU time, torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    step(batch)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step(batch)
+        wall = time.perf_counter() - t0
+    by_op = {e.key: e.self_cpu_time_total * 1e-6 for e in prof.key_averages() if e.key in MATMUL_OPS}
+    return sum(by_op.values()) / wall, {k: v / wall for k, v in by_op.items()}
+
+
+def run(case: Case, rows: list[str], rounds: int, steps: int) -> list[Row]:
+    built = []
+    for name in rows:
+        t0 = time.perf_counter()
+        built.append(make_row(name, case))
+        print(f"  built {name:<14} in {time.perf_counter() - t0:6.1f} s", flush=True)
+    base = next(r for r in built if r.name == "eager")
+    for k in range(rounds):
+        order = built[k % len(built):] + built[:k % len(built)]
+        this_round = {}
+        for row in order:
+            ts = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                row.step(case.batch)
+                ts.append(time.perf_counter() - t0)
+            row.times += ts
+            this_round[row.name] = statistics.median(ts)
+        for row in built:
+            row.ratios.append(this_round[row.name] / this_round[base.name])
+    return built
+
+
+def report(case: Case, built: list[Row], share: float, shares: dict[str, float]) -> str:
+    base = next(r for r in built if r.name == "eager")
+    base_t = statistics.median(base.times)
+    torch_rows = [r for r in built if not r.name.startswith("ours-")]
+    best_torch = min(torch_rows, key=lambda r: statistics.median(r.ratios))
+    best_ratio = statistics.median(best_torch.ratios)
+    lines = [f"{case.name}: batch {case.tokens} tokens, AdamW; median of {len(base.times)} steps per row",
+             f"{'row':<16} {'median ms':>10} {'tokens/s':>10} {'vs eager':>9} {'vs best torch':>14} "
+             f"{'compile s':>10}"]
+    for r in built:
+        t = statistics.median(r.times)
+        ratio = statistics.median(r.ratios)
+        lines.append(f"{r.name:<16} {t * 1e3:>10.1f} {case.tokens / t:>10,.0f} {ratio:>8.2f}x "
+                     f"{ratio / best_ratio:>13.2f}x {r.compile_s:>10.1f}")
+    lines.append(f"{'matmul floor':<16} {base_t * share * 1e3:>10.1f} {'':>10} {share:>8.2f}x "
+                 f"{'':>14} {'':>10}   (matmul share of eager's step: "
+                 + ", ".join(f"{k.replace('aten::', '')} {v:.2f}" for k, v in sorted(shares.items())) + ")")
+    lines.append(f"best torch row: {best_torch.name} ({best_ratio:.2f}x)")
+    return "\n".join(lines)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=3, help="timed steps per row per round")
+    p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--backends", nargs="+", default=["eager", "inductor"])
+    p.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
+    p.add_argument("--zoo", nargs="*", default=[], help="also a transformers model from tests/zoo.py (llama, ...)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="intra-op threads (default 1: on a machine shared with other work, OpenMP barriers "
+                        "waiting for a descheduled thread dominate two-thread timings)")
     args = p.parse_args(argv)
-    batches = [b for b, _ in zip(TextBatches(load_corpus(), args.batch_size, args.seq_len, seed=0),
-                                 range(args.steps))]
-
-    def fresh():
-        torch.manual_seed(0)
-        model = GPT(gpt_small_cpu(seq_len=args.seq_len))
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-
-    model, opt = fresh()
-
-    def eager_step(batch):
-        opt.zero_grad(set_to_none=True)
-        gpt_loss(model, batch).backward()
-        opt.step()
-
-    rows = [("eager PyTorch", _median_step(eager_step, batches), 0.0)]
-    for backend in args.backends:
-        model_c, opt_c = fresh()
-        step = compile_for_npu(model_c, Plan(backend=backend), optimizer=opt_c, loss_fn=gpt_loss)
-        t0 = time.perf_counter()
-        step.compile(batches[0])
-        compile_s = time.perf_counter() - t0
-        rows.append((f"compiled ({backend})", _median_step(step, batches), compile_s))
-    base = rows[0][1]
-    tokens = args.batch_size * args.seq_len
-    print(f"{'step':<22} {'median ms':>10} {'tokens/s':>10} {'vs eager':>9} {'compile s':>10}")
-    for name, t, c in rows:
-        print(f"{name:<22} {t * 1e3:>10.1f} {tokens / t:>10,.0f} {base / t:>8.2f}x {c:>10.1f}")
-    return rows
+    torch.set_num_threads(args.threads)
+    if "eager" not in args.rows:
+        args.rows.insert(0, "eager")
+    warnings.filterwarnings("ignore")
+    cases = [gpt_case(args.batch_size, args.seq_len)] + [zoo_case(n, args.batch_size, args.seq_len)
+                                                         for n in args.zoo]
+    tables = []
+    for case in cases:
+        print(f"{case.name}: compiling {len(args.rows)} rows", flush=True)
+        built = run(case, args.rows, args.rounds, args.steps)
+        share, shares = matmul_share(built[0].step, case.batch)
+        tables.append(report(case, built, share, shares))
+        print(tables[-1], flush=True)
+    print(f"threads {torch.get_num_threads()}, torch {torch.__version__}; rounds {args.rounds} x {args.steps} "
+          "steps, interleaved")
+    return tables
 
 
 if __name__ == "__main__":
