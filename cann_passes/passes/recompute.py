@@ -43,6 +43,7 @@ from graph_ir.analysis.memory import aliases_input, buffer_bytes, memory_profile
 from graph_ir.analysis.structure import Structure, attention_cores, find_blocks
 from graph_ir.meta import (MODULE_PATH, ORIGIN_PASS, RECOMPUTE, REGION, Region, module_path_of,
                            nbytes, region_of, tensors_of)
+from graph_ir.placement import RANDOM_PIECE
 
 from ..cost_model import get_profile, is_collective, node_time
 from ..cost_model.profiles import DeviceProfile
@@ -78,7 +79,9 @@ def _is_random(node: torch.fx.Node) -> bool:
 
 def _is_float_mask(node: torch.fx.Node) -> bool:
     val = node.meta.get("val")
-    return node.target in _MASK_OPS and isinstance(val, torch.Tensor) and val.dtype.is_floating_point
+    # (or this rank's piece of a whole draw: tensor parallelism keeps the piece, graph_ir.placement)
+    return (node.target in _MASK_OPS or RANDOM_PIECE in node.meta) and isinstance(val, torch.Tensor) \
+        and val.dtype.is_floating_point
 
 
 def _ban_reason(node: torch.fx.Node, bans: tuple[str, ...]) -> str:
@@ -254,7 +257,8 @@ def _groups(graph: TrainGraph, structure: Structure, every_n: int) -> dict[torch
 def _apply_groups(b: _Builder, problem: Problem, structure: Structure, every_n: int) -> None:
     """Checkpoint groups of ``every_n`` blocks and the segments between: keep only what crosses."""
     group = _groups(b.graph, structure, every_n)
-    inside = []
+    rebuilt = _rebuilt_from_inputs(b.graph)
+    inside, side = [], []
     for i, node in b.node_of.items():
         g = group.get(node)
         if g is None:
@@ -263,10 +267,31 @@ def _apply_groups(b: _Builder, problem: Problem, structure: Structure, every_n: 
                       for v in {node, *[x for x in node.users if aliases_input(x)]} for u in v.users)
         if not crosses:
             inside.append(i)
+        elif node in rebuilt:
+            side.append(i)
     for node, chain in b.masks.items():
         if node in group:
             inside.append(chain["bool"])
     _forbid_saving(problem, inside, f"inside a checkpointed group of {every_n} block(s) or a segment")
+    # What crosses a boundary but is rebuilt from the step's inputs without a matmul (an
+    # attention mask, T5's relative position bias, an embedding lookup) is recomputed in each
+    # group's backward: only values that cost the model's work to rebuild stay saved.
+    _forbid_saving(problem, side, "crosses a checkpoint boundary but is rebuilt from the step's inputs "
+                                  "without a matmul (a mask, a position bias, a lookup): recomputed")
+
+
+def _rebuilt_from_inputs(graph: TrainGraph) -> set[torch.fx.Node]:
+    """Forward values computed from graph inputs and constants alone, through no matmul-class,
+    random or collective op (so rebuilding one in backward is cheap and bitwise the same)."""
+    out: set[torch.fx.Node] = set()
+    for node in graph.graph.nodes:
+        if node.op != "call_function" or region_of(node) != Region.FORWARD:
+            continue
+        if node_cost(node).matmul or _is_random(node) or is_collective(node):
+            continue
+        if all(a in out or a.op in ("placeholder", "get_attr") for a in node.all_input_nodes):
+            out.add(node)
+    return out
 
 
 def _apply_selective(b: _Builder, problem: Problem, cores: list[set[torch.fx.Node]]) -> None:

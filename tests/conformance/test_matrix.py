@@ -34,6 +34,8 @@ def test_cell(model, plan):
     assert cell.status == "ok", f"{model} × {plan}: {cell.status}: {cell.detail}"
 
 
-@pytest.mark.parametrize("model", ["gpt", "llama"])
+@pytest.mark.parametrize("model", ["gpt", "llama", "t5", "vit"])
 def test_full_recompute_keeps_at_most_a_tenth_of_the_saved_bytes_on_4_layers(model):
+    # T5 (a relative position bias and masks every block reads) and ViT (a mask built in the
+    # first block) were above the bound while values rebuilt from the inputs alone were saved.
     assert full_recompute_ratio(model, layers=4) <= 0.10
