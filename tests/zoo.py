@@ -214,7 +214,7 @@ def _build_vit(layers, **kw):
     cfg = ViTConfig(image_size=IMAGE, patch_size=PATCH, num_channels=CHANNELS, hidden_size=HIDDEN,
                     num_hidden_layers=layers, num_attention_heads=HEADS, intermediate_size=FFN,
                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=CLASSES, **kw)
-    return ViTForImageClassification(cfg), hf_loss, image_batch, False, ("vit.encoder.layer",)
+    return ViTForImageClassification(cfg), hf_loss, image_batch, False, ("vit.layers",)
 
 
 def _build_clip(layers, **kw):

@@ -55,7 +55,12 @@ def _part(graph: TrainGraph, keep, outputs: list[tuple[Spec, torch.fx.Node]], ki
             env[node] = placeholder
             inputs.append(spec)
     for node in graph.graph.nodes:
-        if node.op == "call_function" and keep(node):
+        # A tensor constant made in forward (``_tensor_constant*``, read by ``lift_fresh_copy``)
+        # is a ``get_attr`` of the module: each part that reads it gets its own read, and the
+        # GraphModule below copies the attribute, whatever its values.
+        if node.op == "get_attr" and node in needed:
+            env[node] = new.node_copy(node)
+        elif node.op == "call_function" and keep(node):
             missing = [a for a in node.all_input_nodes if a not in env]
             if missing:
                 raise SplitError(

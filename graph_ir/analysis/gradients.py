@@ -3,7 +3,8 @@
 Read from the graph's semantics, not from names: the gradient of a trainable
 parameter is the one value its optimizer subgraph (the optimizer-region
 ancestors of its updated output) reads from outside the optimizer region
-that is not a graph input. Passes that move a gradient (accumulation, a
+that is not a graph input and is floating point (a boolean flag such as loss
+scaling's overflow check is read too, but is no gradient). Passes that move a gradient (accumulation, a
 reduce-scatter that leaves each rank a shard) re-mark the node the update now
 reads with ``meta[GRADIENT_OF]``, and marks win.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
+import torch
 import torch.fx
 
 from ..meta import GRADIENT_OF, Region, region_of
@@ -33,6 +35,12 @@ def optimizer_ancestors(node: torch.fx.Node) -> list[torch.fx.Node]:
     return out
 
 
+def _floating(node: torch.fx.Node) -> bool:
+    val = node.meta.get("val")
+    # Without a recorded value the node cannot be excluded: keep it, the count check decides.
+    return not isinstance(val, torch.Tensor) or val.is_floating_point()
+
+
 def find_gradients(tg, *, mark: bool = True) -> dict[str, torch.fx.Node]:
     """Trainable parameter name -> the value its optimizer update reads as its gradient."""
     marked = {n.meta[GRADIENT_OF]: n for n in tg.graph.nodes if GRADIENT_OF in n.meta}
@@ -42,8 +50,10 @@ def find_gradients(tg, *, mark: bool = True) -> dict[str, torch.fx.Node]:
         if spec.name in marked:
             found[spec.name] = marked[spec.name]
             continue
+        # A gradient is floating point: a flag an update selects on (loss_scale's ``found_inf``,
+        # a bool read by every ``where(found_inf, old, new)``) is not one.
         reads = {a for n in optimizer_ancestors(outputs[i]) for a in n.all_input_nodes
-                 if a.op != "placeholder" and region_of(a) != Region.OPTIMIZER}
+                 if a.op != "placeholder" and region_of(a) != Region.OPTIMIZER and _floating(a)}
         if len(reads) != 1:
             raise GradientNotFound(
                 f"cannot find the gradient of '{spec.name}': its optimizer update reads "

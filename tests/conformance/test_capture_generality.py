@@ -66,3 +66,12 @@ def test_padded_and_all_ones_masks_share_one_compilation_and_match_eager():
     assert len(run.step._compiled) == 1
     assert run.max_loss_diff() <= 1e-5 * max(run.eager_losses)
     assert run.max_param_diff() <= 1e-5
+
+
+def test_every_zoo_models_block_prefixes_name_its_module_stacks():
+    from tests.zoo import MODELS, build
+    for name in MODELS:
+        entry = build(name)
+        modules = dict(entry.model.named_modules())
+        for prefix in entry.block_prefixes:
+            assert prefix in modules and f"{prefix}.0" in modules and f"{prefix}.1" in modules, (name, prefix)

@@ -139,3 +139,29 @@ def test_bf16_plan_has_no_loss_scale_and_bad_mode_is_refused():
         compile_for_npu(_tiny(), Plan(precision="fp16", backend="eager",
                                       pipeline="cleanup,autocast{dtype=fp16},loss_scale{mode=sometimes}"),
                         optimizer=_adamw(_tiny()), loss_fn=gpt_loss)(_batches(1)[0])
+
+
+def test_gradients_are_found_beside_the_overflow_flag_every_update_reads():
+    """After loss_scale every update also reads the bool ``found_inf`` from backward: the gradient
+    analysis (used by grad_clip, data_parallel, ZeRO and the state-bytes report) still finds one
+    floating gradient per parameter, the unscaled one, and the state bytes count all of them."""
+    from cann_passes.pass_manager import PassContext, PassManager
+    from graph_ir import capture_train_step
+    from graph_ir.analysis.gradients import find_gradients
+    from graph_ir.analysis.memory import state_bytes
+    model = _tiny()
+    batch = (*_batches(1)[0], torch.tensor(1.0))
+    tg, _ = capture_train_step(model, _adamw(model), _scaled_loss, batch)
+    out = PassManager("cleanup,loss_scale,cleanup", verify_level="deep").run(
+        tg, PassContext(plan=Plan(precision="fp16", backend="eager")))
+    flags = [n for n in out.graph.nodes if n.meta.get("val") is not None
+             and getattr(n.meta["val"], "dtype", None) == torch.bool
+             and any(u.target == torch.ops.aten.where.self for u in n.users)]
+    assert flags, "loss_scale selects on a bool overflow flag"
+    grads = find_gradients(out, mark=False)
+    params = dict(model.named_parameters())
+    assert set(grads) == set(params)
+    for name, grad in grads.items():
+        assert grad.meta["val"].dtype == torch.float32 and grad.meta["val"].shape == params[name].shape, name
+        assert grad.target == torch.ops.aten.mul.Tensor, f"{name}: the unscaled gradient, got {grad.target}"
+    assert state_bytes(out).grads == sum(p.numel() * 4 for p in params.values())

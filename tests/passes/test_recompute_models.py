@@ -51,6 +51,11 @@ class TestStructure:
         assert set(find_blocks(tg.graph).stacks) == set(entry.block_prefixes)
         assert len(attention_cores(tg.graph)) == 6   # encoder self x2, decoder self x2 and cross x2
 
+    def test_vit_stack_is_found_under_the_name_transformers_gives_it(self):
+        tg, entry = _captured("vit")
+        assert entry.block_prefixes == ("vit.layers",)   # transformers 5: ViTModel.layers, no .encoder
+        assert find_blocks(tg.graph).stacks == {"vit.layers": ["vit.layers.0", "vit.layers.1"]}
+
     def test_plan_globs_replace_detection(self, llama4):
         structure = find_blocks(llama4.graph, ("model.layers.[02]",))
         assert structure.blocks == ["model.layers.0", "model.layers.2"] and structure.source == "plan"
