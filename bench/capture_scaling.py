@@ -1,53 +1,146 @@
-"""Capture + pipeline time of a GPT step as layers grow (d_model 4096, seq 2048, fake tensors).
+"""Compile time of a 7B-shaped GPT step as layers grow, against raw ``make_fx`` of the same step.
 
-    python -m bench.capture_scaling [--layers 4 8 16 32]
+    python -m bench.capture_scaling [--layers 4 8 16 32] [--rounds 3] [--with-70b] [--quick]
 
-Time per node must stay flat as the graph grows: a pass manager or analysis
-that is quadratic in graph size shows up here first.
+Both sides trace one whole step (forward, backward, SGD) of the recipe GPT built on
+``meta`` (d_model 4096, 32 heads, seq 2048; ``--with-70b`` adds an 80-layer d_model 8192
+shape) on fake tensors, so nothing is computed:
+
+- **raw**: ``make_fx(step, tracing_mode="fake")`` of ``torch.func.grad_and_value`` over
+  ``functional_call`` plus ``p - lr * g`` — torch's own tracer and nothing else;
+- **ours**: ``capture_train_step`` (module paths, regions, signature, functionalization)
+  plus ``compile_program`` with the pipeline ``cleanup, autocast{bf16}, recompute{budget
+  0.25}, cleanup`` (shallow verifier after each pass, as a plan runs by default).
+
+Depths are interleaved within each round and the raw/ours order alternates between rounds;
+medians over rounds are printed with ms per node and ours/raw, then the pass manager's
+per-pass times (its Timing instrument; verify is the Verify instrument's time). The machine
+may be shared: the ratio within one run is the figure, absolute seconds move between runs.
+scipy (the recompute solver's MILP) is imported before timing, as any second compile finds it.
 """
 from __future__ import annotations
 
 import argparse
+import gc
+import statistics
 import time
 
 import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
 
-from cann_passes import PassContext, PassManager, Plan
-from cann_passes.pipeline import build_pipeline
+from cann_passes import Plan
+from cann_passes.compile import compile_program
 from graph_ir import capture_train_step
 from recipes.models.gpt import GPT, gpt_7b, gpt_loss
 
+LR = 1e-4
+PLAN = Plan(precision="bf16", recompute="budget", recompute_budget=0.25, backend="eager")
 
-def measure(n_layer: int) -> dict:
-    cfg = gpt_7b(n_layer=n_layer)
+
+def config(n_layer: int, wide: bool = False, seq: int = 2048):
+    if wide:   # 70B-shaped width on the recipe GPT (d_model 8192, 64 heads)
+        return gpt_7b(n_layer=n_layer, d_model=8192, n_head=64, seq_len=seq)
+    return gpt_7b(n_layer=n_layer, seq_len=seq)
+
+
+def _model(cfg):
     with torch.device("meta"):
         model = GPT(cfg)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
         idx = torch.zeros(1, cfg.seq_len, dtype=torch.long)
+    return model, idx
+
+
+def time_raw(cfg) -> dict:
+    model, idx = _model(cfg)
+    params = dict(model.named_parameters())
+
+    def step(p, idx, targets):
+        def loss_of(p):
+            logits = torch.func.functional_call(model, p, (idx,))
+            return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        grads, loss = torch.func.grad_and_value(loss_of)(p)
+        return loss, {k: v - LR * grads[k] for k, v in p.items()}
+
     t0 = time.perf_counter()
-    graph, _ = capture_train_step(model, opt, gpt_loss, (idx, idx))
+    gm = make_fx(step, tracing_mode="fake")(params, idx, idx)
+    seconds = time.perf_counter() - t0
+    return {"nodes": len(gm.graph.nodes), "seconds": seconds}
+
+
+def time_ours(cfg) -> dict:
+    model, idx = _model(cfg)
+    with torch.device("meta"):
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+    t0 = time.perf_counter()
+    captured, _ = capture_train_step(model, opt, gpt_loss, (idx, idx))
     t1 = time.perf_counter()
-    manager = PassManager(build_pipeline(Plan(), "eager"), verify_level="shallow")
-    ctx = PassContext()
-    graph = manager.run(graph, ctx)
-    ctx.analyses.get("memory", graph)
-    ctx.analyses.get("cost", graph)
+    program = compile_program(captured, PLAN)
     t2 = time.perf_counter()
-    return {"layers": n_layer, "nodes": graph.num_nodes(), "capture_s": t1 - t0, "passes_s": t2 - t1}
+    passes: dict[str, list[float]] = {}
+    for r in program.records:
+        passes.setdefault(f"{r.index}:{r.name}", []).append(r.seconds)
+        passes.setdefault(f"{r.index}:{r.name} verify", []).append(r.verify_seconds)
+    return {"nodes": captured.num_nodes(), "final_nodes": program.num_nodes(), "capture": t1 - t0,
+            "passes": t2 - t1, "seconds": t2 - t0, "per_pass": {k: sum(v) for k, v in passes.items()}}
+
+
+def _median(rows: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in rows)
+
+
+def run(depths: list[tuple[str, int, bool]], rounds: int, seq: int) -> dict:
+    import scipy.optimize  # noqa: F401  (imported once per process; not a cost of any one compile)
+    time_raw(config(1, seq=seq)), time_ours(config(1, seq=seq))          # warm both tracers
+    results = {label: {"raw": [], "ours": []} for label, _, _ in depths}
+    for r in range(rounds):
+        for label, n_layer, wide in depths:
+            cfg = config(n_layer, wide, seq)
+            order = (("raw", time_raw), ("ours", time_ours))
+            for side, fn in order if r % 2 == 0 else order[::-1]:
+                gc.collect()
+                results[label][side].append(fn(cfg))
+    return results
+
+
+def report(results: dict) -> list[dict]:
+    rows = []
+    print(f"{'shape':>10} {'nodes':>6} {'raw s':>7} {'ms/node':>7} | {'capture s':>9} {'passes s':>8} "
+          f"{'ours s':>7} {'ms/node':>7} | {'ours/raw':>8}")
+    for label, sides in results.items():
+        raw, ours = sides["raw"], sides["ours"]
+        raw_s, nodes = _median(raw, "seconds"), raw[0]["nodes"]
+        cap, passes, total = _median(ours, "capture"), _median(ours, "passes"), _median(ours, "seconds")
+        row = {"shape": label, "raw_nodes": nodes, "nodes": ours[0]["nodes"], "raw_s": raw_s, "capture_s": cap,
+               "passes_s": passes, "ours_s": total, "ratio": total / raw_s}
+        rows.append(row)
+        print(f"{label:>10} {nodes:>6} {raw_s:>7.2f} {raw_s / nodes * 1e3:>7.3f} | {cap:>9.2f} {passes:>8.2f} "
+              f"{total:>7.2f} {total / ours[0]['nodes'] * 1e3:>7.3f} | {total / raw_s:>7.2f}x")
+    print(f"\nper pass, median seconds (pass manager Timing; verify = shallow verifier)")
+    names = list(next(iter(results.values()))["ours"][0]["per_pass"])
+    print(f"{'pass':>22} " + " ".join(f"{label:>10}" for label in results))
+    for name in names:
+        cells = [statistics.median(o["per_pass"][name] for o in sides["ours"]) for sides in results.values()]
+        print(f"{name:>22} " + " ".join(f"{c:>10.2f}" for c in cells))
+    return rows
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, nargs="+", default=[4, 8, 16, 32])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--with-70b", action="store_true", help="add the 80-layer d_model 8192 shape")
+    p.add_argument("--quick", action="store_true", help="smoke test: 1 and 2 layers, seq 64, one round")
     args = p.parse_args(argv)
-    rows = [measure(n) for n in args.layers]
-    base = (rows[0]["capture_s"] + rows[0]["passes_s"]) / rows[0]["nodes"]
-    print(f"{'layers':>6} {'nodes':>7} {'capture s':>10} {'passes s':>9} {'ms/node':>8} {'vs first':>8}")
-    for r in rows:
-        per_node = (r["capture_s"] + r["passes_s"]) / r["nodes"]
-        print(f"{r['layers']:>6} {r['nodes']:>7} {r['capture_s']:>10.2f} {r['passes_s']:>9.2f} "
-              f"{per_node * 1e3:>8.3f} {per_node / base:>7.2f}x")
-    return rows
+    seq = 2048
+    depths = [(f"{n}L", n, False) for n in args.layers]
+    if args.with_70b:
+        depths.append(("70B 80L", 80, True))
+    if args.quick:
+        depths, seq, args.rounds = [("1L", 1, False), ("2L", 2, False)], 64, 1
+    print(f"pipeline: capture + {PLAN.precision} autocast + recompute budget {PLAN.recompute_budget}; "
+          f"seq {seq}; {args.rounds} round(s), medians")
+    return report(run(depths, args.rounds, seq))
 
 
 if __name__ == "__main__":

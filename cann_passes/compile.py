@@ -64,10 +64,15 @@ def compile_program(captured: TrainGraph, plan: Plan, mesh: MeshDesc | None = No
     if dump:
         dump.write_capture(captured, ctx.analyses, inputs)
     start = time.perf_counter()
-    graph = captured.copy()
-    graph.attrs[GraphAttr.MESH] = mesh.to_json()
-    manager = PassManager(pipeline, verify_level=plan.verify, dump=dump)
-    program = manager.run_program(Program.of_step(graph, mesh), ctx)
+
+    def start_program() -> Program:
+        graph = captured.copy()
+        graph.attrs[GraphAttr.MESH] = mesh.to_json()
+        return Program.of_step(graph, mesh)
+
+    # ``captured`` stays unchanged, so a failing pass's reproducer is rebuilt from it (no copy per pass).
+    manager = PassManager(pipeline, verify_level=plan.verify, dump=dump, source=start_program)
+    program = manager.run_program(start_program(), ctx)
     unsplit = [n for n, g in program.graphs.items()
                if graph_kind(g.attrs) == GraphKind.STEP and GraphAttr.GRAD_ACCUMULATION in g.attrs]
     if unsplit:

@@ -394,6 +394,10 @@ def _num_nodes(ir) -> int:
     return sum(g.num_nodes() for g in _graphs_of(ir))
 
 
+def _version(ir) -> tuple:
+    return tuple((id(g), g.version) for g in _graphs_of(ir))
+
+
 @dataclass
 class PassRun:
     """One pass applied to one graph (or to the program), as the instruments see it."""
@@ -414,7 +418,11 @@ class PassRun:
 
 class Instrument:
     """Hooks around every pass. ``before_pass`` runs in list order, ``after_pass`` and
-    ``after_failure`` in reverse order, so an instrument wraps those after it."""
+    ``after_failure`` in reverse order, so an instrument wraps those after it;
+    ``before_pipeline`` once per run, before the first pass."""
+
+    def before_pipeline(self, program: Program, ctx: PassContext) -> None:
+        pass
 
     def before_pass(self, run: PassRun) -> None:
         pass
@@ -457,22 +465,44 @@ class Verify(Instrument):
 
 class Statistics(Instrument):
     """Changed or not (structural fingerprint), node and op deltas, the pass's counters; bumps the
-    graph version and drops the analyses the pass did not preserve."""
+    graph version and drops the analyses the pass did not preserve.
+
+    What a pass left is what the next pass is given (nothing else edits a graph between
+    two passes of one run), so each graph is fingerprinted once per pass, not twice: a
+    fingerprint reads every node, and on a 7B-shaped step that is a second per pass.
+    """
+
+    def __init__(self):
+        self._last: dict[int, tuple] = {}     # id(ir) -> (ir, version, fingerprint, op counts, nodes)
+
+    def before_pipeline(self, program: Program, ctx: PassContext) -> None:
+        self._last = {}
+
+    def _facts(self, ir) -> tuple[str, Counter, int]:
+        last = self._last.get(id(ir))
+        if last is not None and last[0] is ir and last[1] == _version(ir):
+            return last[2:]
+        return _fingerprint(ir), _op_counts(ir), _num_nodes(ir)
 
     def before_pass(self, run: PassRun) -> None:
         run.ctx.stats = {}
-        run.scratch["stats"] = (_fingerprint(run.given), _op_counts(run.given), _num_nodes(run.given))
+        run.scratch["stats"] = self._facts(run.given)
 
     def after_pass(self, run: PassRun) -> None:
         before_fp, before_ops, before_nodes = run.scratch["stats"]
         result, ctx = run.result, run.ctx
-        changed = _fingerprint(result) != before_fp
+        after_fp = _fingerprint(result)
+        changed = after_fp != before_fp
         if changed:
             for graph in _graphs_of(result):
                 old = graph.version
                 graph.version = old + 1
                 ctx.analyses.advance(graph, old, run.info.preserves)
         after_ops = _op_counts(result)
+        self._last[id(result)] = (result, _version(result), after_fp, after_ops, _num_nodes(result))
+        if isinstance(result, Program):     # its graphs are what the next graph pass is given
+            for graph in result.graphs.values():
+                self._last.pop(id(graph), None)
         run.record = PassRecord(run.index, run.info.name, run.spec.text(), run.seconds, changed, before_nodes,
                                 _num_nodes(result), dict(after_ops - before_ops), dict(before_ops - after_ops),
                                 dict(ctx.stats), run.verify_seconds, run.target)
@@ -494,14 +524,41 @@ class Dump(Instrument):
 
 
 class Reproducer(Instrument):
-    """On failure: the graph the pass was given and the one-pass pipeline, as a directory."""
+    """On failure: the graph the pass was given and the one-pass pipeline, as a directory.
 
-    def __init__(self, directory: str | None = None, fallback=None):
+    Passes edit their graph in place, so the graph a failing pass was given is gone by the
+    time it fails. Copying every graph before every pass would cost a whole-graph copy per
+    pass (seconds on a 7B-shaped step); instead the program the pipeline started from is
+    kept — ``source()`` rebuilds it when the caller holds an unchanged original (the compile
+    driver keeps the captured step), else one copy is taken before the first pass — and on
+    failure the passes before the failing one are run again on it. Passes are
+    deterministic functions of their graph and options, so that is the graph it was given.
+    """
+
+    def __init__(self, directory: str | None = None, fallback=None, source=None):
         self.directory = directory
         self.fallback = fallback        # () -> a directory, asked only when a pass fails
+        self.source = source            # () -> a fresh copy of the program the pipeline starts from
+        self._start: Callable[[], Program] | None = None
 
-    def before_pass(self, run: PassRun) -> None:
-        run.scratch["given"] = run.given.copy()
+    def before_pipeline(self, program: Program, ctx: PassContext) -> None:
+        if self.source is not None:
+            self._start = self.source
+        else:
+            snapshot = program.copy()
+            self._start = lambda: snapshot
+
+    def _given(self, run: PassRun):
+        """The graph (or program) ``run``'s pass was given, rebuilt by replaying the passes before it."""
+        if self._start is None:
+            return run.given
+        program = self._start()
+        ctx = PassContext(plan=run.ctx.plan, rank=run.ctx.rank, world_size=run.ctx.world_size,
+                          device_profile=run.ctx.device_profile, mesh=run.ctx.mesh)
+        before = Pipeline(run.pipeline.passes[:run.index - 1])
+        if before.passes:
+            program = PassManager(before, instruments=[]).run_program(program, ctx)
+        return program if run.target == "program" else program.graphs[run.target]
 
     def after_failure(self, run: PassRun, exc: Exception) -> Exception:
         from .dump import write_reproducer
@@ -509,7 +566,11 @@ class Reproducer(Instrument):
             log.error("pass %s produced an invalid graph", run.spec)
         directory = self.directory or (self.fallback() if self.fallback else None)
         directory = directory or tempfile.mkdtemp(prefix="cann_passes_repro_")
-        given = run.scratch.get("given", run.given)
+        try:
+            given = self._given(run)
+        except Exception:  # the replay itself fails: what the pass left is the best there is
+            log.exception("could not rebuild the graph pass %s was given", run.spec)
+            given = run.given
         graph = given.main if isinstance(given, Program) else given
         plan = run.ctx.plan
         try:
@@ -525,14 +586,17 @@ class PassManager:
     """Runs a pipeline over a graph or a program, with instruments around every pass."""
 
     def __init__(self, pipeline: Pipeline | str, *, verify_level: str = "shallow",
-                 dump=None, reproducer_dir: str | None = None, instruments: list[Instrument] | None = None):
+                 dump=None, reproducer_dir: str | None = None, instruments: list[Instrument] | None = None,
+                 source: Callable[[], Program] | None = None):
         self.pipeline = Pipeline.parse(pipeline) if isinstance(pipeline, str) else pipeline
         self.verify_level = verify_level
         self.dump = dump                      # a DumpWriter, or None
         self.reproducer_dir = reproducer_dir
         self.records: list[PassRecord] = []
         if instruments is None:
-            instruments = [Reproducer(reproducer_dir, lambda: self.dump.directory if self.dump else None)]
+            # ``source``: () -> a fresh copy of the program ``run`` will be given (see Reproducer).
+            instruments = [Reproducer(reproducer_dir, lambda: self.dump.directory if self.dump else None,
+                                      source)]
             instruments += [Dump(dump)] if dump is not None else []
             instruments += [Statistics(), Verify(verify_level), Timing()]
         self.instruments = instruments
@@ -547,6 +611,8 @@ class PassManager:
     def run_program(self, program: Program, ctx: PassContext | None = None) -> Program:
         ctx = ctx or PassContext()
         log.info("pipeline: %s", self.pipeline)
+        for instrument in self.instruments:
+            instrument.before_pipeline(program, ctx)
         for index, pass_spec in enumerate(self.pipeline.passes, start=1):
             info = get_pass(pass_spec.name)
             if info.on == "program":

@@ -29,6 +29,7 @@ import torch
 import torch.fx
 import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 
@@ -524,8 +525,9 @@ def _quiet_fake_tensor_log():
 
 def _trace(step, flat: list, layout: StepLayout) -> torch.fx.GraphModule:
     try:
+        # A lazy GraphModule: capture edits the graph afterwards, code is generated once, when run.
         with fx_traceback.preserve_node_meta(), _tracing_state(), _refusing_checkpoint(), \
-                _quiet_fake_tensor_log():
+                _quiet_fake_tensor_log(), _use_lazy_graph_module(True):
             return make_fx(torch.func.functionalize(step), tracing_mode="fake",
                            _allow_non_fake_inputs=True)(*flat)
     except CaptureError as exc:

@@ -15,9 +15,21 @@ from typing import Any, Iterator
 
 import torch
 import torch.fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from .meta import MODULE_PATH, REGION, Region, is_fake, region_of
 from .signature import Spec, StepSignature
+
+
+def lazy_graph_module(root, graph: torch.fx.Graph) -> torch.fx.GraphModule:
+    """A GraphModule that generates its Python code only when it is run or its code is read.
+
+    torch's ``_LazyGraphModule`` (what inductor uses for the same reason): passes edit the
+    graph and the pass manager marks it for recompilation after each one; generating and
+    ``compile()``-ing the code of a 7B-shaped step costs about a second, and only the final
+    graph is ever run.
+    """
+    return _LazyGraphModule(root, graph)
 
 
 class TrainGraph:
@@ -108,7 +120,7 @@ class TrainGraph:
         output_value, old_output = new_graph.graph_copy(self.graph, {}, return_output_node=True)
         new_graph._codegen = copy.deepcopy(self.graph._codegen)
         new_graph.output(output_value).meta = copy.copy(old_output.meta)
-        gm = torch.fx.GraphModule(self.gm, new_graph)
+        gm = lazy_graph_module(self.gm, new_graph)
         clone = TrainGraph(gm, copy.deepcopy(self.signature), copy.deepcopy(self.attrs))
         clone.version = self.version
         return clone

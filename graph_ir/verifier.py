@@ -26,7 +26,7 @@ from .build import propagate_fake_values
 from .meta import MODULE_PATH, REGION, GraphAttr, GraphKind, Region, describe_value, expected_losses, graph_kind
 from .serialize import value_matches
 from .signature import InputKind, OutputKind
-from .train_graph import TrainGraph
+from .train_graph import TrainGraph, lazy_graph_module
 
 _ORDER = {Region.IO: -1, Region.FORWARD: 0, Region.BACKWARD: 1, Region.OPTIMIZER: 2}
 
@@ -107,7 +107,7 @@ def _check_nodes(tg: TrainGraph) -> list[str]:
 
 
 def _check_values(tg: TrainGraph) -> list[str]:
-    gm = torch.fx.GraphModule(tg.gm, copy.deepcopy(tg.graph))
+    gm = lazy_graph_module(tg.gm, copy.deepcopy(tg.graph))
     recorded = {n.name: n.meta.get("val") for n in tg.graph.nodes}
     inputs = [node.meta["val"] for node in tg.placeholders()]
     try:
