@@ -104,6 +104,8 @@ class Plan:
     pipeline: str | None = None               # full pipeline text; overrides the one built from fields
     extra_passes: tuple[str, ...] = ()         # pipeline text appended before lowering passes
     dump_dir: str | None = None
+    # Compile cache directory, or "off"; None: $CANN_PASSES_COMPILE_CACHE, else ~/.cache (compile_cache.py).
+    compile_cache: str | None = None
     verify: str = "shallow"
     torchair: dict = field(default_factory=dict)  # CompilerConfig options, see lowering/torchair_config
 
@@ -201,6 +203,9 @@ class Plan:
         if self.dump_dir is not None and (not isinstance(self.dump_dir, (str, os.PathLike))
                                           or not str(self.dump_dir).strip()):
             raise PlanError("dump_dir", "must be a directory path", self.dump_dir)
+        if self.compile_cache is not None and (not isinstance(self.compile_cache, (str, os.PathLike))
+                                               or not str(self.compile_cache).strip()):
+            raise PlanError("compile_cache", "must be a directory path or 'off'", self.compile_cache)
         if not (_is_number(self.bucket_mb) and self.bucket_mb > 0):
             raise PlanError("bucket_mb", "must be a finite positive number of MiB", self.bucket_mb)
         if self.grad_clip_norm is not None and not (_is_number(self.grad_clip_norm) and self.grad_clip_norm > 0):

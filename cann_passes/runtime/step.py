@@ -30,6 +30,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from graph_ir import TrainGraph, capture_train_step, gather_inputs
+from graph_ir.capture import initial_optimizer_state
 from graph_ir.analysis import GraphCost, MemoryProfile
 from graph_ir.capture import StepLayout
 from graph_ir.mesh import MeshDesc
@@ -38,6 +39,7 @@ from graph_ir.placement import gather
 from graph_ir.program import Program
 from graph_ir.signature import InputKind, OutputKind
 
+from .. import compile_cache
 from ..compile import compile_program
 from ..dump import dump_dir_from
 from ..lowering import get_lowering, resolve_backend
@@ -157,13 +159,27 @@ class CompiledStep:
 
     def _compile(self, batch: Any) -> Compilation:
         t0 = time.perf_counter()
-        with accumulation.full_shape_state(self.model, self.optimizer, self.shards), _Flag(self, "capturing"):
-            captured, layout = capture_train_step(self.model, self.optimizer, self.loss_fn, batch)
-            directory = dump_dir_from(self.plan.dump_dir)
-            inputs = gather_inputs(self.model, self.optimizer, layout, batch) if directory else None
-        capture_seconds = time.perf_counter() - t0
-        program = compile_program(captured, self.plan, self.mesh, backend=self.backend, dump_dir=directory,
-                                  inputs=inputs)
+        # A process's first compile of a model and plan already compiled once: the captured step and
+        # the program come from the compile cache (single process; cann_passes/compile_cache.py).
+        cache = compile_cache.for_step(self)
+        key, facts = cache.key(self, batch) if cache else (None, None)
+        entry = cache.load(key) if cache else None
+        if entry is not None:
+            captured, layout, program = entry.captured, entry.layout, entry.program
+            initial_optimizer_state(self.model, self.optimizer, layout, self.rule)
+            program.captured, program.records = captured, entry.records
+            program.context = compile_cache.context_for(entry, self.plan, self.mesh)
+            capture_seconds = time.perf_counter() - t0
+        else:
+            with accumulation.full_shape_state(self.model, self.optimizer, self.shards), _Flag(self, "capturing"):
+                captured, layout = capture_train_step(self.model, self.optimizer, self.loss_fn, batch)
+                directory = dump_dir_from(self.plan.dump_dir)
+                inputs = gather_inputs(self.model, self.optimizer, layout, batch) if directory else None
+            capture_seconds = time.perf_counter() - t0
+            program = compile_program(captured, self.plan, self.mesh, backend=self.backend, dump_dir=directory,
+                                      inputs=inputs)
+            if cache:
+                cache.store(key, facts, captured, program, layout, program.context.explain)
         t1 = time.perf_counter()
         lowering = get_lowering(self.backend)
         runners = {name: lowering.compile(graph, self._inputs(graph, batch), self.plan)
