@@ -32,7 +32,7 @@ import torch
 
 from graph_ir import TrainGraph
 from graph_ir.meta import GRADIENT_OF, GraphAttr, Region, nbytes, region_of
-from graph_ir.placement import Placement, set_placement
+from graph_ir.placement import FlatShard, Placement, placement_of, set_placement
 from graph_ir.signature import InputKind, OutputKind
 
 from ..pass_manager import PassContext, register_pass
@@ -46,25 +46,40 @@ DP = "dp"
 
 
 class ShardLayout:
-    """Per-parameter flat shards over the dp axis: graph_ir.placement's FlatShard, sized here for N ranks."""
+    """Per-parameter flat shards over the dp axis: graph_ir.placement's FlatShard, sized here for N ranks.
+
+    The graph's parameter may already be this rank's tensor-parallel shard (the ``tensor_parallel``
+    pass ran first): the flat shard is then cut from that local shard, and the placement recorded
+    is the composition, ``tp: Shard(d)`` then ``dp: FlatShard`` (ZeRO over TP on a 2-D mesh).
+    """
 
     def __init__(self, tg: TrainGraph, names: list[str], group: MeshDim):
         self.group = group
         self.shape = {n: tuple(tg.input_node(InputKind.PARAM, n).meta["val"].shape) for n in names}
-        self.placement = {n: Placement.flat_shard(self.shape[n], DP) for n in names}
-        self.numel = {n: p.numel for n, p in self.placement.items()}
-        self.shard = {n: p.flat_shard_numel(group.size) for n, p in self.placement.items()}
+        # Sizes of this rank's flat shards come from the local (per-rank graph) shape.
+        self.local = {n: Placement.flat_shard(self.shape[n], DP) for n in names}
+        self.placement = {n: _over_dp(tg, n, self.local[n]) for n in names}
+        self.numel = {n: p.numel for n, p in self.local.items()}
+        self.shard = {n: p.flat_shard_numel(group.size) for n, p in self.local.items()}
 
     def valid(self, name: str) -> int:
         """Elements of ``name`` this rank's shard holds before padding."""
-        return self.placement[name].valid_numel(self.group.size, self.group.rank)
+        return self.local[name].valid_numel(self.group.size, self.group.rank)
 
     def padding(self, name: str) -> int:
-        return self.placement[name].padding(self.group.size)
+        return self.local[name].padding(self.group.size)
 
     def to_json(self) -> dict:
         return {n: {"shape": list(self.shape[n]), "numel": self.numel[n], "shard": self.shard[n],
-                    "padding": self.padding(n)} for n in self.shape}
+                    "padding": self.padding(n), "placement": str(self.placement[n])} for n in self.shape}
+
+
+def _over_dp(tg: TrainGraph, name: str, local: Placement) -> Placement:
+    """The placement of ``name``'s dp flat shard: on top of its tensor-parallel one, if it has one."""
+    before = placement_of(tg, InputKind.PARAM, name)
+    if before is None or before.is_replicated:
+        return local
+    return before.then(DP, FlatShard())
 
 
 # -- gradients: reduce-scatter ------------------------------------------------------------------

@@ -51,8 +51,9 @@ import torch.fx.traceback as fx_traceback
 from torch._prims_common import make_contiguous_strides_for
 
 from graph_ir import TrainGraph
-from graph_ir.meta import MODULE_PATH, RECOMPUTE, REGION, Region, region_of
-from graph_ir.placement import Placement, set_placement
+from graph_ir.analysis.gradients import GradientNotFound, find_gradients
+from graph_ir.meta import GRADIENT_OF, MODULE_PATH, RECOMPUTE, REGION, Region, region_of
+from graph_ir.placement import RANDOM_PIECE, Placement, set_placement
 from graph_ir.signature import InputKind, OutputKind, Spec, split_state_name
 
 from ..pass_manager import PassContext, register_pass
@@ -289,9 +290,10 @@ _HEAD_LOCAL_OPS = {
 class _Rewriter(torch.fx.Interpreter):
     """Runs the captured graph on DTensors; the extra rules torch's registry lacks live here."""
 
-    def __init__(self, gm, mesh, *, sequence_parallel: bool, origins: dict):
+    def __init__(self, gm, mesh, *, sequence_parallel: bool, origins: dict, grad_places: dict | None = None):
         super().__init__(gm)
         self.mesh, self.sp, self.origins = mesh, sequence_parallel, origins
+        self.grad_places = grad_places or {}
         self.tp = mesh.size(0)
 
     def run_node(self, n):
@@ -302,9 +304,20 @@ class _Rewriter(torch.fx.Interpreter):
         try:
             out = super().run_node(n)
             with fx_traceback.set_current_meta(n):
-                return self._shard_random(n, self._reduce_shared_partial(n, out))
+                return self._as_param_shard(n, self._shard_random(n, self._reduce_shared_partial(n, out)))
         finally:
             n.meta.pop("custom", None)
+
+    def _as_param_shard(self, n, out):
+        """A split parameter's gradient takes the parameter's placement where backward yields it
+        (a partial sum is reduce-scattered, a whole one cut), so the optimizer, and ZeRO over dp
+        after it, read this rank's shard; left to the optimizer's first op, the cut would be
+        traced there, after some whole-gradient arithmetic."""
+        from torch.distributed.tensor import DTensor
+        want = self.grad_places.get(n)
+        if want is None or not isinstance(out, DTensor) or out.placements[0] == want or _strided(out):
+            return out
+        return out.redistribute(self.mesh, [want])
 
     def _shard_random(self, n, out):
         """A random draw (a dropout mask) is made whole on every rank, so its numbers are the
@@ -589,12 +602,19 @@ def _retrace(graph: TrainGraph, layouts: dict[str, ParamLayout], mesh, *, sequen
     out_place = [_dtensor_placement(_layout_for(spec, layouts)) for spec in graph.signature.outputs]
     origins = _origins(graph, layouts)
     values = [n.meta["val"] for n in inputs]
+    try:
+        grads = find_gradients(graph, mark=False)
+    except GradientNotFound:
+        grads = {}
+    grad_places = {node: _dtensor_placement(layouts[name]) for name, node in grads.items()
+                   if layouts.get(name) is not None and layouts[name].dim is not None and layouts[name].parts == 1}
 
     def step(*local):
         wrapped = [DTensor.from_local(t, mesh, [p], run_check=False, shape=v.shape, stride=v.stride())
                    if isinstance(v, torch.Tensor) else t for t, p, v in zip(local, in_place, values)]
         with implicit_replication():
-            outs = _Rewriter(graph.gm, mesh, sequence_parallel=sequence_parallel, origins=origins).run(*wrapped)
+            outs = _Rewriter(graph.gm, mesh, sequence_parallel=sequence_parallel, origins=origins,
+                             grad_places=grad_places).run(*wrapped)
         return [o.redistribute(mesh, [p]).to_local() if isinstance(o, DTensor) else o
                 for o, p in zip(outs, out_place)]
 
@@ -684,6 +704,7 @@ def _finish(gm: torch.fx.GraphModule, graph: TrainGraph, traced_group: str, grou
     _drop_identity_views(gm.graph)
     # DTensor's shard-offset arithmetic for per-part shards is traced but never read.
     gm.graph.eliminate_dead_code()
+    _mark_random_pieces(gm.graph)
     gm.graph.lint()
     gm.recompile()
 
@@ -708,6 +729,31 @@ def _functionalize_in_place(graph: torch.fx.Graph) -> None:
         for user in later:
             user.replace_input_with(mutated, node)
         # the in-place op returned its input; readers of its result already read ``node``
+
+
+_CUT_OPS = (aten.split.Tensor, aten.split_with_sizes.default, aten.slice.Tensor, aten.narrow.default,
+            aten.clone.default, aten.alias.default, aten.view.default, aten.chunk.default)
+
+
+def _mark_random_pieces(graph: torch.fx.Graph) -> None:
+    """Tag the end of each cut of a whole random draw to this rank's shard (``_Rewriter._shard_random``)
+    with ``RANDOM_PIECE``: the piece is what backward needs and what is kept for it."""
+    import operator
+    for draw in graph.nodes:
+        val = draw.meta.get("val")
+        if not (torch.Tag.nondeterministic_seeded in getattr(draw.target, "tags", ())
+                and isinstance(val, torch.Tensor) and val.ndim > 0 and region_of(draw) == Region.FORWARD):
+            continue
+        stack = [draw]
+        while stack:
+            node = stack.pop()
+            cuts = [u for u in node.users if (u.target in _CUT_OPS or u.target is operator.getitem)
+                    and u.all_input_nodes == [node]]
+            stack.extend(cuts)
+            piece = node.meta.get("val")
+            if node is not draw and len(cuts) < len(node.users) and isinstance(piece, torch.Tensor) \
+                    and piece.numel() < val.numel():
+                node.meta[RANDOM_PIECE] = draw.name
 
 
 def _lowerable_forms(graph: torch.fx.Graph) -> None:
@@ -774,17 +820,83 @@ def _drop_identity_views(graph: torch.fx.Graph) -> None:
 
 def _record_placements(out: TrainGraph, captured: TrainGraph, layouts: dict[str, ParamLayout]) -> None:
     """Where each split input and output lives, in graph_ir's placement vocabulary (the runtime's
-    binding and checkpoints cut and gather by it). A fused projection's per-part split has no
-    placement there yet: its layout is only in ``attrs["tensor_parallel"]["params"]``."""
+    binding and checkpoints cut and gather by it); a fused projection's per-part split is a
+    ``Shard(dim, parts)``."""
     full = {spec: n.meta["val"] for spec, n in zip(captured.signature.inputs, captured.placeholders())}
     nodes = dict(zip(out.signature.inputs, out.placeholders()))
     for spec in list(out.signature.inputs) + list(out.signature.outputs):
         layout = _layout_for(spec, layouts)
-        if layout is None or layout.dim is None or layout.parts > 1:
+        if layout is None or layout.dim is None:
             continue
         source = Spec(InputKind.PARAM if spec.kind == OutputKind.PARAM else spec.kind, spec.name)
-        placement = Placement.sharded(tuple(full[source].shape), layout.dim, "tp")
+        placement = Placement.sharded(tuple(full[source].shape), layout.dim, "tp", layout.parts)
         set_placement(out, spec.kind, spec.name, placement, nodes.get(spec))
+
+
+def _mark_local_gradients(graph: TrainGraph, layouts: dict[str, ParamLayout]) -> None:
+    """Mark, for each split parameter, the value holding this rank's shard of its gradient.
+
+    Where backward yields a gradient whole on every rank (a vocab-parallel embedding's dense
+    backward) DTensor cuts it to the parameter's shard at the first optimizer op that reads it,
+    so the cut is traced in the optimizer region. The data-parallel passes that follow reduce
+    what the update reads: the shard, moved into backward, is the gradient."""
+    try:
+        found = find_gradients(graph, mark=False)
+    except GradientNotFound:
+        return  # nothing trains (or a shape the data-parallel passes refuse on their own)
+    for name, grad in found.items():
+        layout = layouts.get(name)
+        local = tuple(graph.input_node(InputKind.PARAM, name).meta["val"].shape)
+        if layout is None or layout.dim is None or tuple(grad.meta["val"].shape) == local:
+            continue
+        _merge_repeated_cuts(graph, grad)
+        chain, frontier, shard = [], [grad], None
+        while frontier and shard is None:
+            node = frontier.pop(0)
+            for user in node.users:
+                if region_of(user) != Region.OPTIMIZER or user.all_input_nodes != [node]:
+                    continue   # (a split's pieces are read through getitem)
+                chain.append(user)
+                val = user.meta.get("val")
+                if isinstance(val, torch.Tensor) and tuple(val.shape) == local:
+                    shard = user
+                    break
+                frontier.append(user)
+        if shard is None:
+            raise TensorParallelError(f"tensor_parallel: the gradient of '{name}' ({grad.name}, shape "
+                                      f"{list(grad.meta['val'].shape)}) is never cut to the parameter's shard "
+                                      f"{list(local)} before its update")
+        # the cut and its inputs up to the whole gradient belong to backward
+        keep, stack = set(), [shard]
+        while stack:
+            n = stack.pop()
+            if n in chain and n not in keep:
+                keep.add(n)
+                stack.extend(n.all_input_nodes)
+        for n in keep:
+            n.meta[REGION] = Region.BACKWARD.value
+        shard.meta[GRADIENT_OF] = name
+
+
+def _merge_repeated_cuts(graph: TrainGraph, grad: torch.fx.Node) -> None:
+    """Each optimizer op that reads a whole gradient as a shard traced its own cut of it: one cut
+    (the first) serves them all, so there is one value to reduce."""
+    order = {n: i for i, n in enumerate(graph.graph.nodes)}
+    seen: dict[tuple, torch.fx.Node] = {}
+    frontier = [grad]
+    while frontier:
+        node = frontier.pop(0)
+        for user in sorted(node.users, key=order.__getitem__):
+            if region_of(user) != Region.OPTIMIZER or user.all_input_nodes != [node] \
+                    or user.op != "call_function":
+                continue
+            key = (user.target, repr(user.args), repr(sorted(user.kwargs.items())))
+            if key in seen and seen[key] is not user:
+                user.replace_all_uses_with(seen[key])
+                graph.graph.erase_node(user)
+                continue
+            seen[key] = user
+            frontier.append(user)
 
 
 def count_collectives(graph: TrainGraph) -> dict[tuple[str, str], int]:
@@ -837,6 +949,7 @@ def tensor_parallel_pass(graph: TrainGraph, ctx: PassContext, *, rules: str = "a
     _finish(gm, graph, traced_group, group_name)
     out = TrainGraph(gm, graph.signature, graph.attrs)
     _record_placements(out, graph, layouts)
+    _mark_local_gradients(out, layouts)
     out.attrs[ATTR] = {
         "tp": tp, "rank": coord, "family": family, "rules": format_rules(all_rules),
         "sequence_parallel": sequence_parallel, "vocab_parallel_loss": vocab_parallel_loss,

@@ -62,7 +62,6 @@ def _full_optimizer_state(step, state_dict: dict) -> dict:
             spec_key = f"{InputKind.OPT_STATE.value}:{name}:{key}"
             if name is not None and isinstance(value, torch.Tensor) and step.shards.holds(spec_key, value):
                 placement = step.shards.placements[spec_key]
-                (axis, _), = placement.axes
-                new[key] = gather(value, placement, step.world.group(axis))
+                new[key] = gather(value, placement, step.world.group)
         full[position] = new
     return dict(state_dict, state=full)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from graph_ir.mesh import MeshDesc
-from graph_ir.placement import FlatShard, Placement, Shard, shard, unshard
+from graph_ir.placement import FlatShard, Partial, Placement, Shard, flat_runs, shard, unshard
 
 
 def test_a_fake_mesh_is_laid_out_like_init_device_mesh():
@@ -44,7 +44,30 @@ def test_flat_shards_are_padded_to_equal_pieces_with_zeros():
         shard(torch.ones(4), placement, MeshDesc.fake(dp=4))
 
 
-def test_values_placed_on_two_axes_are_refused_until_built():
-    placement = Placement((4, 4), (("dp", FlatShard()), ("tp", Shard(0))))
-    with pytest.raises(NotImplementedError, match="more than one mesh axis"):
-        shard(torch.ones(4, 4), placement, MeshDesc.fake(dp=2, tp=2))
+@pytest.mark.parametrize("first", [Shard(0), Shard(1), Shard(0, parts=3)])
+def test_zero_over_tensor_parallel_composes_a_tp_shard_and_a_dp_flat_shard(first):
+    # (tp: Shard(d), then dp: FlatShard): each rank's tp piece, flat-sharded over dp, padded
+    placement = Placement((6, 10), (("tp", first), ("dp", FlatShard())))
+    full = torch.arange(1.0, 61.0).view(6, 10)
+    meshes = [[MeshDesc.fake(dp=2, tp=3 if first.parts == 1 else 2, rank=d * (3 if first.parts == 1 else 2) + t)
+               for d in range(2)] for t in range(3 if first.parts == 1 else 2)]
+    pieces = [[shard(full, placement, m) for m in row] for row in meshes]
+    torch.testing.assert_close(unshard(pieces, placement), full, rtol=0, atol=0)
+    covered = torch.zeros(60)
+    for row in meshes:
+        for m in row:
+            local = shard(full, placement, m).reshape(-1)
+            assert tuple(local.shape) == placement.local_shape(m)
+            for g, at, n in flat_runs(placement, m):   # where the piece lies in the flat full value
+                torch.testing.assert_close(local[at:at + n], full.reshape(-1)[g:g + n], rtol=0, atol=0)
+                covered[g:g + n] += 1
+    assert covered.eq(1).all()          # every element on exactly one rank, padding on none
+    assert Placement.from_json(placement.to_json()) == placement
+
+
+def test_placements_no_code_can_lay_out_are_refused():
+    with pytest.raises(NotImplementedError, match="flat shard must be the last axis"):
+        shard(torch.ones(4, 4), Placement((4, 4), (("dp", FlatShard()), ("tp", Shard(0)))),
+              MeshDesc.fake(dp=2, tp=2))
+    with pytest.raises(NotImplementedError, match="partial sum placed on more than one"):
+        Placement((4, 4), (("dp", Partial()), ("tp", Shard(0)))).local_shape(MeshDesc.fake(dp=2, tp=2))
