@@ -18,10 +18,10 @@ formula. Weights cast to bf16 are saved too but are not activations; the causal 
 (s x s booleans, shared by the batch) is counted although the formula leaves it out.
 
 Dropout masks are drawn whole on every rank (so they are the single-process masks,
-bit for bit) and cut to the rank's shard where they are applied; the recompute pass
-keeps a mask as bool from the draw itself, before the cut, so each rank saves the
-whole mask: the "masks" columns show that part against the formula's, and
-"rest/formula" compares everything else.
+bit for bit) and cut to the rank's shard where they are applied; the cut is marked as
+the rank's piece of the draw (``graph_ir.placement.RANDOM_PIECE``) and the recompute
+pass keeps that piece as bool, not the whole draw: the "masks" columns show that part
+against the formula's 1-byte masks, and "rest/formula" compares everything else.
 
     .venv/bin/python -m bench.tp_activation_memory [--tp 1 2 4 8] [--batch 1]
 """
@@ -93,14 +93,19 @@ def layer_bytes(graph, prefix: str = "layers.0") -> tuple[int, int]:
     return total, mask_bytes
 
 
-def capture(batch: int):
-    cfg = gpt3_175b_layer()
+def capture(batch: int, **overrides):
+    cfg = gpt3_175b_layer(**overrides)
     with torch.device("meta"):
         model = GPT(cfg)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     idx = torch.zeros(batch, cfg.seq_len, dtype=torch.long, device="meta")
     graph, _ = capture_train_step(model, optimizer, gpt_loss, (idx, idx))
     return cfg, graph
+
+
+def mask_formula(s: int, b: int, h: int, a: int, t: int, sequence_parallel: bool) -> float:
+    """The formula's 1-byte dropout masks: a*s*s*b/t in attention, 2*s*b*h (/t with SP) after it."""
+    return a * s * s * b / t + 2 * s * b * h / (t if sequence_parallel else 1)
 
 
 def measure(graph, t: int, sequence_parallel: bool) -> tuple[int, int]:
@@ -130,8 +135,7 @@ def main(argv=None) -> None:
         for sp in ((False, True) if t > 1 else (False,)):
             got, masks = measure(graph, t, sp)
             want = korthikanti(s, b, h, a, t, sp)
-            # the formula's 1-byte dropout masks: a*s*s*b/t in attention, 2*s*b*h (/t with SP) after it
-            mask_want = a * s * s * b / t + 2 * s * b * h / (t if sp else 1)
+            mask_want = mask_formula(s, b, h, a, t, sp)
             label = "TP+SP" if sp else ("TP" if t > 1 else "none")
             print(f"{label:<6} {t:>3} {got / 2**20:>10.1f} {want / 2**20:>12.1f} {got / want:>14.3f} "
                   f"{masks / 2**20:>10.1f} {mask_want / 2**20:>14.1f} {(got - masks) / (want - mask_want):>13.3f}")

@@ -264,8 +264,7 @@ class CompiledStep:
             for name, shard in self.param_shards.items():
                 key = f"{InputKind.PARAM.value}:{name}"
                 placement = self.shards.placements[key]
-                (axis, _), = [(a, p) for a, p in placement.axes]
-                params[name].data = gather(shard, placement, self.world.group(axis))
+                params[name].data = gather(shard, placement, self.world.group)
                 # The model now holds exactly what the shard holds: no need to cut it again.
                 self.shards.sources[key] = source_token(params[name])
         self.model_stale = False
