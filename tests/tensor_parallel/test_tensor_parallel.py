@@ -230,3 +230,16 @@ class TestBadPlans:
             Plan(sequence_parallel=True)
         text = str(build_pipeline(Plan(tp=2, tp_rules={"*.wq": "column"}, vocab_parallel_loss=True), "eager"))
         assert 'tensor_parallel{extra_rules="*.wq=column",sequence_parallel=false,vocab_parallel_loss=true}' in text
+
+
+def test_each_rank_keeps_its_piece_of_the_dropout_masks_korthikanti_bytes():
+    # A GPT-3-shaped layer, small: the saved activations of layers.0 per rank against
+    # Korthikanti et al.; the dropout masks (drawn whole, cut to the rank's shard) are kept as
+    # the rank's bool piece, exactly the formula's 1-byte masks
+    from bench.tp_activation_memory import capture, korthikanti, mask_formula, measure
+    cfg, graph = capture(1, vocab_size=512, n_head=8, d_model=256, seq_len=128)
+    s, b, h, a = cfg.seq_len, 1, cfg.d_model, cfg.n_head
+    for sp in (False, True):
+        got, masks = measure(graph, 2, sp)
+        assert masks == mask_formula(s, b, h, a, 2, sp)
+        assert abs(got / korthikanti(s, b, h, a, 2, sp) - 1) < 0.05

@@ -1,7 +1,10 @@
 """One rank of tensor-parallel runs: ``python tests/tensor_parallel/tp_worker.py OUT SCENARIO...``.
 
 A scenario is ``model:optimizer[:option...]`` (``llama:adamw:sequence_parallel``), model a
-``tests.zoo`` name, optimizer sgd or adamw, options boolean options of the pass.
+``tests.zoo`` name, optimizer sgd or adamw, options boolean options of the pass (the shards
+bound here); ``step:model:optimizer[:zeroN][:ckpt]`` compiles with ``compile_for_npu`` (the
+runtime binds the shards); ``resume:model:optimizer`` resumes the checkpoint a ``ckpt`` run
+saved, on this launch's mesh.
 
 Launched by the tests with ``launch_local`` (torchrun's environment). Every rank
 captures the whole step of a full model, runs the ``tensor_parallel`` pass for
@@ -103,37 +106,81 @@ def main(out: str, *scenarios: str):
         for scenario in scenarios:
             if scenario.startswith("step:"):
                 run_compiled_step(out, scenario, world)
+            elif scenario.startswith("resume:"):
+                run_resume(out, scenario, world)
             else:
                 run(out, scenario)
 
 
+def padded(dp: int, options) -> bool:
+    """Data parallel: each dp rank its rows of the global batch, unpadded (equal token counts,
+    so the mean over ranks is the global mean); a run saving a checkpoint unpadded too, so that
+    a resumed run on any mesh trains on the same batches."""
+    return dp == 1 and "ckpt" not in options
+
+
+def ckpt_path(out: str, name: str, opt: str) -> str:
+    return os.path.join(out, f"ckpt.{name}.{opt}")
+
+
 def run_compiled_step(out: str, scenario: str, world):
-    """The user's path: compile_for_npu with Plan(tp=N); the runtime binds the shards by placement."""
+    """The user's path: compile_for_npu with Plan(tp=N); the runtime binds the shards by placement.
+
+    Options: ``zeroN`` (ZeRO stage N over dp), ``ckpt`` (save a checkpoint after step 5 and go on).
+    """
     from cann_passes import Plan, compile_for_npu
-    from graph_ir.placement import gather
+    from cann_passes.runtime import checkpoint
     from cann_passes.runtime.distributed import shard_batch
     _, name, opt, *options = scenario.split(":")
     entry, optimizer = make(name, opt)
     tp, dp = world.info.size("tp"), world.info.size("dp")
-    zero = int(options[0].removeprefix("zero")) if options else 0
+    zero = next((int(o.removeprefix("zero")) for o in options if o.startswith("zero")), 0)
     plan = Plan(backend="eager", tp=tp, dp=dp, zero_stage=zero, verify="deep")
     step = compile_for_npu(entry.model, plan, optimizer=optimizer, loss_fn=entry.loss_fn)
-    # data parallel: each dp rank its rows of the global batch, unpadded (equal token counts,
-    # so the mean over ranks is the global mean)
-    data = batches(entry, pad=dp == 1)
-    losses = [float(step(shard_batch(batch, world.dp_rank, dp))) for batch in data]
-    params = {}
-    for pname, p in entry.model.named_parameters():
-        key = f"param:{pname}"
-        placement = step.shards.placements.get(key)
-        params[pname] = p.detach() if placement is None else gather(step.shards.local[key], placement,
-                                                                     world.group("tp"))
+    data = batches(entry, pad=padded(dp, options))
+    losses = []
+    for i, batch in enumerate(data):
+        losses.append(float(step(shard_batch(batch, world.dp_rank, dp))))
+        if i == 4 and "ckpt" in options:
+            checkpoint.save(step, ckpt_path(out, name, opt))
+    # The user's view: model.state_dict() gathers every rank's shards (tp, and dp under ZeRO-3).
+    state = entry.model.state_dict()
+    params = {pname: state[pname].detach().clone() for pname, _ in entry.model.named_parameters()}
     graph = step.last.graph
     collectives = {f"{r}.{c}": n for (r, c), n in count_collectives(graph).items()}
     if world.rank == 0:
         torch.save({"losses": losses, "params": params, "collectives": collectives,
-                    "attrs": graph.attrs["tensor_parallel"]},
+                    "attrs": graph.attrs["tensor_parallel"], "zero": graph.attrs.get("zero")},
                    os.path.join(out, f"{scenario}.tp{tp}{f'.dp{dp}' if dp > 1 else ''}.pt"))
+
+
+def resume(out: str, name: str, opt: str, world=None) -> dict:
+    """Resume the run ``ckpt_path(out, name, opt)`` holds (saved after 5 steps, on any mesh) on this
+    process' mesh (one process without ``world``) and train its last 5 steps."""
+    from cann_passes import Plan, compile_for_npu
+    from cann_passes.runtime import checkpoint
+    from cann_passes.runtime.distributed import shard_batch
+    tp, dp = (world.info.size("tp"), world.info.size("dp")) if world is not None else (1, 1)
+    rank = world.dp_rank if world is not None else 0
+    entry, optimizer = make(name, opt)
+    with torch.no_grad():    # resumed values must come from the checkpoint, not the seed
+        for p in entry.model.parameters():
+            p.add_(1.0)
+    step = compile_for_npu(entry.model, Plan(backend="eager", tp=tp, dp=dp, verify="deep"), optimizer=optimizer,
+                           loss_fn=entry.loss_fn)
+    data = batches(entry, pad=False)
+    checkpoint.load(step, ckpt_path(out, name, opt), shard_batch(data[5], rank, dp))
+    assert step.steps_run == 5, step.steps_run
+    losses = [float(step(shard_batch(batch, rank, dp))) for batch in data[5:]]
+    state = entry.model.state_dict()
+    return {"losses": losses, "params": {n: state[n].detach().clone() for n, _ in entry.model.named_parameters()}}
+
+
+def run_resume(out: str, scenario: str, world):
+    _, name, opt = scenario.split(":")
+    result = resume(out, name, opt, world)
+    if world.rank == 0:
+        torch.save(result, os.path.join(out, f"{scenario}.tp{world.info.size('tp')}.pt"))
 
 
 def run(out: str, scenario: str):
