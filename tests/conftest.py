@@ -2,12 +2,18 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
 
 from recipes.models.gpt import GPT, gpt_loss, gpt_tiny
 from recipes.models.mlp import MLP, mlp_loss
+
+# Each test compiles what it checks: a compile-cache hit (from an earlier run on this machine, or
+# another test with the same model and plan) would skip the passes the test is about. The cache's
+# own tests name their directory in the plan. Processes a test spawns inherit this.
+os.environ.setdefault("CANN_PASSES_COMPILE_CACHE", "off")
 
 
 def make_optimizer(kind: str, params):
