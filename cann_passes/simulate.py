@@ -285,25 +285,41 @@ def _finish(figures: dict, plan: Plan, profile: DeviceProfile, flops: float, tok
 def simulate(captured: TrainGraph, plan: Plan, *, profile: str | DeviceProfile = "ascend_910b",
              tokens_per_microbatch: int, rank: int = 0, capacity_bytes: float | None = None,
              pp: int | None = None, schedule: str | None = None, v: int | None = None,
-             layers: int | None = None) -> Simulation:
+             layers: int | None = None, pipeline_path: str = "auto") -> Simulation:
     """Compile ``captured`` (one microbatch of one dp rank) with ``plan`` for ``rank``; its memory and time.
 
     ``tokens_per_microbatch``: the tokens of the captured batch (rows x sequence).
     ``pp`` / ``schedule`` / ``v`` (or the plan's pipeline fields): a pipelined plan, simulated from
     the pp = 1 program (:func:`simulate_pipeline`); ``layers`` then is the real depth (default: the
-    captured one).
+    captured one). ``pipeline_path``: ``stages`` compiles the real stage programs (``pipeline_split``,
+    at the captured depth), ``analytic`` composes stages from the pp = 1 program's blocks (any
+    depth), ``auto`` tries the stage programs first and says in ``Simulation.pipeline_path`` which ran.
     """
     profile = get_profile(profile) if isinstance(profile, str) else profile
     pp, schedule, v, flat = _pp_args(plan, pp, schedule, v)
+    refused = ""
+    if pp > 1 and pipeline_path in ("auto", "stages"):
+        try:
+            staged = _pp_plan(flat, pp, schedule, v, plan.pipeline_split if plan.pp > 1 else "cost")
+            return simulate_stage_programs(captured, staged, profile=profile, rank=rank,
+                                           tokens_per_microbatch=tokens_per_microbatch,
+                                           capacity_bytes=capacity_bytes, layers=layers)
+        except Exception as exc:   # refused by the split or the plan: the analytic path says why
+            if pipeline_path == "stages":
+                raise
+            refused = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
     if pp > 1:
         # one microbatch's program: the pipeline replays microbatches itself (and tp x
         # accumulation does not compile today)
         one = flat.replace(dump_dir=None, microbatches=1)
         segments = segment_figures(compile_program(captured, one, mesh_for(one, rank)), one, profile)
-        return simulate_pipeline(segments, flat, pp=pp, layers=layers or len(segments.blocks), profile=profile,
-                                 schedule=schedule, v=v, model_flops_per_microbatch=model_flops(captured)
-                                 * (layers or len(segments.blocks)) / len(segments.blocks),
-                                 tokens_per_microbatch=tokens_per_microbatch, capacity_bytes=capacity_bytes)
+        sim = simulate_pipeline(segments, flat, pp=pp, layers=layers or len(segments.blocks), profile=profile,
+                                schedule=schedule, v=v, model_flops_per_microbatch=model_flops(captured)
+                                * (layers or len(segments.blocks)) / len(segments.blocks),
+                                tokens_per_microbatch=tokens_per_microbatch, capacity_bytes=capacity_bytes)
+        if refused:
+            sim.pipeline_path += f" (the stage programs were not used: {refused})"
+        return sim
     program = compile_program(captured, flat.replace(dump_dir=None), mesh_for(flat, rank))
     figures = program_figures(program, plan, profile)
     return _finish(figures, plan, profile, model_flops(captured), tokens_per_microbatch, rank, capacity_bytes)
@@ -474,7 +490,7 @@ class Segments:
 
 
 _FIG_KEYS = ("params", "grads", "optimizer_state", "buffers", "step_state", "param_copies", "activations",
-             "forward_s", "backward_s", "optimizer_s", "dp_comm_s", "send_bytes")
+             "forward_s", "backward_s", "optimizer_s", "dp_comm_s", "send_bytes", "accumulate_s")
 
 
 def segment_figures(program: Program, plan: Plan, profile: DeviceProfile) -> Segments:
@@ -531,6 +547,9 @@ def segment_figures(program: Program, plan: Plan, profile: DeviceProfile) -> Seg
             if isinstance(val, torch.Tensor):
                 size = min(size, locals_[name] * val.element_size())
             add(params.get(name, (PRE,)), "grads", size)
+            # with microbatches each gradient is added into its accumulator (acc + weight * grad: two
+            # elementwise ops reading and writing gradient-sized buffers), as grad_accumulation does
+            add(params.get(name, (PRE,)), "accumulate_s", 2 * profile.op_overhead + 5 * size / profile.memory_bandwidth)
         break   # one graph holds the update
     # saved activations and low-precision weight copies, per microbatch
     from graph_ir.analysis.memory import saved_activations
@@ -656,9 +675,27 @@ def simulate_pipeline(segments: Segments, plan: Plan, *, pp: int, layers: int, p
                 for key in _FIG_KEYS:
                     f[key] += extra[key]
         f["send_bytes"] = layer["send_bytes"] if s < n_stages - 1 else 0.0
+        if m > 1:
+            f["backward_s"] += f["accumulate_s"]
         stage_figs.append(f)
     costs = [sched.StageCost(f["forward_s"], f["backward_s"] / 2, f["backward_s"] / 2, int(f["send_bytes"]))
              for f in stage_figs]
+    for f, k in zip(stage_figs, counts):
+        f["workspace"] = segments.workspace
+        f["layers"] = k
+    return _pipeline_result(stage_figs, costs, plan, pp=pp, name=name, v_eff=v_eff, profile=profile,
+                            dp_exposed=segments.dp_exposed_fraction, flops=model_flops_per_microbatch,
+                            tokens_per_microbatch=tokens_per_microbatch, capacity_bytes=capacity_bytes,
+                            path="analytic: stages composed from the compiled pp = 1 program's per-block "
+                                 f"figures, schedule {name} replayed by cann_passes.schedules")
+
+
+def _pipeline_result(stage_figs: list[dict], costs: list, plan: Plan, *, pp: int, name: str, v_eff: int,
+                     profile: DeviceProfile, dp_exposed: float, flops: float, tokens_per_microbatch: int,
+                     capacity_bytes: float | None, path: str) -> "Simulation":
+    """Replay the schedule with per-stage costs; per pipeline rank its memory (static + held activations)."""
+    from . import schedules as sched
+    m = plan.microbatches
     timeline = sched.simulate(name, pp, m, costs, v_eff, link=_pp_link(profile, plan))
     held = timeline.peak_activation_bytes([f["activations"] for f in stage_figs])
     in_flight = timeline.in_flight()
@@ -669,9 +706,9 @@ def simulate_pipeline(segments: Segments, plan: Plan, *, pp: int, layers: int, p
         mem = {key: sum(f[key] for f in mine) for key in ("params", "grads", "optimizer_state", "buffers",
                                                           "step_state", "param_copies")}
         mem["activations"] = held.get(r, 0.0)
-        mem["workspace"] = segments.workspace
-        per_step = sum(f["optimizer_s"] + f["dp_comm_s"] * segments.dp_exposed_fraction for f in mine)
-        ranks.append({"rank": r, "stages": owner[r], "layers": [counts[s] for s in owner[r]],
+        mem["workspace"] = max(f["workspace"] for f in mine)
+        per_step = sum(f["optimizer_s"] + f["dp_comm_s"] * dp_exposed for f in mine)
+        ranks.append({"rank": r, "stages": owner[r], "layers": [f.get("layers") for f in mine],
                       "in_flight": [in_flight.get(s, 0) for s in owner[r]],
                       "memory": {k: int(round(x)) for k, x in mem.items()},
                       "peak_bytes": int(round(sum(mem.values()))),
@@ -683,13 +720,107 @@ def simulate_pipeline(segments: Segments, plan: Plan, *, pp: int, layers: int, p
     world = plan.dp * plan.tp * pp
     sim = Simulation(plan, profile.name, worst["rank"] * plan.dp * plan.tp, world, worst["memory"],
                      worst["peak_bytes"], f"pipeline rank {worst['rank']}", compute,
-                     max(x["dp_comm_s"] for x in ranks), step,
-                     model_flops_per_microbatch * m / (plan.tp * pp), tokens_per_microbatch * m * plan.dp,
-                     capacity_bytes or profile.memory_capacity)
+                     max(x["dp_comm_s"] for x in ranks), step, flops * m / (plan.tp * pp),
+                     tokens_per_microbatch * m * plan.dp, capacity_bytes or profile.memory_capacity)
     sim.pp, sim.schedule, sim.virtual_stages = pp, name, v_eff
     sim.bubble_fraction = timeline.bubble_fraction
     sim.stages = ranks
-    sim.pipeline_path = ("analytic: stages composed from the compiled pp = 1 program's per-block figures, "
-                         f"schedule {name} replayed by cann_passes.schedules")
+    sim.pipeline_path = path
     sim.timeline = timeline
     return sim
+
+
+def _graph_seconds(tg: TrainGraph, plan: Plan, profile: DeviceProfile, mesh: MeshDesc) -> tuple[float, float]:
+    """(seconds, of which data-parallel collectives) of one run of a stage graph."""
+    seconds, _, _ = graph_step_time(tg.graph, profile, world_size=mesh.world_size, allreduce_algo=_algo(plan),
+                                    mesh=mesh)
+    dp = sum(collective_node_time(n, profile, world_size=plan.dp, algorithm=_algo(plan))
+             for n in tg.graph.nodes if is_collective(n) and _axis_of_collective(n, mesh) == "dp")
+    return seconds, dp
+
+
+def stage_program_figures(program: Program, plan: Plan, profile: DeviceProfile) -> tuple[list[dict], list]:
+    """Per stage of a ``pipeline_split`` program: its bytes by term and its per-microbatch seconds."""
+    from graph_ir.meta import ACCUMULATOR_PREFIX, GraphAttr
+    from . import schedules as sched
+    info = program.attrs[GraphAttr.PIPELINE_PARALLEL]
+    mesh = program.mesh
+    figs, costs = [], []
+    for s in range(info["stages"]):
+        g = {part: program[f"stage{s}.{part}"] for part in ("forward", "backward", "backward_input",
+                                                           "backward_weight", "apply")
+             if f"stage{s}.{part}" in program.graphs}
+        f = dict.fromkeys(_FIG_KEYS, 0.0)
+        fwd = g["forward"]
+        params = {n.target for sp, n in zip(fwd.signature.inputs, fwd.placeholders()) if sp.kind == "param"}
+        for sp, node in zip(g["apply"].signature.inputs, g["apply"].placeholders()):
+            size = nbytes(node.meta.get("val"))
+            if sp.kind == "param":
+                f["params"] += size
+            elif sp.kind == "opt_state":
+                f["optimizer_state"] += size
+            elif sp.kind == "buffer":
+                f["buffers"] += size
+            elif sp.kind == "step_state":
+                f["grads" if sp.name.startswith(ACCUMULATOR_PREFIX) else "step_state"] += size
+        outs = fwd.output_values()
+        bases: set[torch.fx.Node] = set()
+        for sp, node in zip(fwd.signature.outputs, outs):
+            if sp.kind == "saved":
+                base = node          # several saved views of one buffer hold it once
+                while base.op == "call_function" and aliases_input(base):
+                    base = base.all_input_nodes[0]
+                if base.op == "placeholder" or base in bases:
+                    continue         # a view of an input (a weight's transpose) holds nothing of its own
+                bases.add(base)
+                f["param_copies" if _cast_of_param(base) in params else "activations"] += nbytes(base.meta.get("val"))
+            elif sp.kind == "activation":
+                f["send_bytes"] += nbytes(node.meta.get("val"))
+        f["forward_s"], _ = _graph_seconds(fwd, plan, profile, mesh)
+        f["backward_s"], _ = _graph_seconds(g["backward"], plan, profile, mesh)
+        split = "backward_input" in g and "backward_weight" in g
+        bi = _graph_seconds(g["backward_input"], plan, profile, mesh)[0] if split else f["backward_s"] / 2
+        bw = _graph_seconds(g["backward_weight"], plan, profile, mesh)[0] if split else f["backward_s"] / 2
+        apply_s, dp_s = _graph_seconds(g["apply"], plan, profile, mesh)
+        f["optimizer_s"], f["dp_comm_s"] = apply_s - dp_s, dp_s
+        f["workspace"] = max(max(0.0, memory_profile(t.graph).peak_bytes - memory_profile(t.graph).resident_bytes)
+                             for t in g.values())
+        f["layers"] = None
+        figs.append(f)
+        # a schedule that runs the whole backward uses B; split ones use I and W (their sum may differ)
+        costs.append(sched.StageCost(f["forward_s"], bi, bw, int(f["send_bytes"])))
+    return figs, costs
+
+
+def _pp_plan(flat: Plan, pp: int, schedule: str, v: int, split="cost") -> Plan:
+    from .pass_manager import is_registered
+    if not is_registered("pipeline_split"):
+        raise SimulationError("no pipeline_split pass is registered")
+    extra = {"pipeline_virtual_stages": v} if v > 1 else {}
+    if split != "cost":
+        extra["pipeline_split"] = split
+    return flat.replace(pp=pp, pipeline_schedule=schedule, **extra)
+
+
+def simulate_stage_programs(captured: TrainGraph, plan: Plan, *, profile: DeviceProfile, rank: int = 0,
+                            tokens_per_microbatch: int, capacity_bytes: float | None = None,
+                            layers: int | None = None) -> "Simulation":
+    """A pp > 1 plan from the real stage programs ``pipeline_split`` compiles (the captured depth)."""
+    from . import schedules as sched
+    from graph_ir.analysis.structure import find_blocks
+    depth = len(find_blocks(captured.graph).blocks)
+    if layers is not None and layers != depth:
+        raise SimulationError(f"the stage programs are compiled at the captured depth ({depth} blocks), "
+                              f"not {layers}")
+    mesh = MeshDesc.fake(dp=plan.dp, tp=plan.tp, pp=plan.pp, rank=rank)
+    program = compile_program(captured, plan.replace(dump_dir=None), mesh)
+    figs, costs = stage_program_figures(program, plan, profile)
+    name = _SCHEDULE_ALIASES.get(plan.pipeline_schedule, plan.pipeline_schedule)
+    v_eff = sched.stages_per_rank(name, plan.pipeline_virtual_stages)
+    split = program.attrs["pipeline_parallel"]
+    return _pipeline_result(figs, costs, plan, pp=plan.pp, name=name, v_eff=v_eff, profile=profile, dp_exposed=1.0,
+                            flops=model_flops(captured), tokens_per_microbatch=tokens_per_microbatch,
+                            capacity_bytes=capacity_bytes,
+                            path=f"stage programs: pipeline_split compiled {split['stages']} stages "
+                                 f"({split['split']} split, imbalance {split['imbalance']:.2f}), "
+                                 f"schedule {name} replayed by cann_passes.schedules")

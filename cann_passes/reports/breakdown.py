@@ -9,7 +9,8 @@ _COLORS = {"params": "#4a7bd0", "param_copies": "#8fb0e8", "grads": "#e0a030", "
 def _ranks(sim) -> list[tuple[str, dict[str, float], float]]:
     """(label, memory terms, seconds busy) per rank shown: every pipeline rank, or the simulated one."""
     if sim.stages:
-        return [(f"pp {st['rank']}\nlayers {sum(st['layers'])}", st["memory"], st["busy_s"]) for st in sim.stages]
+        return [(f"pp {st['rank']}" + (f"\nlayers {sum(st['layers'])}" if None not in st["layers"] else ""),
+                 st["memory"], st["busy_s"]) for st in sim.stages]
     return [(f"rank {sim.rank}", sim.memory, sim.compute_seconds)]
 
 

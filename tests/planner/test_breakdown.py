@@ -42,6 +42,7 @@ def test_breakdown_png_for_a_flat_and_a_pipelined_plan(tiny, tmp_path):
     for sim, name in ((flat, "flat.png"), (piped, "piped.png")):
         path = plot_breakdown(sim, str(tmp_path / name))
         assert _png(path) and os.path.getsize(path) > 5000
+    assert "stage programs were not used" in piped.pipeline_path   # tied embeddings: the split refuses them
 
 
 def test_dump_writes_the_simulation_and_the_page_shows_its_largest_term(tiny, tmp_path):
