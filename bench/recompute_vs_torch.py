@@ -1,135 +1,212 @@
-"""Recompute selection: this project's ``recompute`` pass against torch's min-cut partitioner.
+"""Recompute selection against torch's min-cut partitioner, measured in wall time at equal saved bytes.
 
-One 4-layer GPT (d_model 256, 4 heads, seq 128, batch 4, dropout 0.1). Torch's
-``min_cut_rematerialization_partition`` runs on AOTAutograd's joint graph at
-``activation_memory_budget`` 0.75 / 0.5 / 0.25 / 0.1; its saved bytes are the
-backward graph's inputs that are neither tangents nor primals (parameters and
-the batch). The pass then runs on this project's captured step with an
-absolute budget equal to torch's achieved saved bytes. Recompute cost for
-torch is its backward graph minus the backward of torch's no-recompute
-partition (``default_partition``); for the pass it is the nodes it tagged
-``recompute``. Times come from the ``ascend_910b`` roofline, the profile the
-pass optimises for here. Peaks are this project's memory analysis run on each
-graph (torch: max of forward peak and saved + backward peak).
+    python -m bench.recompute_vs_torch [--rounds 9] [--threads 1]
 
-    python bench/recompute_vs_torch.py
+One 4-layer GPT (d_model 256, 4 heads, seq 128, batch 4, dropout 0.1).
+
+torch: AOTAutograd's joint graph of the loss, partitioned by
+``min_cut_rematerialization_partition`` at ``activation_memory_budget`` 1.0
+(its baseline) and 0.75 / 0.5 / 0.25 / 0.1; the forward and backward graphs
+run as plain FX code on real tensors. Its saved bytes are the backward
+graph's inputs that are neither tangents nor primals; its recomputed FLOPs
+are its backward's FLOPs minus those of ``default_partition``'s backward (no
+recompute at all).
+
+ours: the captured whole step (forward, backward, SGD), ``cleanup`` then
+``recompute{policy=budget}`` with an absolute budget equal to torch's saved
+bytes at that budget, priced with the ``cpu`` profile calibrated on this
+machine (the profile the pass uses when it runs here); the baseline is the
+step without recompute, and the graphs run on the eager backend.
+
+Overhead = (variant - own baseline), each measured (wall time, or with
+``--clock cpu`` the process's CPU time) in interleaved rounds
+(every variant once per round, rotating order) and taken as the median over
+rounds; "goal" holds when ours <= torch's + 1% of our baseline step. The
+Pareto check: ours is dominated when torch's (recomputed FLOPs, saved bytes)
+is no larger in both and smaller in one.
 """
 from __future__ import annotations
 
-import functools
-import sys
+import argparse
+import statistics
+import time
 
 import torch
 import torch._functorch.config as functorch_config
 from torch._functorch.aot_autograd import aot_function, make_boxed_compiler
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
-sys.path.insert(0, ".")
-from cann_passes.cost_model import get_profile, node_time  # noqa: E402
-from cann_passes.pass_manager import PassContext, PassManager  # noqa: E402
-from graph_ir import capture_train_step  # noqa: E402
-from graph_ir.analysis import memory_profile  # noqa: E402
-from graph_ir.analysis.cost import node_cost  # noqa: E402
-from graph_ir.meta import RECOMPUTE  # noqa: E402
-from recipes.models.gpt import GPT, GPTConfig, gpt_loss  # noqa: E402
+from cann_passes.cost_model import get_profile
+from cann_passes.lowering.eager import EagerLowering
+from cann_passes.pass_manager import PassContext, PassManager
+from graph_ir import capture_train_step, gather_inputs
+from graph_ir.analysis import memory_profile
+from graph_ir.analysis.cost import node_cost
+from graph_ir.meta import RECOMPUTE, nbytes
+from recipes.models.gpt import GPT, GPTConfig, gpt_loss
 
 CFG = GPTConfig(vocab_size=256, n_layer=4, n_head=4, d_model=256, seq_len=128, dropout=0.1)
 BATCH = 4
 BUDGETS = (0.75, 0.5, 0.25, 0.1)
-PROFILE = get_profile("ascend_910b")
 
 
-def _calls(gm):
-    return [n for n in gm.graph.nodes if n.op == "call_function"]
+def _flops(gm) -> int:
+    return sum(node_cost(n).flops for n in gm.graph.nodes if n.op == "call_function")
 
 
-def _work(nodes):
-    flops = sum(node_cost(n).flops for n in nodes)
-    written = sum(node_cost(n).bytes_written for n in nodes)
-    return flops, written, sum(node_time(n, PROFILE) for n in nodes)
+def _batch():
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, CFG.vocab_size, (BATCH, CFG.seq_len + 1), generator=g)
+    return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
 
 
-def torch_joint():
-    """AOTAutograd's joint graph of the model's loss, captured once."""
-    torch.manual_seed(0)
-    model = GPT(CFG)
-    params = dict(model.named_parameters())
-    idx = torch.randint(0, CFG.vocab_size, (BATCH, CFG.seq_len))
-    tgt = torch.randint(0, CFG.vocab_size, (BATCH, CFG.seq_len))
-    names = list(params)
-    held = {}
+class TorchSide:
+    """AOTAutograd's joint graph of the model's loss, captured once, partitioned per budget."""
 
-    def loss_fn(*flat):
-        p = dict(zip(names, flat[:len(names)]))
-        return torch.func.functional_call(model, p, (flat[-2],)).reshape(-1, CFG.vocab_size), flat[-1]
+    def __init__(self):
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        params = dict(model.named_parameters())
+        names = list(params)
+        idx, tgt = _batch()
+        held = {}
 
-    def f(*flat):
-        logits, t = loss_fn(*flat)
-        return torch.nn.functional.cross_entropy(logits, t.reshape(-1))
+        def f(*flat):
+            p = dict(zip(names, flat[:len(names)]))
+            logits = torch.func.functional_call(model, p, (flat[-2],))
+            return torch.nn.functional.cross_entropy(logits.reshape(-1, CFG.vocab_size), flat[-1].reshape(-1))
 
-    def partition(joint, joint_inputs, *, num_fwd_outputs, **kw):
-        held.update(joint=joint, inputs=joint_inputs, num_fwd_outputs=num_fwd_outputs)
-        return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs)
+        def partition(joint, joint_inputs, *, num_fwd_outputs, **kw):
+            held.update(joint=joint, inputs=joint_inputs, num_fwd_outputs=num_fwd_outputs)
+            return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs)
 
-    compiled = aot_function(f, fw_compiler=make_boxed_compiler(lambda g, _: g), partition_fn=partition)
-    compiled(*[p.detach().requires_grad_(True) for p in params.values()], idx, tgt)
-    return held
+        compiled = aot_function(f, fw_compiler=make_boxed_compiler(lambda g, _: g), partition_fn=partition)
+        self.primals = [p.detach().requires_grad_(True) for p in params.values()] + [idx, tgt]
+        compiled(*self.primals)
+        self.held = held
+        self.primals = [p.detach() for p in self.primals]
+        self.base_bw_flops = _flops(self.partition(None)[1])
 
+    def partition(self, budget):
+        h = self.held
+        if budget is None:
+            return default_partition(h["joint"], h["inputs"], num_fwd_outputs=h["num_fwd_outputs"])
+        with functorch_config.patch(activation_memory_budget=budget):
+            return min_cut_rematerialization_partition(h["joint"], h["inputs"],
+                                                       num_fwd_outputs=h["num_fwd_outputs"])
 
-def torch_partition(held, budget):
-    if budget is None:
-        return default_partition(held["joint"], held["inputs"], num_fwd_outputs=held["num_fwd_outputs"])
-    with functorch_config.patch(activation_memory_budget=budget):
-        return min_cut_rematerialization_partition(held["joint"], held["inputs"],
-                                                   num_fwd_outputs=held["num_fwd_outputs"])
+    def variant(self, budget):
+        fw, bw = self.partition(budget)
+        saved = sum(nbytes(n.meta.get("val")) for n in bw.graph.nodes if n.op == "placeholder"
+                    and not n.name.startswith(("tangents_", "primals_")))
+        n_out = self.held["num_fwd_outputs"]
+        primals = self.primals
+        tangents = [torch.ones(())]
 
+        def run():
+            with torch.no_grad():
+                outs = fw(*primals)
+                bw(*outs[n_out:], *tangents)
 
-def torch_saved_bytes(bw) -> int:
-    from graph_ir.meta import nbytes
-    return sum(nbytes(n.meta.get("val")) for n in bw.graph.nodes if n.op == "placeholder"
-               and not n.name.startswith(("tangents_", "primals_")))
-
-
-def torch_peak(fw, bw, saved) -> int:
-    return max(memory_profile(fw.graph).peak_bytes, saved + memory_profile(bw.graph).peak_bytes
-               - memory_profile(bw.graph).resident_bytes)
-
-
-def ours(budget_bytes):
-    torch.manual_seed(0)
-    model = GPT(CFG)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    batch = (torch.randint(0, CFG.vocab_size, (BATCH, CFG.seq_len)),) * 2
-    tg, _ = capture_train_step(model, opt, gpt_loss, batch)
-    ctx = PassContext(device_profile=PROFILE)
-    out = PassManager(f"cleanup,recompute{{policy=budget,budget={budget_bytes}}}",
-                      verify_level="off").run(tg, ctx)
-    mp = memory_profile(out.graph)
-    rec = [n for n in out.graph.nodes if n.meta.get(RECOMPUTE)]
-    # Peak of forward + backward only: the optimizer update is not in torch's graphs.
-    peak = max(v for r, v in mp.peak_by_region.items() if r in ("forward", "backward"))
-    return mp.saved_bytes, _work(rec), peak
+        return run, saved, max(0, _flops(bw) - self.base_bw_flops)
 
 
-def main():
-    held = torch_joint()
-    fw0, bw0 = torch_partition(held, None)
-    base = _work(_calls(bw0))
-    print(f"{'budget':>6} | {'who':<6} {'saved MiB':>9} {'recompute GFLOP':>15} {'written MiB':>11} "
-          f"{'time us (910B)':>14} {'peak MiB':>8} | ours/torch: saved, time")
-    for budget in BUDGETS:
-        fw, bw = torch_partition(held, budget)
-        t_saved = torch_saved_bytes(bw)
-        work = _work(_calls(bw))
-        t_rec = tuple(max(0, a - b) for a, b in zip(work, base))
-        t_peak = torch_peak(fw, bw, t_saved)
-        o_saved, o_rec, o_peak = ours(t_saved)
-        for who, saved, rec, peak in (("torch", t_saved, t_rec, t_peak), ("ours", o_saved, o_rec, o_peak)):
-            tail = ""
-            if who == "ours":
-                tail = f"| {o_saved / max(1, t_saved):.3f}, {o_rec[2] / max(1e-12, t_rec[2]):.3f}"
-            print(f"{budget:>6} | {who:<6} {saved / 2**20:>9.2f} {rec[0] / 1e9:>15.3f} {rec[1] / 2**20:>11.2f} "
-                  f"{rec[2] * 1e6:>14.1f} {peak / 2**20:>8.1f} {tail}")
+class OurSide:
+    def __init__(self, profile):
+        torch.manual_seed(0)
+        self.model = GPT(CFG)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1)
+        self.batch = _batch()
+        self.captured, self.layout = capture_train_step(self.model, self.opt, gpt_loss, self.batch)
+        self.inputs = gather_inputs(self.model, self.opt, self.layout, self.batch)
+        self.profile = profile
+
+    def variant(self, budget_bytes):
+        pipeline = "cleanup" if budget_bytes is None else f"cleanup,recompute{{policy=budget,budget={budget_bytes}}}"
+        ctx = PassContext(device_profile=self.profile)
+        out = PassManager(pipeline, verify_level="off").run(self.captured.copy(), ctx)
+        gm = EagerLowering().compile(out, self.inputs, None)
+        rec = [n for n in out.graph.nodes if n.meta.get(RECOMPUTE)]
+        inputs = self.inputs
+
+        def run():
+            with torch.no_grad():
+                gm(*inputs)
+
+        return run, memory_profile(out.graph).saved_bytes, sum(node_cost(n).flops for n in rec)
+
+
+def measure(variants: dict, rounds: int, calls: int, clock) -> dict[str, list[float]]:
+    names = list(variants)
+    per_round = {n: [] for n in names}
+    for fn in variants.values():
+        fn()
+    for k in range(rounds):
+        for name in names[k % len(names):] + names[:k % len(names)]:
+            ts = []
+            for _ in range(calls):
+                t0 = clock()
+                variants[name]()
+                ts.append(clock() - t0)
+            per_round[name].append(statistics.median(ts))
+    return per_round
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--calls", type=int, default=2, help="timed calls per variant per round")
+    p.add_argument("--threads", type=int, default=1,
+                   help="intra-op threads (default 1: on a shared machine two-thread timings are "
+                        "dominated by OpenMP barriers waiting for a descheduled thread)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="wall time, or the process's CPU time (what load from other processes changes least)")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    profile = get_profile("cpu")
+    torch_side, ours = TorchSide(), OurSide(profile)
+    variants, info = {}, {}
+    variants["torch@1.0"], t_base_saved, _ = torch_side.variant(1.0)
+    variants["ours@none"], o_base_saved, _ = ours.variant(None)
+    for b in BUDGETS:
+        run, saved, flops = torch_side.variant(b)
+        variants[f"torch@{b}"], info[("torch", b)] = run, (saved, flops)
+        t0 = time.perf_counter()
+        run, o_saved, o_flops = ours.variant(saved)
+        variants[f"ours@{b}"], info[("ours", b)] = run, (o_saved, o_flops, time.perf_counter() - t0)
+    clocks = {"wall": time.perf_counter, "cpu": time.process_time}
+    clock = clocks[args.clock]
+    times = measure(variants, args.rounds, args.calls, clock)
+    step = statistics.median(times["ours@none"])
+
+    def overhead(name, base):
+        return statistics.median(a - b for a, b in zip(times[name], times[base]))
+
+    print(f"4-layer GPT d256 s128 b4 dropout 0.1, {args.threads} thread(s), {args.clock} time, {args.rounds} "
+          f"interleaved rounds x {args.calls} calls")
+    print(f"baselines: torch min-cut@1.0 fwd+bwd {statistics.median(times['torch@1.0']) * 1e3:.1f} ms "
+          f"(saved {t_base_saved / 2**20:.2f} MiB); ours fwd+bwd+SGD, no recompute {step * 1e3:.1f} ms "
+          f"(saved {o_base_saved / 2**20:.2f} MiB)")
+    print(f"cpu profile: matmul {profile.matrix_flops['fp32'] / 1e9:.1f} GFLOP/s, "
+          + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in profile.class_bandwidth.items())
+          + f", {profile.op_overhead * 1e6:.1f} us/op")
+    print(f"{'budget':>6} | {'who':<5} {'saved MiB':>9} {'recompute GFLOP':>15} {'overhead ms':>11} "
+          f"{'% of step':>9} | {'goal':>4} {'dominated':>9}")
+    results = []
+    for b in BUDGETS:
+        t_saved, t_flops = info[("torch", b)]
+        o_saved, o_flops, solve_s = info[("ours", b)]
+        t_over = overhead(f"torch@{b}", "torch@1.0")
+        o_over = overhead(f"ours@{b}", "ours@none")
+        goal = o_over <= t_over + 0.01 * step
+        dominated = (t_flops <= o_flops and t_saved <= o_saved) and (t_flops < o_flops or t_saved < o_saved)
+        results.append((b, goal, dominated))
+        print(f"{b:>6} | {'torch':<5} {t_saved / 2**20:>9.2f} {t_flops / 1e9:>15.3f} {t_over * 1e3:>11.1f} "
+              f"{t_over / step * 100:>8.1f}% |")
+        print(f"{'':>6} | {'ours':<5} {o_saved / 2**20:>9.2f} {o_flops / 1e9:>15.3f} {o_over * 1e3:>11.1f} "
+              f"{o_over / step * 100:>8.1f}% | {'yes' if goal else 'NO':>4} {'YES' if dominated else 'no':>9}"
+              f"   (pass {solve_s:.1f} s)")
+    return results
 
 
 if __name__ == "__main__":

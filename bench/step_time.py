@@ -15,12 +15,15 @@ with AdamW, every row from the same initial weights:
 Rows run in interleaved rounds (every row once per round, in a rotating
 order) so that load from other processes on the machine falls on all rows
 alike; each row's time is the median over all its timed steps, and its ratio
-is the median over rounds of (row / eager in the same round). The matmul
-floor is eager's step time times the matmul share of that step measured by
-``torch.profiler`` (self CPU time of mm / addmm / bmm / baddbmm / SDPA over
-the profiled wall time): the time left if everything but the matmuls took
-nothing, with the same BLAS. Compilation happens before the timed rounds and
-is reported separately. ``--zoo NAME`` repeats the table on a model from
+is the median over rounds of (row / eager in the same round), with the
+quartiles over rounds beside it. Two clocks: the process's CPU time (one
+intra-op thread, so it is the step's work, and what load from other
+processes changes least) and wall time. The matmul floor is eager's step
+time times the matmul share of that step measured by ``torch.profiler``
+(self time of mm / addmm / bmm / baddbmm / SDPA over the profiled window's
+wall time, the profiler's own clock): the time left if everything but the
+matmuls took nothing, with the same BLAS. Compilation happens before the
+timed rounds and is reported separately. ``--zoo NAME`` repeats the table on a model from
 ``tests/zoo.py`` (transformers, built from a config at the same width).
 """
 from __future__ import annotations
@@ -57,8 +60,10 @@ class Row:
     name: str
     step: Callable[[Any], Any]
     compile_s: float = 0.0
-    times: list[float] = field(default_factory=list)
-    ratios: list[float] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)       # wall seconds per step
+    cpu: list[float] = field(default_factory=list)         # process CPU seconds per step
+    ratios: list[float] = field(default_factory=list)      # per round, wall vs eager's
+    cpu_ratios: list[float] = field(default_factory=list)  # per round, CPU time vs eager's
 
 
 def gpt_case(batch_size: int, seq_len: int) -> Case:
@@ -115,7 +120,8 @@ def make_row(name: str, case: Case) -> Row:
 
 
 def matmul_share(step, batch, steps: int = 2) -> tuple[float, dict[str, float]]:
-    """Share of the step's wall time spent in matmul kernels (self CPU time, torch.profiler)."""
+    """Share of the step's time spent in matmul kernels (the profiler's self time of the matmul ops over
+    the profiled window's wall time: one clock for both)."""
     from torch.profiler import ProfilerActivity, profile
     step(batch)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -136,38 +142,46 @@ def run(case: Case, rows: list[str], rounds: int, steps: int) -> list[Row]:
     base = next(r for r in built if r.name == "eager")
     for k in range(rounds):
         order = built[k % len(built):] + built[:k % len(built)]
-        this_round = {}
+        wall, cpu = {}, {}
         for row in order:
-            ts = []
+            ts, cs = [], []
             for _ in range(steps):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 row.step(case.batch)
                 ts.append(time.perf_counter() - t0)
+                cs.append(time.process_time() - c0)
             row.times += ts
-            this_round[row.name] = statistics.median(ts)
+            row.cpu += cs
+            wall[row.name], cpu[row.name] = statistics.median(ts), statistics.median(cs)
         for row in built:
-            row.ratios.append(this_round[row.name] / this_round[base.name])
+            row.ratios.append(wall[row.name] / wall[base.name])
+            row.cpu_ratios.append(cpu[row.name] / cpu[base.name])
     return built
+
+
+def _spread(values: list[float]) -> str:
+    q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
+    return f"{q[0]:.2f}-{q[2]:.2f}"
 
 
 def report(case: Case, built: list[Row], share: float, shares: dict[str, float]) -> str:
     base = next(r for r in built if r.name == "eager")
-    base_t = statistics.median(base.times)
     torch_rows = [r for r in built if not r.name.startswith("ours-")]
-    best_torch = min(torch_rows, key=lambda r: statistics.median(r.ratios))
-    best_ratio = statistics.median(best_torch.ratios)
-    lines = [f"{case.name}: batch {case.tokens} tokens, AdamW; median of {len(base.times)} steps per row",
-             f"{'row':<16} {'median ms':>10} {'tokens/s':>10} {'vs eager':>9} {'vs best torch':>14} "
-             f"{'compile s':>10}"]
+    best_torch = min(torch_rows, key=lambda r: statistics.median(r.cpu_ratios))
+    best_ratio = statistics.median(best_torch.cpu_ratios)
+    lines = [f"{case.name}: batch {case.tokens} tokens, AdamW; {len(base.times)} steps per row; "
+             "ratios are medians over rounds of (row / eager in the same round), quartiles beside",
+             f"{'row':<15} {'cpu ms':>8} {'vs eager':>9} {'(quartiles)':>11} {'vs best torch':>13} | "
+             f"{'wall ms':>8} {'vs eager':>9} {'(quartiles)':>11} | {'compile s':>9}"]
     for r in built:
-        t = statistics.median(r.times)
-        ratio = statistics.median(r.ratios)
-        lines.append(f"{r.name:<16} {t * 1e3:>10.1f} {case.tokens / t:>10,.0f} {ratio:>8.2f}x "
-                     f"{ratio / best_ratio:>13.2f}x {r.compile_s:>10.1f}")
-    lines.append(f"{'matmul floor':<16} {base_t * share * 1e3:>10.1f} {'':>10} {share:>8.2f}x "
-                 f"{'':>14} {'':>10}   (matmul share of eager's step: "
+        c, w = statistics.median(r.cpu_ratios), statistics.median(r.ratios)
+        lines.append(f"{r.name:<15} {statistics.median(r.cpu) * 1e3:>8.1f} {c:>8.2f}x {_spread(r.cpu_ratios):>11} "
+                     f"{c / best_ratio:>12.2f}x | {statistics.median(r.times) * 1e3:>8.1f} {w:>8.2f}x "
+                     f"{_spread(r.ratios):>11} | {r.compile_s:>9.1f}")
+    lines.append(f"{'matmul floor':<15} {statistics.median(base.cpu) * share * 1e3:>8.1f} {share:>8.2f}x   "
+                 "(matmul share of eager's profiled step: "
                  + ", ".join(f"{k.replace('aten::', '')} {v:.2f}" for k, v in sorted(shares.items())) + ")")
-    lines.append(f"best torch row: {best_torch.name} ({best_ratio:.2f}x)")
+    lines.append(f"best torch row (CPU time): {best_torch.name} ({best_ratio:.2f}x)")
     return "\n".join(lines)
 
 

@@ -5,9 +5,14 @@ value is marked ESTIMATE with how it was derived. Throughputs are dense (no
 structured sparsity), per device (one chip / one GPU), in FLOP/s; bandwidths
 in bytes/s; latencies in seconds.
 
-The ``cpu`` profile is measured, not looked up: a short microbenchmark (a
-matmul, an elementwise op, a copy; well under 2 s) run once per process and
-cached on disk keyed by machine and torch version.
+The ``cpu`` profile is measured, not looked up: a short microbenchmark run
+once per machine, thread count and torch version, cached on disk. It runs on
+one thread and scales throughputs by the thread count (see ``_measure_cpu``).
+It times one op of each class the roofline tells apart, at the sizes of a
+small transformer's activations (a 512x256x1024 matmul, 256k-element
+elementwise and RNG ops, row reductions, attention-shaped softmax, a 1-element
+op for the fixed per-op cost), so that a recompute choice made with it is
+judged by what the ops cost here, not by a single matmul rate.
 """
 from __future__ import annotations
 
@@ -39,6 +44,10 @@ class DeviceProfile:
     devices_per_node: int = 8
     op_overhead: float = 0.0           # fixed cost per launched op (kernel launch / task dispatch)
     sources: dict[str, str] = field(default_factory=dict, compare=False)
+    # Measured profiles only: effective bytes/s (read + written) per op class that is not a matmul
+    # ("elementwise", "reduction", "softmax", "rng"); the roofline uses it in place of the memory
+    # bandwidth for that class. Empty for looked-up profiles.
+    class_bandwidth: dict[str, float] = field(default_factory=dict)
 
     def matrix_rate(self, dtype: torch.dtype) -> float:
         return _rate(self.matrix_flops, dtype)
@@ -183,11 +192,29 @@ def _best_of(fn, repeats: int) -> float:
     return best
 
 
+_MEASURED_KEYS = ("matmul_flops", "vector_flops", "bandwidth", "op_overhead", "class_bandwidth")
+
+
 def _measure_cpu() -> dict:
-    n = 512
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    matmul = 2 * n**3 / _best_of(lambda: a @ b, 5)
-    x = torch.randn(4 * 2**20)
+    """Figures for this process's thread count, measured on one thread and scaled by it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = _measure_one_thread()
+    finally:
+        torch.set_num_threads(threads)
+    # ESTIMATE: throughput scales with the intra-op threads (the per-op cost does not). Measured on
+    # one thread because on a machine shared with other work a multi-threaded op waits at OpenMP
+    # barriers for descheduled threads, and the figures would say more about the load than the ops.
+    scaled = {k: v * threads for k, v in one.items() if k in ("matmul_flops", "vector_flops", "bandwidth")}
+    return {**one, **scaled, "class_bandwidth": {k: v * threads for k, v in one["class_bandwidth"].items()},
+            "threads_scaled_from_one": threads}
+
+
+def _measure_one_thread() -> dict:
+    mm_a, mm_b = torch.randn(512, 256), torch.randn(256, 1024)
+    matmul = 2 * 512 * 256 * 1024 / _best_of(lambda: mm_a @ mm_b, 5)
+    x, z = torch.randn(4 * 2**20), torch.randn(4 * 2**20)
     y = torch.empty_like(x)
     # One add reads 8 and writes 4 bytes per element: bandwidth-bound, so it also bounds
     # the vector rate from below; a multiply-add chain on a cache-sized tensor bounds it above.
@@ -196,8 +223,22 @@ def _measure_cpu() -> dict:
     small = torch.randn(32 * 1024)
     small_out = torch.empty_like(small)
     vec = small.numel() / _best_of(lambda: torch.mul(small, small, out=small_out), 20)
+    # Per class, as a functional graph runs it: a fresh output each time, bytes = read + written
+    # (what graph_ir.analysis.cost counts).
+    m = 2**18
+    u, v = x[:m].clone(), z[:m].clone()
+    elementwise = 12 * m / _best_of(lambda: torch.mul(u, v), 3)
+    rows = u.view(256, 1024)
+    reduction = (4 * m + 4 * 256) / _best_of(lambda: rows.sum(-1), 3)
+    scores = u.view(2 * 4 * 128, 256)
+    softmax = 8 * m / _best_of(lambda: torch.softmax(scores, -1), 3)
+    rng = 8 * m / _best_of(lambda: torch.ops.aten.bernoulli.p(u, 0.9), 3)   # what dropout draws
+    one = torch.ones(1)
+    overhead = _best_of(lambda: torch.add(one, one), 50)
     return {"matmul_flops": matmul, "vector_flops": max(vec, x.numel() / add),
-            "bandwidth": max(12 * x.numel() / add, 8 * x.numel() / copy)}
+            "bandwidth": max(12 * x.numel() / add, 8 * x.numel() / copy), "op_overhead": overhead,
+            "class_bandwidth": {"elementwise": elementwise, "reduction": reduction, "softmax": softmax,
+                                "rng": rng}}
 
 
 def _cache_path() -> str:
@@ -214,6 +255,8 @@ def cpu_profile() -> DeviceProfile:
     try:
         with open(path, encoding="utf-8") as f:
             measured = json.load(f)
+        if not all(k in measured for k in _MEASURED_KEYS):
+            raise ValueError("written by an older version: measure again")
     except (OSError, ValueError):
         measured = _measure_cpu()
         try:
@@ -225,7 +268,7 @@ def cpu_profile() -> DeviceProfile:
     matmul, vector = measured["matmul_flops"], measured["vector_flops"]
     return DeviceProfile(
         name="cpu",
-        # Measured: fp32 512x512 matmul; bf16/fp16 matmuls on CPUs without AMX/AVX512-BF16 are
+        # Measured: fp32 512x256x1024 matmul; bf16/fp16 matmuls on CPUs without AMX/AVX512-BF16 are
         # not faster, so they are given the fp32 rate.
         matrix_flops={"fp32": matmul, "bf16": matmul, "fp16": matmul},
         vector_flops={"fp32": vector, "bf16": vector, "fp16": vector},
@@ -236,7 +279,8 @@ def cpu_profile() -> DeviceProfile:
         intra_node_bandwidth=measured["bandwidth"] / 4, intra_node_latency=20e-6,
         inter_node_bandwidth=1.25 * GB, inter_node_latency=50e-6,  # ESTIMATE: 10GbE
         devices_per_node=os.cpu_count() or 1,
-        op_overhead=2e-6,                                             # ESTIMATE: eager dispatch
+        op_overhead=measured["op_overhead"],                          # a 1-element add
+        class_bandwidth=dict(measured["class_bandwidth"]),
         sources={"all": f"measured by microbenchmark, cached in {path}"},
     )
 

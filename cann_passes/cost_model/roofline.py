@@ -5,6 +5,11 @@ the matrix unit's (Cube, tensor cores) for ops that torch's flop counter
 knows (matmuls, convolutions, attention) and the vector unit's otherwise,
 each at the node's dtype. Views cost nothing. Collectives use the
 alpha-beta model of :mod:`.collectives`.
+
+A measured profile (``cpu``) also carries an effective bandwidth per op class
+(elementwise, reduction, softmax, rng): on a CPU these differ several-fold
+(drawing random numbers is far slower than adding), and a recompute choice
+priced with one bandwidth for all would trade a cheap op for a dear one.
 """
 from __future__ import annotations
 
@@ -29,6 +34,27 @@ def compute_dtype(node: torch.fx.Node) -> torch.dtype:
     return max(floating, key=lambda d: torch.finfo(d).bits)
 
 
+_SOFTMAX = {"_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data"}
+
+
+def op_class(node: torch.fx.Node) -> str:
+    """``matmul``, ``rng``, ``softmax``, ``reduction`` (fewer output elements than its largest
+    input) or ``elementwise``: the classes a measured profile times separately."""
+    if node_cost(node).matmul:
+        return "matmul"
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        if torch.Tag.nondeterministic_seeded in target.tags:
+            return "rng"
+        if target._schema.name.split("::")[-1] in _SOFTMAX:
+            return "softmax"
+    outs = sum(t.numel() for t in tensors_of(node.meta.get("val")))
+    ins = [t.numel() for a in node.all_input_nodes for t in tensors_of(a.meta.get("val"))]
+    if ins and outs < max(ins):
+        return "reduction"
+    return "elementwise"
+
+
 def node_time(node: torch.fx.Node, profile: DeviceProfile, *, world_size: int = 1,
               allreduce_algo: str = "ring") -> float:
     """Estimated seconds to run one node on ``profile``."""
@@ -40,7 +66,10 @@ def node_time(node: torch.fx.Node, profile: DeviceProfile, *, world_size: int = 
     cost = node_cost(node)
     dtype = compute_dtype(node)
     rate = profile.matrix_rate(dtype) if cost.matmul else profile.vector_rate(dtype)
-    return profile.op_overhead + max(cost.flops / rate, cost.bytes / profile.memory_bandwidth)
+    bandwidth = profile.memory_bandwidth
+    if profile.class_bandwidth and not cost.matmul:
+        bandwidth = profile.class_bandwidth.get(op_class(node), bandwidth)
+    return profile.op_overhead + max(cost.flops / rate, cost.bytes / bandwidth)
 
 
 def graph_time(nodes, profile: DeviceProfile, **kwargs) -> float:

@@ -28,6 +28,26 @@ class TestProfiles:
         assert cpu_profile() is first
         assert get_profile("auto") is first
         assert first.matrix_flops["fp32"] > 1e8 and first.memory_bandwidth > 1e8
+        assert set(first.class_bandwidth) == {"elementwise", "reduction", "softmax", "rng"}
+        assert all(v > 1e6 for v in first.class_bandwidth.values()) and first.op_overhead > 0
+
+    def test_a_cache_from_an_older_version_is_measured_again(self, tmp_path, monkeypatch):
+        from cann_passes.cost_model import profiles
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+        path = profiles._cache_path()
+        import json
+        import os
+        os.makedirs(os.path.dirname(path))
+        with open(path, "w") as f:
+            json.dump({"matmul_flops": 1.0, "vector_flops": 1.0, "bandwidth": 1.0}, f)
+        profiles.cpu_profile.cache_clear()
+        try:
+            fresh = profiles.cpu_profile()
+            assert fresh.class_bandwidth and fresh.matrix_flops["fp32"] > 1.0
+            with open(path) as f:
+                assert "class_bandwidth" in json.load(f)
+        finally:
+            profiles.cpu_profile.cache_clear()
 
     def test_unknown_profile_is_refused_by_name(self):
         with pytest.raises(ValueError, match="'tpu'"):
@@ -56,6 +76,26 @@ class TestRoofline:
             gm = _graph(torch.mm, (2048, 2048), (2048, 2048), dtype=dtype)
             times.append(node_time(next(n for n in gm.graph.nodes if n.op == "call_function"), p))
         assert times[1] < times[0]
+
+    def test_op_classes_and_the_measured_class_bandwidth(self):
+        from dataclasses import replace
+
+        from cann_passes.cost_model.roofline import op_class
+
+        def f(a, b):
+            s = torch.mm(a, b)
+            return torch.bernoulli(s, 0.9) + s.softmax(-1), s.sum(-1)
+
+        gm = _graph(f, (64, 64), (64, 64))
+        nodes = {str(n.target).split(".")[1]: n for n in gm.graph.nodes if n.op == "call_function"}
+        assert {k: op_class(v) for k, v in nodes.items()} == {
+            "mm": "matmul", "bernoulli": "rng", "_softmax": "softmax", "add": "elementwise", "sum": "reduction"}
+        base = replace(get_profile("a100"), op_overhead=0.0)
+        slow_rng = replace(base, class_bandwidth={"rng": base.memory_bandwidth / 10})
+        assert node_time(nodes["bernoulli"], slow_rng) == pytest.approx(10 * node_time(nodes["bernoulli"], base))
+        # A class the profile does not time uses the memory bandwidth; matmuls their FLOP rate.
+        assert node_time(nodes["add"], slow_rng) == node_time(nodes["add"], base)
+        assert node_time(nodes["mm"], slow_rng) == node_time(nodes["mm"], base)
 
     def test_views_cost_nothing(self):
         gm = _graph(lambda a: a.t().unsqueeze(0), (64, 64))
