@@ -228,6 +228,202 @@ def step(step, batch: Any) -> torch.Tensor:
     return loss
 
 
+# -- torch.distributed.pipelining ---------------------------------------------------------------
+
+def _slot_count(program: Program, s: int) -> int:
+    """Slots between stage ``s`` and ``s + 1``: enough for either direction's values (at least one)."""
+    acts = [x for x in program[f"stage{s + 1}.forward"].signature.inputs if x.kind == StageValue.ACTIVATION]
+    grads = [x for x in program[f"stage{s}.backward"].signature.inputs if x.kind == StageValue.GRADIENT]
+    return max(len(acts), len(grads), 1)
+
+
+def _example(graph, kind: str, *, inputs: bool) -> list[torch.Tensor]:
+    """Zero tensors shaped like ``graph``'s inputs (or outputs) of a stage-value kind, in order."""
+    if inputs:
+        pairs = zip(graph.signature.inputs, graph.placeholders())
+    else:
+        pairs = zip(graph.signature.outputs, graph.output_values())
+    return [torch.zeros(n.meta["val"].shape, dtype=n.meta["val"].dtype) for spec, n in pairs if spec.kind == kind]
+
+
+def _padded(values: list, slots: int, filler) -> tuple:
+    return tuple(values) + tuple(filler() for _ in range(slots - len(values)))
+
+
+def _slot_filler() -> torch.Tensor:
+    return torch.zeros(1)
+
+
+class PipelineRuntime:
+    """This rank's stages as torch ``PipelineStage`` objects under torch's schedule, running our graphs."""
+
+    def __init__(self, step, comp):
+        from torch.distributed.pipelining import PipelineStage
+        from .. import schedules
+        self.step, self.program = step, comp.program
+        info = self.program.attrs[GraphAttr.PIPELINE_PARALLEL]
+        self.n, self.ranks = info["stages"], info["stage_to_rank"]
+        self.group = step.world.group("pp")
+        self.pp_rank = step.mesh.local_rank("pp")
+        self.mine = [s for s in range(self.n) if self.ranks[s] == self.pp_rank]
+        self.executors = {s: StageExecutor(s, stage_graphs(self.program, s),
+                                           {p: comp.runners[f"stage{s}.{p}"] for p in stage_graphs(self.program, s)},
+                                           step) for s in self.mine}
+        self.stages = {}
+        for s in self.mine:
+            graphs = self.executors[s].graphs
+            kw = {}
+            if s > 0:
+                slots = _slot_count(self.program, s - 1)
+                kw["input_args"] = _padded(_example(graphs["forward"], StageValue.ACTIVATION, inputs=True),
+                                           slots, _slot_filler)
+                grads = _example(graphs["backward"], StageValue.GRADIENT, inputs=False)
+                kw["input_grads"] = _padded(grads, slots, lambda: None)
+            else:
+                kw["input_args"] = (_slot_filler(),)
+            if s < self.n - 1:
+                slots = _slot_count(self.program, s)
+                kw["output_args"] = _padded(_example(graphs["forward"], StageValue.ACTIVATION, inputs=False),
+                                            slots, _slot_filler)
+                kw["output_grads"] = _padded(_example(graphs["backward"], StageValue.GRADIENT, inputs=True),
+                                             slots, lambda: None)
+            else:
+                kw["output_args"] = (_slot_filler(),)
+            self.stages[s] = PipelineStage(torch.nn.Module(), s, self.n, torch.device("cpu"), group=self.group, **kw)
+        self.schedule_name = step.plan.pipeline_schedule
+        self.schedule = self._schedule(schedules.torch_schedule_class(self.schedule_name), step.plan.microbatches)
+        self.events: list[tuple] = []
+        self.batches: list = []
+        self.in_flight: list = []
+
+    def _schedule(self, cls, m: int):
+        from torch.distributed.pipelining.schedules import (BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD,
+                                                            OVERLAP_F_B, REDUCE_GRAD, RESHARD, UNSHARD,
+                                                            PipelineScheduleSingle, _PipelineScheduleRuntime)
+        stages = [self.stages[s] for s in self.mine]
+        loss_fn = _never_called_loss   # torch plans backward actions only for a schedule with a loss function
+        if issubclass(cls, PipelineScheduleSingle):
+            # GPipe and 1F1B have no custom functions; torch's runtime runs their own action lists.
+            from ..schedules import torch_actions
+            schedule = _PipelineScheduleRuntime(stages, m, loss_fn=loss_fn, scale_grads=False)
+            schedule._prepare_schedule_with_comms(torch_actions(self.schedule_name, self.step.plan.pp, m))
+        else:
+            schedule = cls(stages, m, loss_fn=loss_fn, scale_grads=False)
+        schedule.register_custom_function(FORWARD, self._forward)
+        schedule.register_custom_function(FULL_BACKWARD, self._backward("backward"))
+        schedule.register_custom_function(BACKWARD_INPUT, self._backward("backward_input"))
+        schedule.register_custom_function(BACKWARD_WEIGHT, self._backward_weight)
+        for kind in (UNSHARD, RESHARD, REDUCE_GRAD):   # nothing sharded by torch; gradients are ours
+            schedule.register_custom_function(kind, lambda action, ctx: None)
+        compute = {FORWARD: self._forward, FULL_BACKWARD: self._backward("backward"),
+                   BACKWARD_INPUT: self._backward("backward_input"), BACKWARD_WEIGHT: self._backward_weight}
+
+        def overlapped(action, ctx):   # DualPipeV's overlapped forward + backward: run one after the other
+            for sub in action.sub_actions:
+                compute[sub.computation_type](sub, ctx)
+        schedule.register_custom_function(OVERLAP_F_B, overlapped)
+        return schedule
+
+    def _record(self, stage: int, mb: int, kind: str, start: float) -> None:
+        self.events.append((self.pp_rank, stage, mb, kind, start, now()))
+
+    def _forward(self, action, ctx) -> None:
+        from torch.distributed.pipelining.schedules import _wait_batch_p2p
+        s, mb = action.stage_index, action.microbatch_index
+        stage, sched = self.stages[s], ctx.schedule_ref
+        if not stage.is_first and s - 1 not in self.stages:
+            _wait_batch_p2p(sched.fwd_recv_ops.pop((s, mb)))
+        start = now()
+        executor = self.executors[s]
+        wanted = len([x for x in executor.graphs["forward"].signature.inputs if x.kind == StageValue.ACTIVATION])
+        acts = [] if stage.is_first else list(stage._retrieve_recv_activations(mb))[:wanted]
+        sent = [t.contiguous() for t in executor.forward(mb, self.batches[mb], acts)]
+        slots = _slot_count(self.program, s) if s < self.n - 1 else 1
+        output = _padded(sent, slots, _slot_filler)
+        stage.fwd_cache[mb] = (output, [])
+        self._record(s, mb, "F", start)
+        if s + 1 in self.stages:
+            self.stages[s + 1].set_local_fwd_input(output, mb)
+
+    def _backward(self, part: str):
+        def run(action, ctx) -> None:
+            from torch.distributed.pipelining.schedules import _wait_batch_p2p
+            s, mb = action.stage_index, action.microbatch_index
+            stage, sched = self.stages[s], ctx.schedule_ref
+            if not stage.is_last and s + 1 not in self.stages:
+                _wait_batch_p2p(sched.bwd_recv_ops.pop((s, mb)))
+            start = now()
+            executor = self.executors[s]
+            grads = [] if stage.is_last else list(stage._retrieve_recv_grads(mb))[:len(executor.grad_inputs)]
+            run_part = executor.backward if part == "backward" else executor.backward_input
+            sent = [t.contiguous() for t in run_part(mb, self.batches[mb], grads)]
+            self._record(s, mb, "B" if part == "backward" else "I", start)
+            if stage.is_first:
+                return
+            # torch pops bwd_cache when it posts the send; gloo's send does not own the tensor, so
+            # it is kept alive here until the schedule has waited for every send of the step.
+            self.in_flight.append(sent)
+            stage.bwd_cache[mb] = _padded(sent, _slot_count(self.program, s - 1), lambda: None)
+            if s - 1 in self.stages:
+                self.stages[s - 1].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
+        return run
+
+    def _backward_weight(self, action, ctx) -> None:
+        s, mb = action.stage_index, action.microbatch_index
+        start = now()
+        self.executors[s].backward_weight(mb, self.batches[mb])
+        self._record(s, mb, "W", start)
+
+    def run(self, microbatches: list) -> torch.Tensor:
+        import torch.distributed as dist
+        m = len(microbatches)
+        self.batches, self.events = microbatches, []
+        rows = [_rows(b) for b in microbatches]
+        dp = self.step.world.dp_size
+        set_accumulation_scalars(self.step, rows[0], sum(rows) * dp)
+        # What the schedule's step() does before _step_microbatches, which is called directly here
+        # because our microbatches are already split and bound to the graphs.
+        for st in self.stages.values():
+            st.has_backward = True
+            st.clear_runtime_states()
+        try:
+            self.schedule._step_microbatches([(_slot_filler(),)] * m, [{}] * m, None, None)
+            for s in self.mine:
+                self.executors[s].apply()
+        finally:
+            self.in_flight = []
+            clear_accumulators(self.step)
+            for s in self.mine:
+                self.executors[s].values.clear()
+        last = self.n - 1
+        if last in self.executors:
+            losses = self.executors[last].losses
+            loss = sum(losses[i] * rows[i] for i in range(m)) / sum(rows)
+        else:
+            loss = torch.zeros(())
+        loss = loss.detach().clone().reshape(())
+        dist.broadcast(loss, group=self.group, group_src=self.ranks[last])
+        return loss
+
+    def timeline(self):
+        """The measured timeline of the last step on this rank (``cann_passes.schedules.Timeline``)."""
+        from ..schedules import timeline_from_events
+        return timeline_from_events(self.events, name=f"measured {self.schedule_name}")
+
+
+def _never_called_loss(output, target):
+    raise PipelineRuntimeError("the stage graphs compute the loss; torch's loss function is never called")
+
+
+def run_schedule(step, comp, microbatches: list) -> torch.Tensor:
+    """One step on torch's schedule; the PipelineStages and schedule are built once per compilation."""
+    runtime = getattr(comp, "pipeline_runtime", None)
+    if runtime is None:
+        runtime = comp.pipeline_runtime = PipelineRuntime(step, comp)
+    step.pipeline_timeline = runtime.timeline
+    return runtime.run(microbatches)
+
+
 def _rows(batch: Any) -> int:
     import torch.utils._pytree as pytree
     return int(pytree.tree_leaves(batch)[0].shape[0])

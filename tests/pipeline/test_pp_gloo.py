@@ -1,0 +1,110 @@
+"""Pipeline parallelism on gloo: our stage graphs on torch.distributed.pipelining's schedules.
+
+Each launch starts the ranks once (``pp_worker.py``) and runs several plans one after
+the other in them; every plan starts from the same initial weights and is compared with
+plain eager PyTorch trained on the same global batches in this process: SGD (momentum)
+parameters to 1e-5, AdamW losses to 1e-5. Steps: ``pp_worker.STEPS`` (3), not 10, to keep
+the file's time down; each rank holds and checks only its own stages' parameters.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cann_passes.runtime.distributed import launch_local
+from cann_passes.schedules import timeline_from_events
+from recipes.models.gpt import gpt_loss
+
+sys.path.insert(0, str(Path(__file__).parent))
+import pp_worker  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = str(Path(__file__).parent / "pp_worker.py")
+
+pytestmark = pytest.mark.slow
+
+
+def _launch(tmp_path_factory, name: str, nprocs: int, model: str, pp: int, dp: int, configs: list[str]):
+    out = tmp_path_factory.mktemp(name)
+    results = launch_local([WORKER, str(out), model, str(pp), str(dp), *configs], nprocs,
+                           env={"PYTHONPATH": str(REPO)}, timeout_s=900, cwd=str(REPO))
+    for rank, r in enumerate(results):
+        assert r.returncode == 0, f"rank {rank} exited {r.returncode}:\n{r.stderr[-4000:]}"
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nprocs)]
+
+
+def _reference(model_name: str, optimizer: str):
+    model, opt = pp_worker.make_model(model_name, optimizer)
+    vocab = pp_worker.MODELS[model_name].get("vocab_size", 256)
+    losses = []
+    for i in range(pp_worker.STEPS):
+        opt.zero_grad()
+        loss = gpt_loss(model, pp_worker.global_batch(i, vocab))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _check(ranks: list[dict], config: str, model_name: str, dp: int = 1):
+    optimizer = config.split(":")[1]
+    ref_losses, ref_params = _reference(model_name, optimizer)
+    for rank, result in enumerate(ranks):
+        for i, (got, want) in enumerate(zip(result[config]["losses"], ref_losses, strict=True)):
+            assert abs(got - want) <= 1e-5 * abs(want), f"{config} rank {rank} step {i}: loss {got} vs {want}"
+    params = {}
+    # The (pp, dp) mesh numbers ranks pp-major: ranks[::dp] are the dp-rank-0 replica of every stage.
+    for replica in ranks[1:dp]:
+        for name, value in replica[config]["params"].items():
+            assert torch.equal(value, ranks[0][config]["params"][name]), f"dp replicas differ at {name}"
+    for result in ranks[::dp]:
+        assert not set(params) & set(result[config]["params"]), "a parameter is held by two pipeline ranks"
+        params.update(result[config]["params"])
+    assert set(params) == set(ref_params)
+    if optimizer == "sgd":
+        for name, want in ref_params.items():
+            err = (params[name] - want).abs().max().item()
+            assert err <= 1e-5, f"{config}: parameter {name} differs by {err:.2e}"
+
+
+PP2 = ["gpipe:sgd", "1f1b:sgd", "interleaved_1f1b:sgd:2", "zb1p:sgd", "dualpipev:sgd", "1f1b:adamw"]
+
+
+@pytest.fixture(scope="module")
+def pp2(tmp_path_factory):
+    return _launch(tmp_path_factory, "pp2", 2, "gpt4", 2, 1, PP2)
+
+
+@pytest.mark.parametrize("config", PP2)
+def test_pp2_gpt_matches_single_process_training(pp2, config):
+    _check(pp2, config, "gpt4")
+
+
+def test_pp2_measured_timeline_has_every_action_once(pp2):
+    for config, kinds in (("1f1b:sgd", "FB"), ("zb1p:sgd", "FIW"), ("interleaved_1f1b:sgd:2", "FB")):
+        events = [e for r in pp2 for e in r[config]["events"]]
+        timeline = timeline_from_events(events)
+        stages, m = pp2[0][config]["stages"], pp_worker.microbatches_for(config.split(":")[0], 2)
+        for kind in kinds:
+            got = sorted((e.stage, e.microbatch) for e in timeline.events if e.kind == kind)
+            assert got == sorted((s, i) for s in range(stages) for i in range(m)), (config, kind)
+        assert 0.0 < timeline.bubble_fraction < 1.0
+
+
+@pytest.fixture(scope="module")
+def pp4(tmp_path_factory):
+    return _launch(tmp_path_factory, "pp4", 4, "heavy_head", 4, 1, ["1f1b:sgd", "zb1p:sgd"])
+
+
+@pytest.mark.parametrize("config", ["1f1b:sgd", "zb1p:sgd"])
+def test_pp4_heavy_head_matches_single_process_training(pp4, config):
+    _check(pp4, config, "heavy_head")
+
+
+def test_dp2_x_pp2_matches_single_process_training(tmp_path_factory):
+    ranks = _launch(tmp_path_factory, "dp2pp2", 4, "gpt4", 2, 2, ["1f1b:sgd", "1f1b:adamw"])
+    _check(ranks, "1f1b:sgd", "gpt4", dp=2)
+    _check(ranks, "1f1b:adamw", "gpt4", dp=2)
