@@ -14,7 +14,7 @@ from cann_passes.pass_manager import PassContext
 from cann_passes.passes import tensor_parallel as tpp
 from cann_passes.pipeline import build_pipeline
 from graph_ir import capture_train_step
-from graph_ir.placement import Placement, placement_of
+from graph_ir.placement import FlatShard, Placement, Shard, placement_of
 from graph_ir.verifier import verify
 from tests import zoo
 
@@ -243,3 +243,25 @@ def test_each_rank_keeps_its_piece_of_the_dropout_masks_korthikanti_bytes():
         got, masks = measure(graph, 2, sp)
         assert masks == mask_formula(s, b, h, a, 2, sp)
         assert abs(got / korthikanti(s, b, h, a, 2, sp) - 1) < 0.05
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_over_tp_state_is_each_rank_s_tp_shard_flat_sharded_over_dp(llama, stage):
+    # dp=2 x tp=2, rank 3 (dp 1, tp 1): the row-parallel o_proj [32, 32] is [32, 16] on this tp
+    # rank, and its Adam moments this rank's half of those 512 elements
+    from cann_passes import compile_program
+    from graph_ir.mesh import MeshDesc
+    _, graph = llama
+    program = compile_program(graph.copy(), Plan(backend="eager", dp=2, tp=2, zero_stage=stage, verify="deep"),
+                              MeshDesc.fake(dp=2, tp=2, rank=3))
+    main = program.main
+    name = "model.layers.0.self_attn.o_proj.weight"
+    composed = Placement((zoo.HIDDEN, zoo.HIDDEN), (("tp", Shard(1)), ("dp", FlatShard())))
+    assert placement_of(main, "opt_state", f"{name}:exp_avg") == composed
+    assert _placeholder_shape(main, "opt_state", f"{name}:exp_avg") == (zoo.HIDDEN * zoo.HIDDEN // 4,)
+    assert placement_of(main, "param", name) == (composed if stage == 3 else
+                                                 Placement.sharded((zoo.HIDDEN, zoo.HIDDEN), 1, "tp"))
+    # a replicated norm weight is only flat-sharded over dp
+    norm = "model.layers.0.input_layernorm.weight"
+    assert placement_of(main, "opt_state", f"{norm}:exp_avg") == Placement.flat_shard((zoo.HIDDEN,), "dp")
+

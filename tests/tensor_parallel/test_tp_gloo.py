@@ -33,7 +33,10 @@ def eager_reference(name: str, opt: str, pad: bool = True):
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in entry.model.named_parameters()}
+    params = {n: p.detach().clone() for n, p in entry.model.named_parameters()}
+    optim = {n: {k: v.clone() for k, v in optimizer.state[p].items() if v.dim()}
+             for n, p in entry.model.named_parameters()}
+    return losses, params, optim
 
 
 def launch(tmp_path, world: int, scenarios: list[str], tp: int | None = None) -> dict[str, dict]:
@@ -51,14 +54,18 @@ def assert_matches(scenario: str, got: dict, dp: int = 1, first: int = 0):
     """``got`` (from step ``first`` on) equals eager single-process training on the same global batches."""
     name, opt, *options = scenario.split(":", 1)[1].split(":") if scenario.startswith(("step:", "resume:")) \
         else scenario.split(":")
-    ref_losses, ref_params = eager_reference(name, opt, pad=tp_worker.padded(dp, options)
-                                             and not scenario.startswith("resume:"))
+    ref_losses, ref_params, ref_optim = eager_reference(name, opt, pad=tp_worker.padded(dp, options)
+                                                        and not scenario.startswith("resume:"))
     for i, (a, b) in enumerate(zip(got["losses"], ref_losses[first:], strict=True)):
         assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), f"{scenario}: step {first + i} loss {a} vs eager {b}"
     if opt == "sgd":   # AdamW normalises rounding noise into lr-sized steps: losses only
         for pname, want in ref_params.items():
             err = (got["params"][pname] - want).abs().max().item()
             assert err <= 1e-5, f"{scenario}: parameter {pname} differs from eager by {err:.2e}"
+        # optimizer.state_dict() of a rank: the full momentum, gathered over tp (and dp under ZeRO)
+        for pname, want in ref_optim.items() if "optim" in got else ():
+            err = (got["optim"][pname]["momentum_buffer"] - want["momentum_buffer"]).abs().max().item()
+            assert err <= 1e-5, f"{scenario}: momentum of {pname} differs from eager by {err:.2e}"
     assert set(got["params"]) == set(ref_params)
 
 

@@ -143,13 +143,19 @@ def run_compiled_step(out: str, scenario: str, world):
         losses.append(float(step(shard_batch(batch, world.dp_rank, dp))))
         if i == 4 and "ckpt" in options:
             checkpoint.save(step, ckpt_path(out, name, opt))
-    # The user's view: model.state_dict() gathers every rank's shards (tp, and dp under ZeRO-3).
+    # The user's view: model.state_dict() gathers every rank's shards (tp, and dp under ZeRO-3),
+    # optimizer.state_dict() the optimizer state's (tp, and dp under ZeRO): full tensors
     state = entry.model.state_dict()
     params = {pname: state[pname].detach().clone() for pname, _ in entry.model.named_parameters()}
+    names = [pname for pname, _ in entry.model.named_parameters()]
+    # (sharded entries are parameter-shaped DTensors, torch's distributed convention)
+    full = lambda v: v.full_tensor() if hasattr(v, "full_tensor") else v.clone()  # noqa: E731
+    optim = {names[i]: {k: full(v) for k, v in entries.items() if isinstance(v, torch.Tensor) and v.dim()}
+             for i, entries in optimizer.state_dict()["state"].items()}
     graph = step.last.graph
     collectives = {f"{r}.{c}": n for (r, c), n in count_collectives(graph).items()}
     if world.rank == 0:
-        torch.save({"losses": losses, "params": params, "collectives": collectives,
+        torch.save({"losses": losses, "params": params, "collectives": collectives, "optim": optim,
                     "attrs": graph.attrs["tensor_parallel"], "zero": graph.attrs.get("zero")},
                    os.path.join(out, f"{scenario}.tp{tp}{f'.dp{dp}' if dp > 1 else ''}.pt"))
 
