@@ -7,15 +7,21 @@ parameters, fp32, AdamW) is run for real with the eager backend on gloo (1, 2 an
 processes, one thread each) under dp, ZeRO-1/3, full recompute and 4 microbatches, and each plan is
 simulated for rank 0 on the calibrated ``cpu`` profile (:mod:`cann_passes.simulate`).
 
-Calibration (before any plan, never fitted to the plans): the ``cpu`` profile's microbenchmark
-(matmul, elementwise, copy) with one thread; the eager backend's cost per launched op, timed on a
-graph of 400 small ops against the roofline of the same ops; gloo's all-reduce latency and
-bandwidth, timed between two processes at 4 KiB and 4 MiB (alpha-beta fit). Where more ranks run
-than the machine has cores, each rank's rates are divided by ranks / cores (they share them).
+Calibration (never fitted to the plans' step times): gloo's all-reduce latency and bandwidth,
+timed between two processes at 4 KiB and 4 MiB (alpha-beta fit), once; and in every launch, by
+rank 0 right before and right after its timed steps (the other ranks doing the same at the same
+time, so ranks that share a core measure the share they get): the matmul rate at the model's
+projection shapes, the bandwidth of an elementwise op on an activation-sized tensor and the cost
+of one launched aten op from Python (what the eager backend's generated code does per node).
+Each launch is predicted with the rates it measured: the machine's load changes from minute to
+minute, and a profile measured once would compare plans run under different loads.
 
-Measured: the median over ``--steps`` timed steps after 2 warm-up steps, per launch; the plans are
-launched in turn, ``--rounds`` times (interleaved, so load from other processes on the machine
-falls on every plan alike), and the median over rounds is reported. Peak memory: every tensor
+Measured: per step, the process's CPU time (what the step takes on a core of its own: on this
+machine, shared with other work, a process gets a fraction of a core and wall time is mostly
+waiting; wall time is printed beside), the median over ``--steps`` timed steps after 2 warm-up
+steps, per launch. Time blocked in gloo is not CPU time: the small GPT's all-reduce is a few ms of
+a step of hundreds. The plans are launched in turn, ``--rounds`` times (interleaved, so load from
+other processes falls on every plan alike), and the median over rounds is reported. Peak memory: every tensor
 the rank holds before the step (a walk over live tensors: model, optimizer state, shards, batch)
 plus the peak of the bytes allocated and not yet freed during one more step, tracked op by op
 (a dispatch mode; frees by storage finalizers). The machine is shared with other work: timings
@@ -135,26 +141,33 @@ def worker(plan_name: str, steps: int, out: str) -> None:
     from cann_passes.runtime.distributed import init_distributed, shard_batch
     plan = Plan(backend="eager", verify="off", **PLANS[plan_name])
     model, opt, loss_fn = _model()
-    times = []
+    times, cpu_times = [], []
 
     def run(world):
         rank, size = (world.dp_rank, world.dp_size) if world else (0, 1)
         step = compile_for_npu(model, plan, optimizer=opt, loss_fn=loss_fn)
+        if world:
+            torch.distributed.barrier()
+        before = machine_rates()
         for i in range(2 + steps):
             batch = shard_batch(_batch(i, ROWS * plan.dp), rank, size)
             if world:
                 torch.distributed.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             step(batch)
             times.append(time.perf_counter() - t0)
+            cpu_times.append(time.process_time() - c0)
+        after = machine_rates()
         batch = shard_batch(_batch(99, ROWS * plan.dp), rank, size)
         gc.collect()
         resident = resident_tensor_bytes()
         with LiveBytes() as live:
             step(batch)
         if rank == 0:
-            Path(out).write_text(json.dumps({"step_s": statistics.median(times[2:]), "resident": resident,
-                                             "live_peak": live.peak}))
+            rates = {k: (before[k] + after[k]) / 2 for k in before}
+            Path(out).write_text(json.dumps({"step_s": statistics.median(cpu_times[2:]),
+                                             "wall_s": statistics.median(times[2:]), "resident": resident,
+                                             "live_peak": live.peak, "rates": rates}))
 
     if plan.dp > 1:
         with init_distributed(plan) as world:
@@ -186,6 +199,47 @@ def gloo_worker(out: str) -> None:
 
 # -- calibration -----------------------------------------------------------------------------------
 
+def _best(fn, repeats: int = 5) -> float:
+    fn()
+    out = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out = min(out, time.perf_counter() - t0)
+    return out
+
+
+def machine_rates() -> dict[str, float]:
+    """This process's rates now, at the small GPT's shapes (about 0.2 s): matmul FLOP/s over its
+    projection shapes, bytes/s of an elementwise op on an activation-sized tensor, seconds per
+    launched op of the eager backend's kind (a chain of tiny aten calls)."""
+    shapes = [(ROWS * SEQ, 128, 384), (ROWS * SEQ, 128, 512), (ROWS * SEQ, 512, 128), (ROWS * SEQ, 128, 128)]
+    flops = seconds = 0.0
+    for m, k, n in shapes:
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        seconds += _best(lambda: torch.mm(a, b))
+        flops += 2 * m * k * n
+    x = torch.randn(ROWS * SEQ, 512)
+    y = torch.empty_like(x)
+    add = _best(lambda: torch.add(x, x, out=y))
+    tiny = torch.ones(8)
+    add_op = torch.ops.aten.add.Tensor
+
+    def chain():
+        t = tiny
+        for _ in range(200):
+            t = add_op(t, tiny)
+    per_op = _best(chain) / 200
+    return {"matmul_flops": flops / seconds, "bandwidth": 12 * x.numel() / add, "op_overhead": per_op}
+
+
+def profile_from(base, rates: dict[str, float]):
+    """The cpu profile with the rates one worker measured around its timed steps."""
+    mm, bw = rates["matmul_flops"], rates["bandwidth"]
+    return dataclasses.replace(base, matrix_flops={k: mm for k in base.matrix_flops},
+                               vector_flops={k: bw / 12 for k in base.vector_flops},
+                               memory_bandwidth=bw, op_overhead=rates["op_overhead"])
+
 def _launch(args: list[str], n: int, tries: int = 3) -> None:
     """Run the ranks; a launch that fails is retried (the working tree is shared and edited meanwhile)."""
     from cann_passes.runtime.distributed import launch_local
@@ -201,37 +255,11 @@ def _launch(args: list[str], n: int, tries: int = 3) -> None:
     raise RuntimeError(f"{args[:2]} rank {rank} exited {r.returncode}:\n{r.stderr[-3000:]}")
 
 
-def eager_op_overhead(profile) -> float:
-    """Seconds per launched op of the eager backend beyond its roofline (400 small elementwise ops)."""
-    from cann_passes.cost_model import node_time
-    from graph_ir.analysis.cost import node_cost  # noqa: F401  (node_time reads it)
-
-    def chain(x):
-        for _ in range(400):
-            x = x * 1.0001 + 0.0001
-        return x
-    gm = torch.fx.experimental.proxy_tensor.make_fx(chain)(torch.ones(256))
-    x = torch.ones(256)
-    for _ in range(3):
-        gm(x)
-    best = min(_timed(gm, x) for _ in range(7))
-    ops = [n for n in gm.graph.nodes if n.op == "call_function"]
-    bare = dataclasses.replace(profile, op_overhead=0.0)
-    roof = sum(node_time(n, bare) for n in ops)
-    return max(0.0, (best - roof) / len(ops))
-
-
-def _timed(fn, x) -> float:
-    t0 = time.perf_counter()
-    fn(x)
-    return time.perf_counter() - t0
-
-
 def calibrated_profile(tmp: str):
+    """The cpu profile with gloo's measured all-reduce latency and bandwidth (the rest per launch)."""
     torch.set_num_threads(1)
     from cann_passes.cost_model import cpu_profile
     base = cpu_profile()
-    overhead = eager_op_overhead(base)
     out = os.path.join(tmp, "gloo.json")
     _launch(["--gloo", out], 2)
     t = {int(k): v for k, v in json.loads(Path(out).read_text()).items()}
@@ -239,39 +267,26 @@ def calibrated_profile(tmp: str):
     # ring all-reduce on 2 ranks: 2 alpha + n / B
     bandwidth = (n2 - n1) / max(t2 - t1, 1e-9)
     alpha = max(1e-6, (t1 - n1 / bandwidth) / 2)
-    prof = dataclasses.replace(base, op_overhead=overhead, intra_node_latency=alpha,
-                               intra_node_bandwidth=bandwidth)
-    return prof, {"op_overhead_us": overhead * 1e6, "gloo_alpha_us": alpha * 1e6,
-                  "gloo_bandwidth_GBps": bandwidth / 1e9, "matmul_GFLOPs": base.matrix_flops["fp32"] / 1e9,
-                  "bandwidth_GBps": base.memory_bandwidth / 1e9}
+    prof = dataclasses.replace(base, intra_node_latency=alpha, intra_node_bandwidth=bandwidth)
+    return prof, {"gloo_alpha_us": alpha * 1e6, "gloo_bandwidth_GBps": bandwidth / 1e9}
 
 
-def shared(profile, ranks: int):
-    """A rank's share of the machine when more ranks run than there are cores."""
-    cores = os.cpu_count() or 1
-    f = min(1.0, cores / ranks)
-    if f == 1.0:
-        return profile
-    return dataclasses.replace(profile, matrix_flops={k: v * f for k, v in profile.matrix_flops.items()},
-                               vector_flops={k: v * f for k, v in profile.vector_flops.items()},
-                               memory_bandwidth=profile.memory_bandwidth * f,
-                               op_overhead=profile.op_overhead / f)
+class Predictor:
+    """Simulates a plan for rank 0 (one capture per microbatch shape, reused)."""
 
+    def __init__(self):
+        self.captures = {}
 
-def predict(profile) -> dict[str, object]:
-    from cann_passes import Plan
-    from cann_passes.simulate import simulate
-    from graph_ir import capture_train_step
-    out = {}
-    captures = {}
-    for name, fields in PLANS.items():
-        plan = Plan(backend="eager", verify="off", **fields)
+    def __call__(self, name: str, profile):
+        from cann_passes import Plan
+        from cann_passes.simulate import simulate
+        from graph_ir import capture_train_step
+        plan = Plan(backend="eager", verify="off", **PLANS[name])
         rows = ROWS // plan.microbatches
-        if rows not in captures:
+        if rows not in self.captures:
             model, opt, loss_fn = _model()
-            captures[rows] = capture_train_step(model, opt, loss_fn, _batch(0, rows))[0]
-        out[name] = simulate(captures[rows], plan, profile=shared(profile, plan.dp), tokens_per_microbatch=rows * SEQ)
-    return out
+            self.captures[rows] = capture_train_step(model, opt, loss_fn, _batch(0, rows))[0]
+        return simulate(self.captures[rows], plan, profile=profile, tokens_per_microbatch=rows * SEQ)
 
 
 def main() -> None:
@@ -287,33 +302,43 @@ def main() -> None:
     if args.gloo:
         return gloo_worker(args.gloo)
     names = args.plans.split(",")
+    predict = Predictor()
     with tempfile.TemporaryDirectory() as tmp:
         profile, cal = calibrated_profile(tmp)
-        print("calibrated cpu profile (1 thread per rank): " + ", ".join(f"{k} {v:.3g}" for k, v in cal.items()))
-        sims = predict(profile)
-        measured: dict[str, list[dict]] = {n: [] for n in names}
+        print("calibrated: " + ", ".join(f"{k} {v:.3g}" for k, v in cal.items())
+              + "; matmul, bandwidth and per-op cost measured by each launch around its timed steps")
+        rows: dict[str, list[dict]] = {n: [] for n in names}
         for r in range(args.rounds):
             for name in names:
                 out = os.path.join(tmp, f"{name}.{r}.json")
                 _launch(["--worker", name, str(args.steps), out], PLANS[name].get("dp", 1))
-                measured[name].append(json.loads(Path(out).read_text()))
+                got = json.loads(Path(out).read_text())
+                sim = predict(name, profile_from(profile, got["rates"]))
+                got.update(pred_s=sim.step_seconds, pred_peak=sim.peak_bytes)
+                rows[name].append(got)
             print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
-    print(f"{'plan':<20}{'ranks':>6}{'pred ms':>9}{'meas ms':>9}{'spread':>8}{'time err':>9}"
-          f"{'pred MB':>9}{'meas MB':>9}{'mem err':>8}")
+    print(f"{'plan':<20}{'ranks':>6}{'GFLOP/s':>8}{'pred ms':>9}{'cpu ms':>9}{'spread':>8}{'time err':>9}"
+          f"{'wall ms':>9}{'pred MB':>9}{'meas MB':>9}{'mem err':>8}")
     terr, merr = [], []
     for name in names:
-        sim, rows = sims[name], measured[name]
-        step = statistics.median(x["step_s"] for x in rows)
-        spread = (max(x["step_s"] for x in rows) - min(x["step_s"] for x in rows)) / step
-        peak = statistics.median(x["resident"] + x["live_peak"] for x in rows)
-        te, me = sim.step_seconds / step - 1, sim.peak_bytes / peak - 1
+        got = rows[name]
+        step = statistics.median(x["step_s"] for x in got)
+        pred = statistics.median(x["pred_s"] for x in got)
+        spread = (max(x["step_s"] for x in got) - min(x["step_s"] for x in got)) / step
+        te = statistics.median(x["pred_s"] / x["step_s"] - 1 for x in got)
+        peak = statistics.median(x["resident"] + x["live_peak"] for x in got)
+        pred_peak = statistics.median(x["pred_peak"] for x in got)
+        me = pred_peak / peak - 1
         terr.append(abs(te))
         merr.append(abs(me))
-        print(f"{name:<20}{PLANS[name].get('dp', 1):>6}{sim.step_seconds * 1e3:>9.1f}{step * 1e3:>9.1f}"
-              f"{spread:>8.0%}{te:>+9.0%}{sim.peak_bytes / 1e6:>9.2f}{peak / 1e6:>9.2f}{me:>+8.0%}")
+        gflops = statistics.median(x["rates"]["matmul_flops"] for x in got) / 1e9
+        wall = statistics.median(x["wall_s"] for x in got)
+        print(f"{name:<20}{PLANS[name].get('dp', 1):>6}{gflops:>8.1f}{pred * 1e3:>9.1f}{step * 1e3:>9.1f}"
+              f"{spread:>8.0%}{te:>+9.0%}{wall * 1e3:>9.1f}{pred_peak / 1e6:>9.2f}{peak / 1e6:>9.2f}{me:>+8.0%}")
     print(f"step time: median |error| {statistics.median(terr):.0%}, max {max(terr):.0%} (goal 25%); "
           f"peak memory: median |error| {statistics.median(merr):.0%}, max {max(merr):.0%} (goal 10%); "
-          f"{args.rounds} interleaved rounds of {args.steps} steps on a machine shared with other work")
+          f"{args.rounds} interleaved rounds of {args.steps} steps on a machine shared with other work "
+          "(time error per launch against the rates that launch measured, median over rounds)")
 
 
 if __name__ == "__main__":

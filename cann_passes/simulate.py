@@ -26,8 +26,10 @@ What is modelled
   before recompute; divided by ``tp``) per rank and second, over the profile's
   matrix rate in the plan's compute dtype. tokens/s counts every rank's tokens.
 
+Pipeline parallelism: see the section at the end (two paths: the real stage programs of
+``pipeline_split``, or stages composed from the pp = 1 program's blocks at any depth).
+
 What is not modelled
-- Pipeline parallelism: ``pp > 1`` is refused (no stages, no bubbles yet).
 - Communication buffers are not a separate term: they are inside the peak.
 - Allocator fragmentation, workspace memory, framework/runtime reserve,
   host-device transfer, data loading, kernel fusion by the backend (the
@@ -65,9 +67,9 @@ MODELLED = ("memory: per-graph state bytes read from the compiled program; peak 
             "under node order + persistent state that is not an input of that graph; "
             "time: compute roofline per aten node, collectives alpha-beta on the profile's links, "
             "a collective overlaps the compute that follows it in node order until its output is read")
-NOT_MODELLED = ("pipeline parallelism and its bubbles (pp is not built), allocator fragmentation and "
-                "runtime reserve, backend kernel fusion, data loading, bandwidth contention of "
-                "overlapped communication")
+NOT_MODELLED = ("allocator fragmentation and runtime reserve, backend kernel fusion, data loading, bandwidth "
+                "contention of overlapped communication; pp: the per-stage peak is its terms summed (an upper "
+                "bound of the node-order peak), link contention between stages")
 
 
 class SimulationError(ValueError):

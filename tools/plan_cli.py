@@ -12,7 +12,9 @@ divide the heads; a pipelined plan runs 1F1B over its microbatches, simulated fr
 program's per-block figures, see :func:`cann_passes.simulate.simulate_pipeline`). Before anything is compiled, a candidate whose model state
 alone cannot fit is dropped (the bound: fp32 master parameters, one gradient
 shard and the optimizer state, as the captured graph holds them, divided as
-the ZeRO stage divides them). The rest are compiled, cheapest first, by the
+the ZeRO stage divides them), and so is one whose bound plus the activations a
+simulated ZeRO 0-2 sibling keeps (same recompute, microbatch and parallelism:
+ZeRO 0-2 do not change activations) cannot fit. The rest are compiled, cheapest first, by the
 plan's pipeline for rank 0 of a fake mesh and simulated
 (:mod:`cann_passes.simulate`). Two monotonicity assumptions skip more (said in
 the output): a candidate that saves no more memory on any axis than one that
@@ -228,12 +230,23 @@ def _group(c: Candidate):
     return (c.plan.tp, c.pp, c.plan.precision)
 
 
+def _activation_key(c: Candidate):
+    """Plans whose kept activations are the same: ZeRO 0-2 shard only optimizer state and gradients,
+    so they keep what their siblings keep (stage 3 gathers parameters and is keyed apart: None)."""
+    p = c.plan
+    if p.zero_stage >= 3:
+        return None
+    return (p.tp, c.pp, p.precision, p.recompute, p.recompute_budget if p.recompute == "budget" else None,
+            p.microbatches, c.rows)
+
+
 def search(spec: ModelSpec, captures: Captures, cands: list[Candidate], *, profile: str, capacity: float,
            progress: bool = True) -> list[Candidate]:
     from tqdm import tqdm
     state_by_rows: dict[int, dict] = {}
     fits: list[Candidate] = []
     misses: list[Candidate] = []
+    activations_seen: dict[tuple, float] = {}
     bar = tqdm(cands, desc="simulating plans", unit="plan", disable=not progress, file=sys.stderr)
     for c in bar:
         bar.set_postfix_str(c.label(), refresh=False)
@@ -243,6 +256,11 @@ def search(spec: ModelSpec, captures: Captures, cands: list[Candidate], *, profi
         c.bound_bytes = sum(c.bound_terms.values())
         if c.bound_bytes > capacity:
             c.status, c.reason = "pruned-bound", f"model state alone >= {c.bound_bytes / GB:.1f} GB"
+            continue
+        acts = activations_seen.get(_activation_key(c))
+        if acts is not None and c.bound_bytes + acts > capacity:
+            c.status, c.reason = ("pruned-bound", f"model state + the activations a ZeRO 0-2 sibling keeps "
+                                  f">= {(c.bound_bytes + acts) / GB:.1f} GB")
             continue
         if any(_group(d) == _group(c) and all(x <= y for x, y in zip(c.axes, d.axes)) for d in misses):
             c.status, c.reason = "skipped-dominated", "saves no more memory than a plan that does not fit"
@@ -258,6 +276,9 @@ def search(spec: ModelSpec, captures: Captures, cands: list[Candidate], *, profi
             continue
         c.status = "simulated"
         (fits if c.sim.fits else misses).append(c)
+        key = _activation_key(c)
+        if key is not None:
+            activations_seen[key] = min(activations_seen.get(key, float("inf")), c.sim.memory["activations"])
     return cands
 
 

@@ -140,3 +140,15 @@ def test_a_factory_model_is_captured_at_its_own_depth():
     assert spec.layers is None and caps.depths == (None,) and "own depth" in caps.method
     with pytest.raises(plan_cli.UsageError, match="factory model needs --seq"):
         plan_cli.check(plan_cli.parse(["tests.planner.test_simulate:tiny_factory"]))
+
+
+def test_a_zero_sibling_s_activations_prune_before_compiling(captures, zero_sims):
+    # room for ZeRO-2's model state but not for it plus the activations ZeRO-1 was seen to keep
+    z2 = zero_sims[2]
+    state = z2.memory["params"] + z2.memory["grads"] + z2.memory["optimizer_state"]
+    memory = (state + 0.5 * z2.memory["activations"]) / 1e9
+    args, spec = _args("--memory-gb", str(memory), "--min-headroom", "0", "--zero", "1,2", "--recompute", "none")
+    lines = []
+    assert plan_cli.run(args, spec, out=lines.append, captures=captures) == 1
+    text = "\n".join(lines)
+    assert "1 simulated, 1 pruned-bound" in text
