@@ -2,6 +2,9 @@
 
     python -m bench.conformance [--models gpt,llama] [--plans fp32,bf16] [--backend inductor]
 
+With ``--backend inductor`` the defaults are the inductor matrix (GPT-2, LLaMA, BERT ×
+fp32, bf16, selective; several minutes of compiling on a small CPU machine).
+
 Each cell trains 3 steps with real padded batches from the same initial weights
 as its reference (tests/conformance/matrix.py says what each cell checks):
 ``ok`` (recompute cells: saved activation bytes / no recompute; bf16/fp16: the
@@ -15,17 +18,21 @@ import logging
 import time
 import warnings
 
-from tests.conformance.matrix import (MODEL_TITLES, MODELS, PLANS, ModelRuns, format_matrix,
-                                      full_recompute_ratio, run_cell)
+from tests.conformance.matrix import (INDUCTOR_MODELS, INDUCTOR_PLANS, MODEL_TITLES, MODELS, PLANS,
+                                      ModelRuns, format_matrix, full_recompute_ratio, run_cell)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--plans", default=",".join(PLANS))
+    parser.add_argument("--models", default=None, help="default: every model (inductor: gpt2,llama,bert)")
+    parser.add_argument("--plans", default=None, help="default: every plan (inductor: fp32,bf16,selective)")
     parser.add_argument("--no-full-4-layers", action="store_true")
     parser.add_argument("--backend", default="eager", help="eager (the matrix) or inductor")
     args = parser.parse_args(argv)
+    inductor = args.backend == "inductor"
+    args.models = args.models or ",".join(INDUCTOR_MODELS if inductor else MODELS)
+    args.plans = args.plans or ",".join(INDUCTOR_PLANS if inductor else PLANS)
+    args.no_full_4_layers = args.no_full_4_layers or inductor   # the 4-layer figure is the eager matrix's
     models = args.models.split(",")
     plans = [p if p in PLANS else p.replace("_", " ") for p in args.plans.split(",")]
     warnings.filterwarnings("ignore")

@@ -24,4 +24,10 @@ class InductorLowering:
 
     def compile(self, graph: TrainGraph, example_inputs, plan):
         from torch._inductor.compile_fx import compile_fx
-        return compile_fx(graph.copy().gm, list(example_inputs))
+        gm = graph.copy().gm
+        for node in gm.graph.nodes:
+            # torch reads node.meta["recompute"] as a CheckpointPolicy (FX's code printer takes
+            # its .name); the recompute pass's mark there is a plain bool, so the copy drops it.
+            if isinstance(node.meta.get("recompute"), bool):
+                del node.meta["recompute"]
+        return compile_fx(gm, list(example_inputs))
