@@ -65,8 +65,9 @@ def _sharded_optimizer_state(step, state_dict: dict) -> dict:
             axis = _gathered_axis(step, state_dict["state"][position][key], full_value=value)
             if axis is not None:
                 # every rank holds the full value now: each keeps its rows, no further communication
-                new[key] = distribute_tensor(value, step.world.mesh[axis],
-                                             [Shard(0) if value.dim() else Replicate()], src_data_rank=None)
+                # (a value placed on several axes, ZeRO over TP: rows split over each in turn)
+                places = [Shard(0) if value.dim() else Replicate()] * (1 if isinstance(axis, str) else len(axis))
+                new[key] = distribute_tensor(value, step.world.mesh[axis], places, src_data_rank=None)
         out[position] = new
     return dict(full, state=out)
 
@@ -77,8 +78,9 @@ def _gathered_axis(step, before, full_value):
         return None
     for spec_key, held in step.shards.local.items():
         if held is before:
-            (axis, _), = step.shards.placements[spec_key].axes
-            return axis
+            placed = {a for a, _ in step.shards.placements[spec_key].axes}
+            axes = tuple(a for a in step.world.mesh.mesh_dim_names if a in placed)   # mesh order
+            return axes[0] if len(axes) == 1 else axes
     return None
 
 
