@@ -64,7 +64,8 @@ from ..pass_manager import PassContext, register_pass
 from ..plan import PlanError
 
 # A position in the forward order is a unit boundary when at most this many times the fewest bytes
-# anywhere in the forward cross it (the residual stream, plus small tensors such as a mask).
+# anywhere in the forward cross it (the residual stream, plus small tensors such as a mask). Larger
+# (option cut_slack) admits cuts where two such tensors cross: finer units, better balance, more sent.
 CROSSING_SLACK = 1.5
 
 
@@ -140,8 +141,8 @@ def _crossing_bytes(nodes: _Nodes) -> list[int]:
     return crossing
 
 
-def _unit_starts(nodes: _Nodes) -> list[int]:
-    """Forward positions where a unit starts (0 first): where few bytes cross."""
+def _unit_starts(nodes: _Nodes, slack: float = CROSSING_SLACK) -> list[int]:
+    """Forward positions where a unit starts (0 first): where at most ``slack`` x the fewest bytes cross."""
     crossing = _crossing_bytes(nodes)
     # A view crossing a cut is sent as its own tensor (counting its base alone would hide that), and a
     # multi-output node cannot cross at all: only single tensors are sent or saved.
@@ -169,7 +170,7 @@ def _unit_starts(nodes: _Nodes) -> list[int]:
                 if crossing[i] > 0 and 0.02 * total <= before[i] <= 0.98 * total]
     if not interior:
         return [0]
-    limit = CROSSING_SLACK * min(interior)
+    limit = slack * min(interior)
     starts = [0]
     for i in range(1, len(crossing)):
         if 0 < crossing[i] <= limit and not view_cross[i] and before[i] > before[starts[-1]]:
@@ -316,10 +317,21 @@ def _forward_stages(nodes: _Nodes, starts: list[int]) -> dict[torch.fx.Node, int
     return stage
 
 
-def _balance(costs: UnitCosts, n_stages: int, in_flight: list[int] | None):
+def _balance(costs: UnitCosts, n_stages: int, in_flight: list[int] | None, *, schedule: str, pp: int,
+             microbatches: int, memory_limit: float | None):
+    """The cuts: least largest stage cost, each stage's static bytes + in-flight activations within
+    the device's memory (in flight: how many microbatches the schedule keeps alive on each stage)."""
     from .. import stage_balance
+    if in_flight is None and schedule in ("gpipe", "1f1b", "interleaved_1f1b", "zb1p", "dualpipev"):
+        try:
+            in_flight = stage_balance.in_flight_for(schedule, pp, microbatches, n_stages // pp)[:n_stages]
+        except ValueError:   # sizes the schedule refuses: the plan's own check names them
+            in_flight = None
+    if in_flight is not None and len(in_flight) != n_stages:
+        in_flight = None
     return stage_balance.balance(costs.seconds, n_stages, unit_static_bytes=costs.static_bytes,
-                                 unit_activation_bytes=costs.activation_bytes, in_flight=in_flight)
+                                 unit_activation_bytes=costs.activation_bytes, in_flight=in_flight,
+                                 memory_limit=memory_limit)
 
 
 def _layer_starts(nodes: _Nodes, units: list[int], layers: list[int]) -> list[int]:
@@ -569,7 +581,8 @@ def parse_layers(text: str) -> list[int]:
 
 @register_pass("pipeline_split", preserves=(), on="program")
 def pipeline_split_pass(program: Program, ctx: PassContext, *, stages: int = 2, pp: int = 0,
-                        schedule: str = "1f1b", layers: str = "", in_flight: str = "") -> Program:
+                        schedule: str = "1f1b", layers: str = "", in_flight: str = "",
+                        cut_slack: float = CROSSING_SLACK) -> Program:
     """Cut the accumulating whole step into ``stages`` pipeline stages (forward, backward, apply each)."""
     targets = [n for n, g in program.graphs.items()
                if graph_kind(g.attrs) == GraphKind.STEP and GraphAttr.GRAD_ACCUMULATION in g.attrs]
@@ -584,7 +597,10 @@ def pipeline_split_pass(program: Program, ctx: PassContext, *, stages: int = 2, 
     nodes = _classify(graph)
     if not nodes.forward:
         raise PipelineSplitError("pipeline_split: the step has no forward computation to cut")
-    units = _unit_starts(nodes)
+    if cut_slack < 1.0:
+        raise PipelineSplitError(f"pipeline_split option cut_slack={cut_slack} must be >= 1 (a multiple of the "
+                                 "fewest bytes crossing anywhere)")
+    units = _unit_starts(nodes, cut_slack)
     if len(units) < stages:
         raise PlanError("pp", f"the step has {len(units)} cuttable unit(s) (cut points where only the residual "
                               f"stream crosses), fewer than the {stages} stages asked for (rule: at most one "
@@ -599,13 +615,17 @@ def pipeline_split_pass(program: Program, ctx: PassContext, *, stages: int = 2, 
             raise PlanError("pipeline_split", f"{len(unit_of_stage)} layer counts for {stages} stages "
                                               "(rule: one count per stage, pp x virtual stages)", layers)
         method = "layers"
+        stage_bytes = None
     else:
         try:
-            split = _balance(costs, stages, flights)
+            split = _balance(costs, stages, flights, schedule=schedule, pp=pp,
+                             microbatches=graph.attrs[GraphAttr.GRAD_ACCUMULATION]["microbatches"],
+                             memory_limit=getattr(profile, "memory_capacity", None))
         except ValueError as exc:
             raise PlanError("pp", f"no split of {len(units)} units into {stages} stages fits: {exc}", stages) from None
         unit_of_stage = list(split.boundaries)
         method = "cost"
+        stage_bytes = [float(b) for b in split.stage_bytes]
     starts = [units[u] for u in unit_of_stage]
     fstage = _forward_stages(nodes, starts)
     stage, homes = _assign(nodes, fstage, stages)
@@ -623,7 +643,7 @@ def pipeline_split_pass(program: Program, ctx: PassContext, *, stages: int = 2, 
         "stages": stages, "pp": pp, "schedule": schedule, "stage_to_rank": ranks, "split": method,
         "units": len(units), "unit_starts": unit_of_stage, "unit_seconds": costs.seconds,
         "unit_static_bytes": costs.static_bytes, "unit_activation_bytes": costs.activation_bytes,
-        "stage_seconds": stage_cost, "imbalance": max(stage_cost) / mean if mean else 1.0,
+        "stage_seconds": stage_cost, "stage_bytes": stage_bytes, "imbalance": max(stage_cost) / mean if mean else 1.0,
         "boundary_tensors": [len(st.acts_in) for st in built],
         "param_stage": homes, "microbatches": graph.attrs[GraphAttr.GRAD_ACCUMULATION]["microbatches"]}
     ctx.stat("stages", stages)
