@@ -30,8 +30,10 @@ def plot_breakdown(sim, path: str, title: str | None = None) -> str:
         widths = [mem.get(term, 0) / GB for _, mem, _ in ranks]
         ax_mem.barh(labels, widths, left=left, color=_COLORS.get(term, "#cccccc"), label=term)
         left = [a + b for a, b in zip(left, widths)]
-    ax_mem.axvline(sim.capacity_bytes / GB, color="black", linestyle="--", linewidth=1)
-    ax_mem.text(sim.capacity_bytes / GB, -0.6, f" capacity {sim.capacity_bytes / GB:.0f} GB", fontsize=8, va="top")
+    ax_mem.axvline(sim.capacity_bytes / GB, color="black", linestyle="--", linewidth=1,
+                   label=f"usable {sim.capacity_bytes / GB:.1f} GB")
+    if not sim.stages:   # the node-order peak (terms + transient working memory) of the simulated rank
+        ax_mem.axvline(sim.peak_bytes / GB, color="#c00000", linewidth=1.5, label=f"peak {sim.peak_bytes / GB:.2f} GB")
     largest = sim.largest_term
     ax_mem.set_xlabel("GB per rank")
     ax_mem.set_title(f"memory: peak {sim.peak_bytes / GB:.2f} GB ({'fits' if sim.fits else 'does NOT fit'}), "
