@@ -9,7 +9,8 @@ all of that; an entry holds what compiling produced: the captured graph, the
 :class:`~graph_ir.program.Program` (``graph_ir.serialize`` with every value's layout, so nothing
 is re-propagated), where each input comes from (``StepLayout``), the pass records and the
 passes' explanations. Lowering is not stored here: inductor's own FX graph cache and
-AOTAutograd cache make the second ``compile_fx`` of the same graph a lookup.
+AOTAutograd cache make the second ``compile_fx`` of the same graph a lookup
+(:func:`lowering_context` gives them the ShapeEnv they need).
 
 The user's code is every loaded Python module outside the Python installation (stdlib,
 site-packages) and this package, by content; libraries by version. So an edit to the model,
@@ -25,6 +26,7 @@ sees half an entry.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -372,6 +374,22 @@ class CompileCache:
                 break
             shutil.rmtree(path, ignore_errors=True)
             total -= size
+
+
+def lowering_context(backend: str):
+    """Around lowering: let inductor's FX graph cache and AOTAutograd cache work.
+
+    ``compile_fx`` given real example inputs makes a fake mode without a ShapeEnv, and both
+    caches then bypass ("No shape env": their keys carry shape guards). A tracing context whose
+    fake mode has one, with static shapes (so nothing becomes symbolic and the kernels are the
+    ones compiled without it), makes the second process's lowering a cache lookup."""
+    if backend != "inductor":
+        return contextlib.nullcontext()
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    return tracing(TracingContext(FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(),
+                                                 static_shapes=True)))
 
 
 def context_for(entry: Entry, plan, mesh: MeshDesc) -> PassContext:

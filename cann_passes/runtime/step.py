@@ -182,8 +182,9 @@ class CompiledStep:
                 cache.store(key, facts, captured, program, layout, program.context.explain)
         t1 = time.perf_counter()
         lowering = get_lowering(self.backend)
-        runners = {name: lowering.compile(graph, self._inputs(graph, batch), self.plan)
-                   for name, graph in program.graphs.items()}
+        with compile_cache.lowering_context(self.backend):
+            runners = {name: lowering.compile(graph, self._inputs(graph, batch), self.plan)
+                       for name, graph in program.graphs.items()}
         compile_seconds = time.perf_counter() - t1
         ctx = program.context
         main = program.main
