@@ -182,6 +182,10 @@ def main(argv=None):
     def overhead(name, base):
         return statistics.median(a - b for a, b in zip(times[name], times[base]))
 
+    def spread(name, base):
+        q = statistics.quantiles([a - b for a, b in zip(times[name], times[base])], n=4)
+        return f"{q[0] * 1e3:.1f}..{q[2] * 1e3:.1f}"
+
     print(f"4-layer GPT d256 s128 b4 dropout 0.1, {args.threads} thread(s), {args.clock} time, {args.rounds} "
           f"interleaved rounds x {args.calls} calls")
     print(f"baselines: torch min-cut@1.0 fwd+bwd {statistics.median(times['torch@1.0']) * 1e3:.1f} ms "
@@ -191,7 +195,7 @@ def main(argv=None):
           + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in profile.class_bandwidth.items())
           + f", {profile.op_overhead * 1e6:.1f} us/op")
     print(f"{'budget':>6} | {'who':<5} {'saved MiB':>9} {'recompute GFLOP':>15} {'overhead ms':>11} "
-          f"{'% of step':>9} | {'goal':>4} {'dominated':>9}")
+          f"{'(quartiles)':>13} {'% of step':>9} | {'goal':>4} {'dominated':>9}")
     results = []
     for b in BUDGETS:
         t_saved, t_flops = info[("torch", b)]
@@ -202,9 +206,9 @@ def main(argv=None):
         dominated = (t_flops <= o_flops and t_saved <= o_saved) and (t_flops < o_flops or t_saved < o_saved)
         results.append((b, goal, dominated))
         print(f"{b:>6} | {'torch':<5} {t_saved / 2**20:>9.2f} {t_flops / 1e9:>15.3f} {t_over * 1e3:>11.1f} "
-              f"{t_over / step * 100:>8.1f}% |")
+              f"{spread(f'torch@{b}', 'torch@1.0'):>13} {t_over / step * 100:>8.1f}% |")
         print(f"{'':>6} | {'ours':<5} {o_saved / 2**20:>9.2f} {o_flops / 1e9:>15.3f} {o_over * 1e3:>11.1f} "
-              f"{o_over / step * 100:>8.1f}% | {'yes' if goal else 'NO':>4} {'YES' if dominated else 'no':>9}"
+              f"{spread(f'ours@{b}', 'ours@none'):>13} {o_over / step * 100:>8.1f}% | {'yes' if goal else 'NO':>4} {'YES' if dominated else 'no':>9}"
               f"   (pass {solve_s:.1f} s)")
     return results
 

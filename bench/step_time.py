@@ -1,6 +1,6 @@
 """Step time of the compiled whole step against eager PyTorch and torch.compile, side by side.
 
-    python -m bench.step_time [--rounds 5] [--steps 3] [--rows ...] [--zoo llama]
+    python -m bench.step_time [--rounds 6] [--steps 1] [--rows ...] [--models gpt llama]
 
 One 6-layer GPT-style model (d_model 256, 4 heads, seq 128, batch 8) trained
 with AdamW, every row from the same initial weights:
@@ -23,8 +23,9 @@ time times the matmul share of that step measured by ``torch.profiler``
 (self time of mm / addmm / bmm / baddbmm / SDPA over the profiled window's
 wall time, the profiler's own clock): the time left if everything but the
 matmuls took nothing, with the same BLAS. Compilation happens before the
-timed rounds and is reported separately. ``--zoo NAME`` repeats the table on a model from
-``tests/zoo.py`` (transformers, built from a config at the same width).
+timed rounds and is reported separately. ``--models llama`` (or another name from
+``tests/zoo.py``) runs the table on a transformers model built from a config
+at the same width.
 """
 from __future__ import annotations
 
@@ -187,12 +188,13 @@ def report(case: Case, built: list[Row], share: float, shares: dict[str, float])
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--steps", type=int, default=3, help="timed steps per row per round")
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--steps", type=int, default=1, help="timed steps per row per round")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
-    p.add_argument("--zoo", nargs="*", default=[], help="also a transformers model from tests/zoo.py (llama, ...)")
+    p.add_argument("--models", nargs="+", default=["gpt"],
+                   help="gpt (the recipe model) and/or transformers models from tests/zoo.py (llama, gpt2, ...)")
     p.add_argument("--threads", type=int, default=1,
                    help="intra-op threads (default 1: on a machine shared with other work, OpenMP barriers "
                         "waiting for a descheduled thread dominate two-thread timings)")
@@ -201,8 +203,8 @@ def main(argv=None):
     if "eager" not in args.rows:
         args.rows.insert(0, "eager")
     warnings.filterwarnings("ignore")
-    cases = [gpt_case(args.batch_size, args.seq_len)] + [zoo_case(n, args.batch_size, args.seq_len)
-                                                         for n in args.zoo]
+    cases = [gpt_case(args.batch_size, args.seq_len) if n == "gpt" else zoo_case(n, args.batch_size, args.seq_len)
+             for n in args.models]
     tables = []
     for case in cases:
         print(f"{case.name}: compiling {len(args.rows)} rows", flush=True)
