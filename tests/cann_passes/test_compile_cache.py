@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cann_passes import Plan, compile_for_npu
+from cann_passes import Plan, compile_cache, compile_for_npu
 from cann_passes.compile_cache import CompileCache, cache_dir
 from tests.conftest import gpt_batches, make_optimizer, tiny_gpt
 
@@ -25,6 +25,8 @@ REPO = Path(__file__).resolve().parents[2]
 _SCRIPT = """
 import json, sys, torch
 sys.path.insert(0, {repo!r})
+import cann_passes.compile_cache as cc
+cc._STARTED = float("inf")     # other edits to the working tree while the test runs do not turn it off
 from cann_passes import Plan, compile_for_npu
 from tests.conftest import gpt_batches, make_optimizer, tiny_gpt
 model, loss_fn = tiny_gpt(dropout=0.1)
@@ -32,8 +34,9 @@ opt = make_optimizer("adamw", model.parameters())
 step = compile_for_npu(model, Plan(backend="eager", compile_cache=sys.argv[1]), optimizer=opt, loss_fn=loss_fn)
 losses = [step(b).item() for b in gpt_batches(2)]
 torch.save({{"params": model.state_dict(), "opt": opt.state_dict()["state"]}}, sys.argv[2])
+key = cc.CompileCache(sys.argv[1]).key(step, gpt_batches(1)[0])[0] if sys.argv[1] != "off" else None
 print(json.dumps({{"hit": step.last.program.attrs.get("compile_cache") == "hit", "losses": losses,
-                  "passes": [r.name for r in step.records]}}))
+                  "passes": [r.name for r in step.records], "key": key}}))
 """
 
 
@@ -58,14 +61,32 @@ def test_a_second_process_hits_the_cache_and_steps_bitwise_like_an_uncached_comp
     script.write_text(_SCRIPT.format(repo=str(REPO)))
     cache = str(tmp_path / "cache")
     off = _run(script, "off", tmp_path / "off.pt")
-    cold = _run(script, cache, tmp_path / "cold.pt")
-    warm = _run(script, cache, tmp_path / "warm.pt")
+    for _ in range(3):    # a source file edited between the two processes changes the key: try again
+        cold = _run(script, cache, tmp_path / "cold.pt")
+        warm = _run(script, cache, tmp_path / "warm.pt")
+        if cold["key"] == warm["key"]:
+            break
+    assert cold["key"] == warm["key"]
     assert not off["hit"] and not cold["hit"] and warm["hit"]
     assert warm["losses"] == cold["losses"] == off["losses"]
     assert warm["passes"] == cold["passes"]                      # the pass records come with the entry
     ref = torch.load(tmp_path / "off.pt")
     for name in ("cold", "warm"):
         assert _equal(torch.load(tmp_path / f"{name}.pt"), ref), name
+
+
+@pytest.fixture(autouse=True)
+def _steady_sources(monkeypatch):
+    """Sources edited by others while these tests run would turn the cache off (see the guard test)."""
+    monkeypatch.setattr(compile_cache, "_STARTED", float("inf"))
+
+
+def test_a_source_edited_after_the_process_started_turns_the_cache_off(tmp_path, monkeypatch):
+    monkeypatch.setattr(compile_cache, "_STARTED", 0.0)
+    step = _compile(str(tmp_path))
+    assert step.last.program.attrs.get("compile_cache") != "hit" and not os.listdir(tmp_path)
+    batch = gpt_batches(1)[0]
+    assert torch.isfinite(step(batch))
 
 
 def _compile(cache: str, seed: int = 0, plan: dict | None = None, batch=None, **model):
