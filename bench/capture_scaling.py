@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
+import sys
 import time
 
 import torch
@@ -100,6 +101,8 @@ def run(depths: list[tuple[str, int, bool]], rounds: int, seq: int) -> dict:
             for side, fn in order if r % 2 == 0 else order[::-1]:
                 gc.collect()
                 results[label][side].append(fn(cfg))
+                print(f"  round {r + 1} {label} {side}: {results[label][side][-1]['seconds']:.2f} s",
+                      file=sys.stderr, flush=True)
     return results
 
 

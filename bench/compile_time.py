@@ -1,0 +1,136 @@
+"""First-step compile time, cold and warm, against torch.compile: 6-layer d256 GPT, seq 128, batch 8, AdamW.
+
+    python -m bench.compile_time [--rounds 1] [--quick]
+
+Every measurement runs in a fresh interpreter (``python -m bench.compile_time --child ...``)
+and times the first training step (compile + one step) minus the median of the three
+steps after it:
+
+- ``torch.compile(model)``: forward and backward compiled (Dynamo + AOTAutograd +
+  inductor), ``torch.optim.AdamW.step`` eager;
+- ``+ compiled optimizer``: the same with ``torch.compile`` over the optimizer step too;
+- ours, backend inductor / eager: ``compile_for_npu`` (capture, passes, lowering).
+
+**cold**: empty caches (a fresh ``TORCHINDUCTOR_CACHE_DIR`` and compile cache directory);
+**warm**: a second fresh process with the same model and plan and the caches the cold one
+left (inductor's FX graph and AOTAutograd caches; for ours also the compile cache, see
+``cann_passes/compile_cache.py``). Rows are interleaved within each round; medians over
+rounds. On a shared machine absolute seconds move with the load: compare the rows of one run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ROWS = ("torch.compile(model)", "torch.compile(model) + compiled optimizer", "ours inductor", "ours eager")
+
+
+def _config(quick: bool):
+    from recipes.models.gpt import GPTConfig
+    if quick:
+        return GPTConfig(vocab_size=64, n_layer=1, n_head=2, d_model=32, seq_len=16), 2
+    return GPTConfig(vocab_size=256, n_layer=6, n_head=4, d_model=256, seq_len=128), 8
+
+
+def child(row: str, quick: bool) -> dict:
+    """One measurement in this (fresh) process."""
+    import torch
+    from recipes.models.gpt import GPT, gpt_loss
+    cfg, batch_size = _config(quick)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len), generator=g),) * 2 for _ in range(4)]
+    if row.startswith("torch"):
+        compiled = torch.compile(model)
+        opt_step = torch.compile(opt.step) if "optimizer" in row else opt.step
+
+        def step(batch):
+            opt.zero_grad(set_to_none=True)
+            loss = gpt_loss(compiled, batch)
+            loss.backward()
+            opt_step()
+            return loss
+    else:
+        from cann_passes import Plan, compile_for_npu
+        step = compile_for_npu(model, Plan(backend=row.split()[-1], compile_cache=os.environ["BENCH_COMPILE_CACHE"]),
+                               optimizer=opt, loss_fn=gpt_loss)
+    times = []
+    for batch in batches:
+        t0 = time.perf_counter()
+        step(batch)
+        times.append(time.perf_counter() - t0)
+    steady = statistics.median(times[1:])
+    out = {"first_s": times[0], "step_s": steady, "compile_s": times[0] - steady}
+    if not row.startswith("torch"):
+        out["cache_hit"] = step.last.program.attrs.get("compile_cache") == "hit"
+    return out
+
+
+def _spawn(row: str, quick: bool, inductor_dir: str, cache_dir: str) -> dict:
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=inductor_dir, BENCH_COMPILE_CACHE=cache_dir,
+               TORCHINDUCTOR_FX_GRAPH_CACHE="1", TORCHINDUCTOR_AUTOGRAD_CACHE="1")
+    env.pop("CANN_PASSES_DUMP", None)
+    args = [sys.executable, "-m", "bench.compile_time", "--child", row] + (["--quick"] if quick else [])
+    done = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"{row}: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run(rounds: int, quick: bool) -> dict:
+    results = {row: {"cold": [], "warm": []} for row in ROWS}
+    for r in range(rounds):
+        for row in (ROWS if r % 2 == 0 else ROWS[::-1]):
+            work = tempfile.mkdtemp(prefix="compile_time_")
+            try:
+                dirs = (os.path.join(work, "inductor"), os.path.join(work, "cache"))
+                for phase in ("cold", "warm"):
+                    results[row][phase].append(_spawn(row, quick, *dirs))
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+    return results
+
+
+def report(results: dict) -> list[dict]:
+    rows = []
+    base = statistics.median(r["compile_s"] for r in results[ROWS[1]]["cold"])
+    print(f"{'':44} {'cold s':>7} {'warm s':>7} {'cold/torch+opt':>14} {'step s':>7}  cache hit (warm)")
+    for row, phases in results.items():
+        cold = statistics.median(r["compile_s"] for r in phases["cold"])
+        warm = statistics.median(r["compile_s"] for r in phases["warm"])
+        step = statistics.median(r["step_s"] for r in phases["cold"] + phases["warm"])
+        hits = [r.get("cache_hit") for r in phases["warm"]]
+        hit = "-" if hits[0] is None else f"{sum(hits)}/{len(hits)}"
+        rows.append({"row": row, "cold_s": cold, "warm_s": warm, "step_s": step, "cache_hits": hit})
+        print(f"{row:44} {cold:>7.2f} {warm:>7.2f} {cold / base:>13.2f}x {step:>7.3f}  {hit}")
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--quick", action="store_true", help="smoke test: a 1-layer d32 model")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args.child, args.quick)))
+        return None
+    cfg, batch = _config(args.quick)
+    print(f"GPT {cfg.n_layer} layers d{cfg.d_model} seq {cfg.seq_len} batch {batch}, AdamW; compile = first step "
+          f"- median of the next three; {args.rounds} round(s), medians; each row in fresh processes")
+    return report(run(args.rounds, args.quick))
+
+
+if __name__ == "__main__":
+    main()
