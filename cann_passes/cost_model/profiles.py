@@ -183,13 +183,15 @@ _FIXED = {p.name: p for p in (ASCEND_910B, ASCEND_A3, H100, H200, A100)}
 
 # -- CPU, measured -----------------------------------------------------------------------------
 def _best_of(fn, repeats: int) -> float:
+    # The calling thread's CPU time: the measurement runs on one thread (see _measure_cpu), so
+    # this is the op's time without the time other processes held the core.
     fn()
     best = float("inf")
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+        best = min(best, time.thread_time() - t0)
+    return max(best, 1e-9)
 
 
 _MEASURED_KEYS = ("matmul_flops", "vector_flops", "bandwidth", "op_overhead", "class_bandwidth")
