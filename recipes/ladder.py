@@ -123,21 +123,47 @@ def rungs(family: Family, dp: int) -> list[tuple[Rung, dict]]:
 
 # -- families --------------------------------------------------------------------------------------
 
-def _gpt_family() -> Family:
-    from recipes.data import TextBatches, load_corpus
-    from recipes.models.gpt import GPT, gpt_7b, gpt_loss, gpt_small_cpu
+def adamw(lr: float = 1e-3, weight_decay: float = 0.1, *, trainable_only: bool = False):
+    """A ``make_optimizer`` for :class:`Family`: AdamW over the parameters (only the trainable ones
+    with ``trainable_only``: a frozen tower is not the optimizer's)."""
+    def make(params):
+        params = [p for p in params if p.requires_grad] if trainable_only else params
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    return make
+
+
+def token_family(name: str, title: str, *, model, small_cfg, full_cfg, loss_fn, batches, small_shape: tuple,
+                 full_shape: tuple, full_name: str, plans_dir: Path, layers_field: str = "num_hidden_layers"
+                 ) -> Family:
+    """A family whose batch is a pair of (rows, seq) token tensors (causal or masked LM).
+
+    ``model(cfg)`` builds it from a dataclass config whose depth is ``layers_field``;
+    ``batches(tokens, rows, seq, seed=, num_batches=)`` draws the small batches from the shipped corpus.
+    """
+    from recipes.data import load_corpus
+    (small_rows, small_seq), (full_rows, full_seq) = small_shape, full_shape
 
     def full_model(layers):
-        return GPT(gpt_7b(**({"n_layer": layers} if layers else {})))
+        return model(dataclasses.replace(full_cfg, **{layers_field: layers}) if layers else full_cfg)
 
     def full_batch():
-        idx = torch.zeros(4, 2048, dtype=torch.long)
-        return idx, idx
+        ids = torch.zeros(full_rows, full_seq, dtype=torch.long)
+        return ids, ids
 
-    return Family("gpt", "GPT", lambda: GPT(gpt_small_cpu(seq_len=64)),
-                  lambda n: list(TextBatches(load_corpus(), 8, 64, seed=0, num_batches=n)), gpt_loss,
-                  full_model, full_batch, "GPT 7B (32 x 4096, seq 2048, batch 4 per rank)", 32,
-                  plans_dir=Path(__file__).with_name("plans"))
+    return Family(name=name, title=title, small_model=lambda: model(small_cfg),
+                  small_batches=lambda n: list(batches(load_corpus(), small_rows, small_seq, seed=0, num_batches=n)),
+                  loss_fn=loss_fn, full_model=full_model, full_batch=full_batch,
+                  full_name=f"{full_name} (seq {full_seq}, batch {full_rows} per rank)",
+                  full_layers=getattr(full_cfg, layers_field), plans_dir=plans_dir)
+
+
+def _gpt_family() -> Family:
+    from recipes.data import TextBatches
+    from recipes.models.gpt import GPT, gpt_7b, gpt_loss, gpt_small_cpu
+    return token_family("gpt", "GPT", model=GPT, small_cfg=gpt_small_cpu(seq_len=64), full_cfg=gpt_7b(),
+                        loss_fn=gpt_loss, batches=TextBatches, small_shape=(8, 64), full_shape=(4, 2048),
+                        full_name="GPT 7B (32 x 4096)", plans_dir=Path(__file__).with_name("plans"),
+                        layers_field="n_layer")
 
 
 def family(name: str) -> Family:
@@ -253,6 +279,8 @@ def _measure_distributed(fam: Family, plans: dict[str, dict], steps: int, seed: 
 def _worker(spec_path: str) -> None:
     from cann_passes.runtime.distributed import init_distributed
     spec = json.loads(Path(spec_path).read_text())
+    # The ranks share this machine's cores: more threads than cores only adds spin-waits.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // GLOO_DP))
     fam = family(spec["family"])
     batches = fam.small_batches(spec["steps"])
     out = {}
@@ -315,10 +343,11 @@ def _extrapolate(a: dict, b: dict, la: int, lb: int, target: int) -> dict:
 class FullSizeEstimator:
     """Captures the full-size model once per batch shape and depth, compiles per rung."""
 
-    def __init__(self, fam: Family, *, dp: int, profile: str, layers: int | None):
+    def __init__(self, fam: Family, *, dp: int, profile: str, layers: int | None, captures: dict | None = None):
         self.fam, self.dp, self.profile = fam, dp, get_profile(profile)
         self.layers = layers   # None: extrapolate from EXTRAPOLATE_FROM; 0: real depth; N: N layers
-        self._captures: dict[tuple, Any] = {}
+        # (layers, microbatches) -> captured step; estimators of one family may share it.
+        self._captures: dict[tuple, Any] = {} if captures is None else captures
 
     def _captured(self, layers, microbatches):
         key = (layers, microbatches)
@@ -358,12 +387,14 @@ def _plan(fields: dict, **extra) -> Plan:
 
 def run_ladder(fam: Family, *, steps: int = 16, dp: int = 8, profile: str = "ascend_910b",
                full_layers: int | None = None, gloo: bool = True, seed: int = 0,
-               gloo_timeout_s: float = 900.0, log=print) -> dict:
-    """Measure and estimate every rung; returns the report's data (see :func:`write_report`)."""
+               gloo_timeout_s: float = 900.0, log=print, captures: dict | None = None) -> dict:
+    """Measure and estimate every rung; returns the report's data (see :func:`write_report`).
+
+    ``captures``: the full-size captures to reuse and fill (see :class:`FullSizeEstimator`)."""
     if steps < 4:
         raise ValueError(f"steps={steps}: the ladder needs at least 4 steps (compile, memory, timing)")
     batches = fam.small_batches(steps)
-    estimator = FullSizeEstimator(fam, dp=dp, profile=profile, layers=full_layers)
+    estimator = FullSizeEstimator(fam, dp=dp, profile=profile, layers=full_layers, captures=captures)
     results, dist_rungs = [], {}
     for rung, fields in rungs(fam, GLOO_DP):
         entry = {"key": rung.key, "label": rung.label, "plan": fields, "measured": None}

@@ -10,32 +10,19 @@ from pathlib import Path
 
 from recipes.align.hf import hf_align, hf_align_loss, hf_logits
 from recipes.align.model import ALIGN, ALIGNConfig, align_base, align_loss, align_small_cpu, align_tiny
-from recipes.clip.retrieval import HELDOUT_PAIRS, retrieval_accuracy
-from recipes.clip.train import Recipe
+from recipes.clip.retrieval import contrastive_recipe
 
 PLANS_DIR = Path(__file__).with_name("plans")
-
-
-def _logits(model, batch):
-    return model(batch["pixel_values"], batch["input_ids"])
-
-
-def evaluate(model):
-    return retrieval_accuracy(model, hf_logits if hasattr(model, "get_text_features") else _logits)
 
 
 def tiny_model():
     return ALIGN(align_tiny())
 
 
-RECIPE = Recipe(
-    name="align",
-    models={"recipe": lambda: ALIGN(align_small_cpu()), "hf": hf_align},
-    loss_fns={"recipe": align_loss, "hf": hf_align_loss},
-    evaluate=evaluate,
-    plans_dir=PLANS_DIR,
-    headline=f"image_to_text (chance {1 / HELDOUT_PAIRS:.3f})",
-)
+RECIPE = contrastive_recipe("align", recipe_model=lambda: ALIGN(align_small_cpu()), hf_model=hf_align,
+                            loss_fn=align_loss, hf_loss_fn=hf_align_loss, hf_logits=hf_logits,
+                            plans_dir=PLANS_DIR)
+evaluate = RECIPE.evaluate
 
 __all__ = ["ALIGN", "ALIGNConfig", "RECIPE", "align_base", "align_loss", "align_small_cpu", "align_tiny",
            "evaluate", "hf_align", "hf_align_loss", "tiny_model"]

@@ -13,7 +13,7 @@ import torch
 
 from recipes.align.model import ALIGN, align_base, align_loss, align_small_cpu
 from recipes.data.images import ImageTextBatches
-from recipes.ladder import Family
+from recipes.ladder import Family, adamw
 
 FULL_ROWS, FULL_PIXELS = 16, 289
 
@@ -29,14 +29,13 @@ def family() -> Family:
         return {"pixel_values": torch.zeros(FULL_ROWS, 3, FULL_PIXELS, FULL_PIXELS),
                 "input_ids": torch.zeros(FULL_ROWS, full.context_length, dtype=torch.long)}
 
-    batches = ImageTextBatches(32)
     return Family(
         name="align", title="ALIGN",
         small_model=lambda: ALIGN(align_small_cpu()),
-        small_batches=lambda n: [batches.batch(i) for i in range(n)],
+        small_batches=ImageTextBatches(32).first,
         loss_fn=align_loss, full_model=full_model, full_batch=full_batch,
         full_name=f"ALIGN-base shape: EfficientNet-B7 + BERT-base ({FULL_PIXELS} px, {FULL_ROWS} pairs per rank)",
         full_layers=full.text.layers,
-        make_optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.05),
+        make_optimizer=adamw(weight_decay=0.05),
         recompute="selective",
         plans_dir=Path(__file__).with_name("plans"))

@@ -59,6 +59,9 @@ class BertConfig:
             layer_norm_eps=self.layer_norm_eps, hidden_dropout_prob=self.hidden_dropout_prob,
             attention_probs_dropout_prob=self.attention_probs_dropout_prob, hidden_act="gelu",
             initializer_range=self.initializer_range,
+            # No padding row: transformers' default pad_token_id=0 would freeze byte 0's embedding
+            # (nn.Embedding's padding_idx gets no gradient), which our model trains like any other.
+            pad_token_id=None,
             attn_implementation="eager" if self.attention == "explicit" else "sdpa")
 
 

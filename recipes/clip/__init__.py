@@ -10,32 +10,19 @@ from pathlib import Path
 
 from recipes.clip.hf import hf_clip, hf_clip_loss, hf_logits
 from recipes.clip.model import CLIP, CLIPConfig, clip_loss, clip_small_cpu, clip_tiny, clip_vit_l14
-from recipes.clip.retrieval import HELDOUT_PAIRS, retrieval_accuracy
-from recipes.clip.train import Recipe
+from recipes.clip.retrieval import contrastive_recipe
 
 PLANS_DIR = Path(__file__).with_name("plans")
-
-
-def _logits(model, batch):
-    return model(batch["pixel_values"], batch["input_ids"])
 
 
 def tiny_model():
     return CLIP(clip_tiny())
 
 
-def evaluate(model):
-    return retrieval_accuracy(model, hf_logits if hasattr(model, "get_text_features") else _logits)
-
-
-RECIPE = Recipe(
-    name="clip",
-    models={"recipe": lambda: CLIP(clip_small_cpu()), "hf": hf_clip},
-    loss_fns={"recipe": clip_loss, "hf": hf_clip_loss},
-    evaluate=evaluate,
-    plans_dir=PLANS_DIR,
-    headline=f"image_to_text (chance {1 / HELDOUT_PAIRS:.3f})",
-)
+RECIPE = contrastive_recipe("clip", recipe_model=lambda: CLIP(clip_small_cpu()), hf_model=hf_clip,
+                            loss_fn=clip_loss, hf_loss_fn=hf_clip_loss, hf_logits=hf_logits,
+                            plans_dir=PLANS_DIR)
+evaluate = RECIPE.evaluate
 
 __all__ = ["CLIP", "CLIPConfig", "RECIPE", "clip_loss", "clip_small_cpu", "clip_tiny", "clip_vit_l14",
            "evaluate", "hf_clip", "hf_clip_loss", "tiny_model"]

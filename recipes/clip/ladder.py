@@ -13,7 +13,7 @@ import torch
 
 from recipes.clip.model import CLIP, clip_loss, clip_small_cpu, clip_vit_l14
 from recipes.data.images import ImageTextBatches
-from recipes.ladder import Family
+from recipes.ladder import Family, adamw
 
 FULL_ROWS = 32
 
@@ -32,17 +32,16 @@ def family() -> Family:
         return {"pixel_values": torch.zeros(FULL_ROWS, 3, full.image_size, full.image_size),
                 "input_ids": torch.zeros(FULL_ROWS, full.context_length, dtype=torch.long)}
 
-    batches = ImageTextBatches(32)
     return Family(
         name="clip", title="CLIP",
         small_model=lambda: CLIP(clip_small_cpu()),
-        small_batches=lambda n: [batches.batch(i) for i in range(n)],
+        small_batches=ImageTextBatches(32).first,
         loss_fn=clip_loss,
         full_model=lambda layers: CLIP(_with_depth(full, layers)),
         full_batch=full_batch,
         full_name=f"CLIP ViT-L/14 (224 px, 77 tokens, {FULL_ROWS} pairs per rank)",
         full_layers=full.vision.layers,
-        make_optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.05),
+        make_optimizer=adamw(weight_decay=0.05),
         recompute="selective",
         plans_dir=Path(__file__).with_name("plans"))
 

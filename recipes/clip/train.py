@@ -9,19 +9,14 @@ before and after training, and the loss curve as a figure. Launched by torchrun 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import math
-import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from tqdm import tqdm
 
 from cann_passes import Plan, compile_for_npu
-from cann_passes.runtime.distributed import init_distributed, shard_batch
+from recipes.common import add_training_args, launch, load_plan, train_loop, warmup_cosine
 from recipes.data.images import ImageTextBatches
 
 
@@ -48,13 +43,8 @@ class Recipe:
 def parse_args(recipe: Recipe, argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=f"python -m recipes.{recipe.name}",
                                 description=f"Train the {recipe.name.upper()} recipe on procedural images.")
-    p.add_argument("--plan", default=str(recipe.default_plan), help="plan file (YAML or JSON)")
+    add_training_args(p, plan=recipe.default_plan, steps=recipe.steps, batch_size=recipe.batch_size, lr=recipe.lr)
     p.add_argument("--model", choices=list(recipe.models), default=next(iter(recipe.models)))
-    p.add_argument("--steps", type=int, default=recipe.steps)
-    p.add_argument("--batch-size", type=int, default=recipe.batch_size)
-    p.add_argument("--lr", type=float, default=recipe.lr)
-    p.add_argument("--backend", default=None, help="override the plan's backend")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--figure", default=None, help="where to save the loss curve (PNG); default: none")
     return p.parse_args(argv)
 
@@ -71,54 +61,29 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> to
 
 def main(recipe: Recipe, argv=None) -> dict:
     args = parse_args(recipe, argv)
-    plan = Plan.load(args.plan)
-    if args.backend:
-        plan = plan.replace(backend=args.backend)
-    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1 or plan.dp * plan.tp * plan.pp > 1
-    with (init_distributed(plan) if launched else contextlib.nullcontext()) as world:
-        return train(recipe, args, plan, world)
+    plan = load_plan(args, f"python -m recipes.{recipe.name}")
+    return launch(plan, lambda world: train(recipe, args, plan, world))
 
 
 def train(recipe: Recipe, args: argparse.Namespace, plan: Plan, world=None) -> dict:
-    rank, dp_rank, dp_size = (world.rank, world.dp_rank, world.dp_size) if world else (0, 0, 1)
     torch.manual_seed(args.seed)          # the same initial weights on every rank
     model = recipe.models[args.model]()
-    loss_fn = recipe.loss_fns[args.model]
     optimizer = make_optimizer(model, args.lr, recipe.weight_decay)
-    # Linear warmup then cosine decay; the compiled step reads the lr every call: no recompile.
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / recipe.warmup) * (
-        0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps))))
-    step = compile_for_npu(model, plan, optimizer=optimizer, loss_fn=loss_fn)
+    step = compile_for_npu(model, plan, optimizer=optimizer, loss_fn=recipe.loss_fns[args.model])
     before = recipe.evaluate(model)
-
-    batches = ImageTextBatches(args.batch_size)
-    bar = tqdm(range(args.steps), unit="step", dynamic_ncols=True, disable=rank != 0,
-               desc=f"{recipe.name} {args.model} {plan.precision}")
-    losses, first_step_seconds, start = [], None, time.perf_counter()
-    for i in bar:
-        batch = batches.batch(i)
-        t0 = time.perf_counter()
-        loss = step(shard_batch(batch, dp_rank, dp_size) if dp_size > 1 else batch)
-        scheduler.step()
-        losses.append(loss.item())
-        if first_step_seconds is None:
-            first_step_seconds = time.perf_counter() - t0     # capture + passes + lowering
-            start = time.perf_counter()
-        elif i % 5 == 0:
-            rate = args.batch_size * i / max(time.perf_counter() - start, 1e-9)
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", img_s=f"{rate:,.0f}")
-    bar.close()
-    train_seconds = time.perf_counter() - start
-    if plan.zero_stage == 3:
-        step.sync_model()     # ZeRO-3 keeps parameter shards; gather them for evaluation
+    run = train_loop(step, ImageTextBatches(args.batch_size), steps=args.steps, world=world,
+                     scheduler=warmup_cosine(optimizer, args.steps, warmup=recipe.warmup, floor=0.05),
+                     desc=f"{recipe.name} {args.model} {plan.precision}", items_per_step=args.batch_size,
+                     rate_unit="img_s")
     after = recipe.evaluate(model)
+    losses = run.losses
     result = {"recipe": recipe.name, "model": args.model, "plan": str(args.plan), "steps": args.steps,
               "losses": losses, "before": before, "after": after,
-              "compile_seconds": first_step_seconds, "train_seconds": train_seconds, "step": step}
-    if rank == 0:
+              "compile_seconds": run.compile_seconds, "train_seconds": run.train_seconds, "step": step}
+    if world is None or world.rank == 0:
         print(step.summary())
-        print(f"compile (first step): {first_step_seconds:.1f}s; {args.steps} steps in "
-              f"{train_seconds:.1f}s; loss {_mean(losses[:10]):.3f} -> {_mean(losses[-10:]):.3f}")
+        print(f"compile (first step): {run.compile_seconds:.1f}s; {args.steps} steps in "
+              f"{run.train_seconds:.1f}s; loss {_mean(losses[:10]):.3f} -> {_mean(losses[-10:]):.3f}")
         for key in after:
             print(f"  held-out {key}: {before[key]:.3f} before training -> {after[key]:.3f} after")
         if args.figure:

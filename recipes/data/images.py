@@ -182,6 +182,10 @@ class ImageTextBatches:
                                               self.size, self.length)
         return self._cache[k]
 
+    def first(self, n: int) -> list[dict[str, torch.Tensor]]:
+        """Batches ``0 .. n-1``: what an ``iter()`` yields first."""
+        return [self.batch(k) for k in range(n)]
+
     def __iter__(self):
         k = 0
         while True:

@@ -1,8 +1,15 @@
 """Masked-language-model batches over the byte corpus, and the unigram baseline they are judged against.
 
-BERT's masking rule: of the tokens chosen for prediction (``mask_prob`` of them), 80% become
-``[MASK]``, 10% a random byte and 10% stay as they are; labels are the original byte at chosen
-positions and ``IGNORE_INDEX`` elsewhere (what ``F.cross_entropy(ignore_index=...)`` skips).
+BERT's masking rule: of the tokens chosen for prediction, 80% become ``[MASK]``, 10% a random
+byte and 10% stay as they are; labels are the original byte at chosen positions and
+``IGNORE_INDEX`` elsewhere (what ``F.cross_entropy(ignore_index=...)`` skips).
+
+Every row gets the same number of predictions, ``max(1, round(mask_prob * seq_len))`` (as BERT's
+own ``create_pretraining_data.py`` does). Why it matters here: ``mlm_loss`` is a mean over the
+predicted positions, so with a count that varied per row, the mean over a data-parallel shard or a
+microbatch would weigh tokens differently from the mean over the global batch; with equal counts,
+the mean of the shards' (or microbatches') means *is* the global mean, and a ZeRO or accumulation
+run optimizes and logs the same loss as one process on the whole batch.
 """
 from __future__ import annotations
 
@@ -17,15 +24,20 @@ MLM_VOCAB_SIZE = VOCAB_SIZE + 1
 IGNORE_INDEX = -100
 
 
+def predictions_per_row(seq_len: int, mask_prob: float = 0.15) -> int:
+    """How many positions of a ``seq_len`` row are chosen for prediction."""
+    return min(seq_len, max(1, round(mask_prob * seq_len)))
+
+
 def mask_tokens(tokens: torch.Tensor, generator: torch.Generator, mask_prob: float = 0.15
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(input_ids, labels)`` for a (B, T) batch of byte tokens; at least one position per row is chosen."""
+    """``(input_ids, labels)`` for a (B, T) batch of byte tokens; every row gets the same number chosen."""
     if not 0.0 < mask_prob < 1.0:
         raise ValueError(f"mask_prob must be in (0, 1), got {mask_prob}")
-    chosen = torch.rand(tokens.shape, generator=generator) < mask_prob
-    # A row with nothing chosen would contribute no loss and no accuracy: choose one position.
-    first = torch.randint(tokens.size(1), (tokens.size(0),), generator=generator)
-    chosen[torch.arange(tokens.size(0)), first] |= ~chosen.any(dim=1)
+    k = predictions_per_row(tokens.size(1), mask_prob)
+    # k positions per row, uniformly without replacement: the k smallest of T uniform draws.
+    picked = torch.rand(tokens.shape, generator=generator).argsort(dim=1)[:, :k]
+    chosen = torch.zeros(tokens.shape, dtype=torch.bool).scatter_(1, picked, True)
     labels = torch.where(chosen, tokens, torch.full_like(tokens, IGNORE_INDEX))
     roll = torch.rand(tokens.shape, generator=generator)
     random_bytes = torch.randint(VOCAB_SIZE, tokens.shape, generator=generator)

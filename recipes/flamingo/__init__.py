@@ -2,8 +2,9 @@
 
 Trains the perceiver resampler, the gated cross-attention blocks and the small language model
 to caption the procedural images; the vision tower stays frozen. Held-out metrics: the caption
-loss with each picture's own image and with a wrong one (the gap is what the image tells the
-language model), and teacher-forced next-token accuracy.
+loss with each picture's own image, with another picture's image and with a black image (the
+gaps are what the image tells the language model through the cross-attention), and
+teacher-forced next-token accuracy.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ def evaluate(model: torch.nn.Module, n: int = HELDOUT_PAIRS) -> dict[str, float]
         ids, targets = batch["input_ids"][:, :-1], batch["input_ids"][:, 1:]
         logits = model(batch["pixel_values"], ids)
         wrong = model(batch["pixel_values"].roll(1, dims=0), ids)   # every caption with another's image
+        blank = model(torch.zeros_like(batch["pixel_values"]), ids)  # no image at all
     finally:
         model.train(was_training)
     real = targets != PAD
@@ -36,7 +38,7 @@ def evaluate(model: torch.nn.Module, n: int = HELDOUT_PAIRS) -> dict[str, float]
     def loss(lg):
         return F.cross_entropy(lg.reshape(-1, lg.shape[-1]), targets.reshape(-1), ignore_index=PAD).item()
 
-    return {"caption_loss": loss(logits), "mismatched_image_loss": loss(wrong),
+    return {"caption_loss": loss(logits), "mismatched_image_loss": loss(wrong), "blank_image_loss": loss(blank),
             "token_accuracy": ((logits.argmax(-1) == targets) & real).sum().item() / real.sum().item()}
 
 

@@ -14,13 +14,9 @@ import torch
 
 from recipes.data.images import ImageTextBatches
 from recipes.flamingo.model import Flamingo, flamingo_3b, flamingo_loss, flamingo_small_cpu
-from recipes.ladder import Family
+from recipes.ladder import Family, adamw
 
 FULL_ROWS = 8
-
-
-def _trainable_adamw(params):
-    return torch.optim.AdamW([p for p in params if p.requires_grad], lr=1e-3, weight_decay=0.05)
 
 
 def family() -> Family:
@@ -37,14 +33,13 @@ def family() -> Family:
         return {"pixel_values": torch.zeros(FULL_ROWS, 3, size, size),
                 "input_ids": torch.zeros(FULL_ROWS, full.context_length + 1, dtype=torch.long)}
 
-    batches = ImageTextBatches(32)
     return Family(
         name="flamingo", title="Flamingo",
         small_model=lambda: Flamingo(flamingo_small_cpu()),
-        small_batches=lambda n: [batches.batch(i) for i in range(n)],
+        small_batches=ImageTextBatches(32).first,
         loss_fn=flamingo_loss, full_model=full_model, full_batch=full_batch,
         full_name=f"Flamingo-3B shape (frozen ViT-L/14 and 24 x 2048 LM, {FULL_ROWS} x 256 tokens per rank)",
         full_layers=full.lm.layers,
-        make_optimizer=_trainable_adamw,
+        make_optimizer=adamw(weight_decay=0.05, trainable_only=True),
         recompute="selective",
         plans_dir=Path(__file__).with_name("plans"))

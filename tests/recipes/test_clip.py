@@ -9,9 +9,8 @@ import torch
 from cann_passes import Plan
 from recipes.clip import CLIP, RECIPE, clip_loss, clip_tiny, clip_vit_l14, evaluate, hf_clip_loss
 from recipes.clip.hf import hf_clip_tiny
-from recipes.clip.checks import (capture, compile_plan, lower_to_ge, max_difference_from_eager, plan_effects,
-                                 plan_files, train_compiled)
-from recipes.clip.train import make_optimizer
+from tests.recipes._helpers import (assert_plan_does_what_it_says, bf16_lowers_to_ge, capture,
+                                    max_difference_from_eager, plan_files, train_compiled)
 from recipes.data.images import EOS, image_text_batch
 
 
@@ -47,36 +46,21 @@ def test_training_gives_heldout_retrieval_well_above_chance():
 
 
 @pytest.fixture(scope="module")
-def torchair():
-    from cann_passes.lowering.ge_offline import TorchairUnavailable, load_torchair
-    try:
-        return load_torchair()
-    except TorchairUnavailable as e:
-        pytest.skip(f"torchair (torch_npu wheel) unavailable: {e}")
-
-
-@pytest.fixture(scope="module")
 def captured():
     torch.manual_seed(0)
     model = CLIP(clip_tiny())
-    return capture(model, make_optimizer(model, 1e-3, 0.05), clip_loss, image_text_batch("train", 0, 8))
+    return capture(model, clip_loss, image_text_batch("train", 0, 8))
 
 
 @pytest.mark.parametrize("path", plan_files(RECIPE.plans_dir), ids=lambda p: p.stem)
 def test_every_plan_compiles_and_does_what_it_says(captured, path):
-    plan = Plan.load(path)
-    program = compile_plan(captured, plan)
-    assert plan_effects(plan, program) == []
+    assert_plan_does_what_it_says(captured, path)
 
 
 def test_bf16_final_graph_lowers_to_ge_with_no_unsupported_op(tmp_path, torchair):
     torch.manual_seed(0)
-    report = lower_to_ge(CLIP(clip_tiny()), clip_loss, image_text_batch("train", 0, 4),
-                         Plan.load(RECIPE.plans_dir / "bf16.yaml"), tmp_path)
-    assert report["unsupported"] == [], report["unsupported"]
-    ops = report["op_histogram"]
+    ops = bf16_lowers_to_ge(CLIP(clip_tiny()), clip_loss, image_text_batch("train", 0, 4), RECIPE.plans_dir, tmp_path)
     assert ops.get("Conv2D", 0) >= 1 and ops["LayerNormV4"] >= 2 * 4 + 3 and ops["Cast"] > 0, ops
-    assert "DT_BF16" in (tmp_path / "ge" / "step.ge.txt").read_text()
 
 
 def test_transformers_clip_model_trains_through_the_recipe():

@@ -9,9 +9,8 @@ import torch
 
 from cann_passes import Plan
 from graph_ir import InputKind, OutputKind
-from recipes.clip.checks import (capture, compile_plan, lower_to_ge, max_difference_from_eager, plan_effects,
-                                 plan_files, train_compiled)
-from recipes.clip.train import make_optimizer
+from tests.recipes._helpers import (assert_plan_does_what_it_says, bf16_lowers_to_ge, capture,
+                                    max_difference_from_eager, plan_files, train_compiled)
 from recipes.data.images import image_text_batch
 from recipes.flamingo import RECIPE, Flamingo, evaluate, flamingo_3b, flamingo_loss, flamingo_tiny
 
@@ -40,7 +39,7 @@ def test_flamingo_3b_shape_trains_only_resampler_and_cross_attention():
 def captured():
     torch.manual_seed(0)
     model = Flamingo(flamingo_tiny())
-    return capture(model, make_optimizer(model, 1e-3, 0.05), flamingo_loss, image_text_batch("train", 0, 8))
+    return capture(model, flamingo_loss, image_text_batch("train", 0, 8))
 
 
 def test_frozen_vision_tower_is_read_only_input_with_no_gradient(captured):
@@ -59,37 +58,31 @@ def test_compiled_step_matches_eager_pytorch_fp32():
     assert loss_diff <= 1e-5 and param_diff <= 1e-5, (loss_diff, param_diff)
 
 
-def test_caption_loss_falls_on_held_out_captions():
+def test_caption_loss_falls_and_the_captions_are_read_from_the_image():
     torch.manual_seed(0)
     model = Flamingo(flamingo_tiny())
     before = evaluate(model)
-    losses = train_compiled(model, flamingo_loss, Plan(backend="eager"), steps=30, batch_size=32, lr=3e-3)
+    assert before["caption_loss"] == before["mismatched_image_loss"] == before["blank_image_loss"]   # gates closed
+    # The LM learns the captions' grammar first (about 50 steps); the tanh gates open, and the
+    # image starts to count, after about 100 more.
+    losses = train_compiled(model, flamingo_loss, Plan(backend="eager"), steps=150, batch_size=32, lr=3e-3)
     after = evaluate(model)
     assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5, losses
     assert after["caption_loss"] < 0.5 * before["caption_loss"], (before, after)
     assert after["token_accuracy"] > 0.3, after
+    # The same trained model, the same captions: another picture's image or none makes them less
+    # likely, so what the LM predicts comes through the resampler and the gated cross-attention.
+    assert after["caption_loss"] < after["mismatched_image_loss"] - 0.1, after
+    assert after["caption_loss"] < after["blank_image_loss"] - 0.1, after
 
 
 @pytest.mark.parametrize("path", plan_files(RECIPE.plans_dir), ids=lambda p: p.stem)
 def test_every_plan_compiles_and_does_what_it_says(captured, path):
-    plan = Plan.load(path)
-    assert plan_effects(plan, compile_plan(captured, plan)) == []
-
-
-@pytest.fixture(scope="module")
-def torchair():
-    from cann_passes.lowering.ge_offline import TorchairUnavailable, load_torchair
-    try:
-        return load_torchair()
-    except TorchairUnavailable as e:
-        pytest.skip(f"torchair (torch_npu wheel) unavailable: {e}")
+    assert_plan_does_what_it_says(captured, path)
 
 
 def test_bf16_final_graph_lowers_to_ge_with_no_unsupported_op(tmp_path, torchair):
     torch.manual_seed(0)
-    report = lower_to_ge(Flamingo(flamingo_tiny()), flamingo_loss, image_text_batch("train", 0, 4),
-                         Plan.load(RECIPE.plans_dir / "bf16.yaml"), tmp_path)
-    assert report["unsupported"] == [], report["unsupported"]
-    ops = report["op_histogram"]
+    ops = bf16_lowers_to_ge(Flamingo(flamingo_tiny()), flamingo_loss, image_text_batch("train", 0, 4),
+                            RECIPE.plans_dir, tmp_path)
     assert ops.get("Tanh", 0) >= 2 and ops["Cast"] > 0, ops
-    assert "DT_BF16" in (tmp_path / "ge" / "step.ge.txt").read_text()

@@ -2,37 +2,22 @@
 falls on the shipped text, and every plan in recipes/llama/plans compiles (bf16 lowers to GE)."""
 from __future__ import annotations
 
-import copy
-import itertools
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from cann_passes import Plan, compile_for_npu
 from recipes.data import TextBatches, load_corpus
-from recipes.ladder import compile_plan
 from recipes.llama import LlamaConfig, LlamaForCausalLM, count_parameters, llama_7b, llama_loss, llama_tiny
-from recipes.llama.ladder import family
+from tests.recipes._helpers import (assert_plan_does_what_it_says, bf16_lowers_to_ge, capture,
+                                    compiled_losses_match_eager, plan_files)
 
-PLANS = sorted((Path(__file__).parents[2] / "recipes" / "llama" / "plans").glob("*.yaml"))
+PLANS = plan_files("llama")
 
 
 def _batches(n, rows=4, seq=16, seed=0):
     return list(TextBatches(load_corpus(), rows, seq, seed=seed, num_batches=n))
-
-
-def _eager_losses(model, batches, lr=1e-2):
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
-    out = []
-    for b in batches:
-        opt.zero_grad(set_to_none=True)
-        loss = llama_loss(model, b)
-        loss.backward()
-        opt.step()
-        out.append(loss.item())
-    return out
 
 
 @pytest.mark.parametrize("attention", ["explicit", "sdpa"])
@@ -71,14 +56,7 @@ def test_compiled_fp32_step_matches_eager_pytorch_on_ours_and_transformers():
     ours = LlamaForCausalLM(cfg)
     theirs = HF(cfg.to_transformers())
     theirs.load_state_dict(ours.state_dict())
-    reference = copy.deepcopy(ours)
-    batches = _batches(3)
-    expected = _eager_losses(reference, batches)
-    for model in (ours, theirs):
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-        step = compile_for_npu(model, Plan(backend="eager", verify="deep"), optimizer=opt, loss_fn=llama_loss)
-        got = [step(b).item() for b in batches]
-        assert got == pytest.approx(expected, abs=1e-5), type(model).__module__
+    reference = compiled_losses_match_eager([ours, theirs], llama_loss, _batches(3))
     for name, p in reference.named_parameters():
         torch.testing.assert_close(dict(ours.named_parameters())[name], p, rtol=1e-5, atol=1e-5)
 
@@ -101,36 +79,24 @@ def test_command_trains_and_writes_its_convergence_figure(tmp_path):
     assert metrics["val_loss_after"] < metrics["val_loss_before"]
 
 
-@pytest.mark.parametrize("path", PLANS, ids=[p.stem for p in PLANS])
-def test_every_plan_compiles(path):
-    plan = Plan.load(path).replace(verify="deep")
-    result = compile_plan(family(tiny=True), plan)
-    if plan.dp > 1:     # compiled for rank 0 of a fake mesh: the ZeRO rewrite is in the graph
-        ops = {str(n.target) for g in result.graphs.values() for n in g.graph.nodes}
-        assert any("reduce_scatter" in op for op in ops) and any("all_gather" in op for op in ops)
-    else:
-        assert torch.isfinite(result)
-
-
-def test_bf16_plan_lowers_to_ge_with_no_unsupported_op(tmp_path):
-    from cann_passes.lowering.ge_offline import TorchairUnavailable, load_torchair, write_ge_report
-    from tools.lower_check import torchair_plan
-    try:
-        load_torchair()
-    except TorchairUnavailable as exc:
-        pytest.skip(f"torchair unavailable: {exc}")
-    plan = torchair_plan(Plan.load(PLANS[0].with_name("bf16.yaml"))).replace(dump_dir=str(tmp_path))
+@pytest.fixture(scope="module")
+def captured():
     torch.manual_seed(0)
     model = LlamaForCausalLM(llama_tiny())
-    step = compile_for_npu(model, plan, optimizer=torch.optim.AdamW(model.parameters()), loss_fn=llama_loss)
-    step.compile(_batches(1)[0])
-    report = json.loads(Path(write_ge_report(tmp_path)).read_text())
-    assert report["unsupported"] == [], report["unsupported"]
-    histogram = report["graphs"]["step"]["op_histogram"]
+    return capture(model, llama_loss, _batches(1)[0])
+
+
+@pytest.mark.parametrize("path", PLANS, ids=[p.stem for p in PLANS])
+def test_every_plan_compiles_and_does_what_it_says(captured, path):
+    assert_plan_does_what_it_says(captured, path)
+
+
+def test_bf16_plan_lowers_to_ge_with_no_unsupported_op(tmp_path, torchair):
+    torch.manual_seed(0)
+    histogram = bf16_lowers_to_ge(LlamaForCausalLM(llama_tiny()), llama_loss, _batches(1)[0], PLANS[0].parent, tmp_path)
     assert histogram.get("Cast", 0) > 0
     matmuls = sum(histogram.get(op, 0) for op in ("MatMul", "MatMulV2", "BatchMatMul", "BatchMatMulV2"))
     assert matmuls >= 7 * 2 * 2      # q, k, v, o, gate, up, down per layer, forward and backward
-    assert "DT_BF16" in (tmp_path / "ge" / "step.ge.txt").read_text()
 
 
 @pytest.mark.parametrize("path", [p for p in PLANS if Plan.load(p).dp == 1 and Plan.load(p).precision != "fp32"],

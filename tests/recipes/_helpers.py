@@ -1,4 +1,4 @@
-"""Checks the image-text recipes share (their tests and the ladder use them).
+"""Checks the recipe tests share (every family: LLaMA, BERT, CLIP, ALIGN, Flamingo).
 
 - :func:`compile_plan`: the step is captured once and each plan's pipeline runs on a copy, for
   the mesh the plan asks for (a fake ``dp=2`` mesh for a ZeRO plan, so it compiles in one
@@ -18,24 +18,30 @@ from pathlib import Path
 
 import torch
 
-from cann_passes import Plan, compile_for_npu
-from cann_passes.compile import compile_program
-from cann_passes.pipeline import build_pipeline
+from cann_passes import Plan, compile_for_npu, compile_program
 from graph_ir import TrainGraph, capture_train_step
 from graph_ir.meta import RECOMPUTE
 from graph_ir.mesh import MeshDesc
 from recipes.clip.train import make_optimizer
 from recipes.data.images import ImageTextBatches
+from tests.conftest import eager_losses
+from tools.lower_check import torchair_plan
 
 C10D = "_c10d_functional"
 
 
-def plan_files(plans_dir: Path) -> list[Path]:
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+
+
+def plan_files(plans_dir: Path | str) -> list[Path]:
+    """The plans of a recipe: ``plans_dir``, or the recipe's name (``"bert"``: recipes/bert/plans)."""
+    plans_dir = RECIPES / plans_dir / "plans" if isinstance(plans_dir, str) and "/" not in plans_dir else plans_dir
     return sorted(Path(plans_dir).glob("*.yaml"))
 
 
-def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn, batch) -> TrainGraph:
-    captured, _ = capture_train_step(model, optimizer, loss_fn, batch)
+def capture(model: torch.nn.Module, loss_fn, batch, optimizer: torch.optim.Optimizer | None = None) -> TrainGraph:
+    """One training step of ``model`` captured (default optimizer: the recipes' AdamW)."""
+    captured, _ = capture_train_step(model, optimizer or make_optimizer(model, 1e-3, 0.05), loss_fn, batch)
     return captured
 
 
@@ -119,11 +125,6 @@ def max_difference_from_eager(model, loss_fn, batches, plan: Plan | None = None,
     return loss_diff, param_diff
 
 
-def torchair_pipeline_plan(plan: Plan) -> Plan:
-    """``plan`` as the torchair backend compiles it, run on CPU: its pipeline, eager lowering."""
-    return plan.replace(pipeline=str(build_pipeline(plan, "torchair")), backend="eager")
-
-
 def lower_to_ge(model, loss_fn, batch, plan: Plan, out_dir) -> dict:
     """Compile one step of ``model`` with ``plan``'s torchair pipeline, dump it into ``out_dir``
     and lower its final graphs to GE offline; the report (``DIR/ge/report.json``) as a dict.
@@ -131,7 +132,7 @@ def lower_to_ge(model, loss_fn, batch, plan: Plan, out_dir) -> dict:
     Raises ``TorchairUnavailable`` where torchair's package cannot be had."""
     from cann_passes.lowering.ge_offline import write_ge_report
 
-    step = compile_for_npu(model, torchair_pipeline_plan(plan).replace(dump_dir=str(out_dir)),
+    step = compile_for_npu(model, torchair_plan(plan).replace(dump_dir=str(out_dir)),
                            optimizer=make_optimizer(model, 1e-3, 0.05), loss_fn=loss_fn)
     step.compile(batch)
     return json.loads(Path(write_ge_report(out_dir)).read_text())
@@ -139,3 +140,33 @@ def lower_to_ge(model, loss_fn, batch, plan: Plan, out_dir) -> dict:
 
 
 
+
+
+def compiled_losses_match_eager(models, loss_fn, batches, *, lr: float = 1e-2, weight_decay: float = 0.1):
+    """Every model of ``models`` (the same weights: the recipe's and transformers') trained by the
+    compiled fp32 step gives eager PyTorch's losses, step by step, to 1e-5; returns the models."""
+    reference = copy.deepcopy(models[0])
+    expected = eager_losses(reference, loss_fn,
+                            torch.optim.AdamW(reference.parameters(), lr=lr, weight_decay=weight_decay), batches)
+    for model in models:
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+        step = compile_for_npu(model, Plan(backend="eager", verify="deep"), optimizer=opt, loss_fn=loss_fn)
+        got = [step(b).item() for b in batches]
+        assert max(abs(g - e) for g, e in zip(got, expected)) <= 1e-5, (type(model).__module__, got, expected)
+    return reference
+
+
+def assert_plan_does_what_it_says(captured: TrainGraph, path: Path) -> None:
+    """The plan file at ``path`` compiles ``captured`` (verified after every pass) into a program
+    that has everything the plan asks for."""
+    plan = Plan.load(path)
+    assert plan_effects(plan, compile_plan(captured, plan)) == [], path.name
+
+
+def bf16_lowers_to_ge(model, loss_fn, batch, plans_dir: Path, out_dir) -> dict:
+    """The recipe's ``bf16.yaml`` plan lowers ``model``'s step to GE with no unsupported op and bf16
+    tensors in the GE graph; the report's per-step op histogram."""
+    report = lower_to_ge(model, loss_fn, batch, Plan.load(Path(plans_dir) / "bf16.yaml"), out_dir)
+    assert report["unsupported"] == [], report["unsupported"]
+    assert "DT_BF16" in (Path(out_dir) / "ge" / "step.ge.txt").read_text()
+    return report["graphs"]["step"]["op_histogram"]

@@ -1,0 +1,128 @@
+"""What every recipe's training command shares: arguments, the plan, the launch, the loop, the figure.
+
+A recipe keeps its own model, data, loss, optimizer and evaluation; this module holds the parts
+that are the same for all of them, written once, with the public API only:
+
+- :func:`add_training_args`: ``--plan --steps --batch-size --lr --backend --seed``;
+- :func:`load_plan`: the plan file (a bad one exits with its one-line error) and ``--backend``;
+- :func:`launch`: runs ``train(world)`` in one process, or under torchrun / a ``dp > 1`` plan
+  inside ``init_distributed`` (``world`` is then the rank's view of the mesh, else ``None``);
+- :func:`warmup_cosine`: linear warmup then cosine decay to a floor; the compiled step reads the
+  optimizer's ``lr`` on every call, so a schedule never recompiles;
+- :func:`train_loop`: one compiled step per global batch (each rank on its data-parallel share),
+  a progress bar with the loss and throughput, the first step's seconds (capture + passes +
+  lowering) kept apart from the training time;
+- :func:`write_convergence`: ``loss.png`` and ``metrics.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from cann_passes import Plan, PlanError
+
+
+def add_training_args(p: argparse.ArgumentParser, *, plan: str | Path, steps: int, batch_size: int,
+                      lr: float) -> argparse.ArgumentParser:
+    p.add_argument("--plan", default=str(plan), help="plan file (YAML or JSON)")
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--batch-size", type=int, default=batch_size)
+    p.add_argument("--lr", type=float, default=lr)
+    p.add_argument("--backend", default=None, help="override the plan's backend (eager, inductor)")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def load_plan(args: argparse.Namespace, prog: str) -> Plan:
+    try:
+        plan = Plan.load(args.plan)
+    except PlanError as exc:     # a bad plan file is the user's input: one line, not a traceback
+        raise SystemExit(f"{prog}: {exc}") from None
+    return plan.replace(backend=args.backend) if args.backend else plan
+
+
+def launch(plan: Plan, train: Callable[[Any], Any]):
+    """``train(world)``: inside ``init_distributed`` when torchrun launched us or the plan needs ranks."""
+    from cann_passes.runtime.distributed import init_distributed
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1 or plan.dp * plan.tp * plan.pp > 1
+    with (init_distributed(plan) if launched else contextlib.nullcontext()) as world:
+        return train(world)
+
+
+def ranks(world) -> tuple[int, int, int]:
+    """``(rank, dp_rank, dp_size)`` of this process (``world=None``: the one process)."""
+    return (world.rank, world.dp_rank, world.dp_size) if world else (0, 0, 1)
+
+
+def warmup_cosine(optimizer: torch.optim.Optimizer, steps: int, *, warmup: int = 1,
+                  floor: float = 0.1) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup over ``warmup`` steps, then cosine decay to ``floor`` times the peak at ``steps``."""
+    warmup = max(1, warmup)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) * (
+        floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))))
+
+
+@dataclass
+class LoopResult:
+    losses: list[float] = field(default_factory=list)
+    compile_seconds: float | None = None      # the first step: capture + passes + lowering + one step
+    train_seconds: float = 0.0                # every later step
+
+
+def train_loop(step, batches: Iterable, *, steps: int, world=None, scheduler=None, desc: str = "",
+               items_per_step: int = 0, rate_unit: str = "tok_s") -> LoopResult:
+    """Run ``step`` on ``steps`` global batches; rank 0 shows the progress bar."""
+    from cann_passes.runtime.distributed import shard_batch
+    rank, dp_rank, dp_size = ranks(world)
+    bar = tqdm(total=steps, unit="step", dynamic_ncols=True, desc=desc or None, disable=rank != 0)
+    out, start = LoopResult(), time.perf_counter()
+    for i, batch in zip(range(steps), batches):
+        t0 = time.perf_counter()
+        loss = step(shard_batch(batch, dp_rank, dp_size) if dp_size > 1 else batch)
+        if scheduler is not None:
+            scheduler.step()
+        out.losses.append(float(loss))
+        if out.compile_seconds is None:
+            out.compile_seconds = time.perf_counter() - t0
+            start = time.perf_counter()
+        elif i % 5 == 0:
+            rate = items_per_step * i / max(time.perf_counter() - start, 1e-9)
+            bar.set_postfix({"loss": f"{out.losses[-1]:.3f}", rate_unit: f"{rate:,.0f}"})
+        bar.update()
+    bar.close()
+    out.train_seconds = time.perf_counter() - start
+    if step.plan.zero_stage == 3:
+        step.sync_model()      # ZeRO-3 keeps parameter shards; gather them for evaluation
+    return out
+
+
+def write_convergence(out: Path, metrics: dict, *, title: str) -> Path:
+    """``loss.png`` (training loss per step, validation before/after) and ``metrics.json`` in ``out``."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(metrics["losses"], lw=1, label="training loss")
+    ax.axhline(metrics["val_loss_after"], color="C1", ls="--", label=f"validation after ({metrics['val_loss_after']:.2f})")
+    ax.axhline(metrics["val_loss_before"], color="C2", ls=":", label=f"validation before ({metrics['val_loss_before']:.2f})")
+    ax.set(xlabel="step", ylabel="cross-entropy (nats/byte)", title=title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "loss.png", dpi=110)
+    plt.close(fig)
+    print(f"wrote {out / 'loss.png'} and {out / 'metrics.json'}")
+    return out / "loss.png"
