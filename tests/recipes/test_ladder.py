@@ -14,9 +14,16 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
+def captures():
+    """The tiny family's full-size captures, shared by the report and the extrapolation check."""
+    return {}
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory, captures):
     out = tmp_path_factory.mktemp("ladder")
-    data = ladder.run_ladder(llama_family(tiny=True), steps=4, dp=8, gloo=False, log=lambda *_: None)
+    data = ladder.run_ladder(llama_family(tiny=True), steps=4, dp=8, gloo=False, log=lambda *_: None,
+                             captures=captures)
     paths = ladder.write_report(data, out)
     return data, paths
 
@@ -76,12 +83,13 @@ def test_report_files(report):
     assert json.loads(paths["json"].read_text())["family"] == "llama"
 
 
-def test_depth_extrapolation_matches_a_direct_capture():
+def test_depth_extrapolation_matches_a_direct_capture(report, captures):
     fam = llama_family(tiny=True)
     fam.full_layers = 6
     fields = dict(ladder.rungs(fam, 8)[3][1])          # bf16 + recompute + ZeRO-1
-    extrapolated = ladder.FullSizeEstimator(fam, dp=8, profile="ascend_910b", layers=None).estimate(fields)
-    direct = ladder.FullSizeEstimator(fam, dp=8, profile="ascend_910b", layers=6).estimate(fields)
+    extrapolated = ladder.FullSizeEstimator(fam, dp=8, profile="ascend_910b", layers=None,
+                                            captures=captures).estimate(fields)   # the report's 2 and 4 layers
+    direct = ladder.FullSizeEstimator(fam, dp=8, profile="ascend_910b", layers=6, captures=captures).estimate(fields)
     assert extrapolated["peak_bytes"] == pytest.approx(direct["peak_bytes"], rel=0.02)
     assert extrapolated["step_seconds"] == pytest.approx(direct["step_seconds"], rel=0.02)
 
