@@ -19,7 +19,7 @@ from cann_passes.runtime.distributed import init_distributed, shard_batch  # noq
 from graph_ir.meta import GraphAttr  # noqa: E402
 from recipes.models.gpt import GPT, gpt_loss, gpt_tiny  # noqa: E402
 
-STEPS, GLOBAL_BATCH, SEQ = 3, 8, 16
+STEPS, GLOBAL_BATCH, SEQ = 10, 8, 16
 MODELS = {"gpt4": dict(n_layer=4), "heavy_head": dict(n_layer=4, vocab_size=2048)}
 
 

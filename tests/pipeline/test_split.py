@@ -53,9 +53,15 @@ def _train(model, plan, steps=2):
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, step
 
 
+@pytest.fixture(scope="module")
+def pp2_program():
+    """The 4-layer GPT's pp=2 program, compiled once for the tests that only read it."""
+    return _program(_gpt(), Plan(pp=2, microbatches=2, backend="eager"))
+
+
 class TestStageGraphs:
-    def test_every_stage_has_forward_backward_parts_and_apply_and_verifies(self):
-        program = _program(_gpt(), Plan(pp=2, microbatches=2, backend="eager"))
+    def test_every_stage_has_forward_backward_parts_and_apply_and_verifies(self, pp2_program):
+        program = pp2_program
         verify_program(program, deep=True)
         kinds = {name: program.kind(name) for name in program.graphs}
         for s in range(2):
@@ -88,8 +94,8 @@ class TestStageGraphs:
         assert any(f.source == "stage1.backward_input" and f.target == "stage1.backward_weight"
                    for f in program.flows)
 
-    def test_backward_input_part_leaves_parameter_gradients_to_the_weight_part(self):
-        program = _program(_gpt(), Plan(pp=2, microbatches=2, backend="eager"))
+    def test_backward_input_part_leaves_parameter_gradients_to_the_weight_part(self, pp2_program):
+        program = pp2_program
         for s in range(2):
             bi, bw = program[f"stage{s}.backward_input"], program[f"stage{s}.backward_weight"]
             assert not [o for o in bi.signature.outputs if o.kind == "step_state"]
