@@ -53,6 +53,15 @@ def _train(model, plan, steps=2):
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, step
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_intra_op_thread():
+    """Tiny ops on a shared machine (the suite runs one process per core): more threads only wait."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def pp2_program():
     """The 4-layer GPT's pp=2 program, compiled once for the tests that only read it."""
