@@ -20,10 +20,13 @@ import worker  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = str(Path(__file__).parent / "worker.py")
+# One intra-op thread per rank: the ranks outnumber the cores, and a rank whose idle OpenMP
+# threads spin keeps the others from reaching the next collective (several times slower).
+RANK_ENV = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 
 
 def run_ranks(n: int, *args: str, timeout_s: float = 600):
-    results = launch_local([WORKER, *args], n, env={"PYTHONPATH": str(REPO)}, timeout_s=timeout_s, cwd=str(REPO))
+    results = launch_local([WORKER, *args], n, env=RANK_ENV, timeout_s=timeout_s, cwd=str(REPO))
     return results
 
 

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optim
 
 sys.path.insert(0, str(Path(__file__).parent))
 import worker  # noqa: E402
-from test_distributed import REPO, assert_all_ok  # noqa: E402
+from test_distributed import RANK_ENV, REPO, assert_all_ok  # noqa: E402
 
 pytestmark = pytest.mark.slow
 FULL = StateDictOptions(full_state_dict=True)
@@ -102,7 +102,7 @@ def rank_main(scenario: str, out: str, ckpt: str = "") -> None:
 
 def _spawn(n: int, *args: str):
     from cann_passes.runtime.distributed import launch_local
-    assert_all_ok(launch_local([__file__, *args], n, env={"PYTHONPATH": str(REPO)}, timeout_s=600,
+    assert_all_ok(launch_local([__file__, *args], n, env=RANK_ENV, timeout_s=600,
                                cwd=str(REPO)))
 
 

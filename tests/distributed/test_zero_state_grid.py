@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import worker  # noqa: E402
-from test_distributed import REPO, assert_all_ok  # noqa: E402
+from test_distributed import RANK_ENV, REPO, assert_all_ok  # noqa: E402
 
 STAGES, STEPS = (1, 2, 3), 5
 pytestmark = pytest.mark.slow
@@ -64,7 +64,7 @@ def reference():
 def test_every_zero_stage_leaves_the_trained_model_in_the_users_state_dict_and_forward(
         world_size, reference, tmp_path):
     from cann_passes.runtime.distributed import launch_local
-    assert_all_ok(launch_local([__file__, str(tmp_path)], world_size, env={"PYTHONPATH": str(REPO)},
+    assert_all_ok(launch_local([__file__, str(tmp_path)], world_size, env=RANK_ENV,
                                timeout_s=600, cwd=str(REPO)))
     want_state, want_eval = reference
     for rank in range(world_size):
