@@ -30,6 +30,15 @@ WORKER = str(Path(__file__).parent / "pp_worker.py")
 pytestmark = pytest.mark.slow
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_intra_op_thread():
+    """The eager reference in this process too (restored after the module)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _launch(tmp_path_factory, name: str, nprocs: int, model: str, pp: int, dp: int, configs: list[str]):
     out = tmp_path_factory.mktemp(name)
     results = launch_local([WORKER, str(out), model, str(pp), str(dp), *configs], nprocs,
