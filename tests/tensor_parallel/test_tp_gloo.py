@@ -20,6 +20,9 @@ import tp_worker  # noqa: E402
 REPO = Path(__file__).resolve().parents[2]
 WORKER = str(Path(__file__).parent / "tp_worker.py")
 LAYERS = 2
+# One intra-op thread per rank: 4 ranks on fewer cores, and a rank whose idle OpenMP threads
+# spin keeps the others from reaching the next collective (several times slower).
+RANK_ENV = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +45,7 @@ def eager_reference(name: str, opt: str, pad: bool = True):
 def launch(tmp_path, world: int, scenarios: list[str], tp: int | None = None) -> dict[str, dict]:
     tp = tp or world
     argv = [WORKER, str(tmp_path), *([f"tp={tp}"] if tp != world else []), *scenarios]
-    results = launch_local(argv, world, env={"PYTHONPATH": str(REPO)}, timeout_s=900, cwd=str(REPO))
+    results = launch_local(argv, world, env=RANK_ENV, timeout_s=900, cwd=str(REPO))
     for rank, r in enumerate(results):
         assert r.returncode == 0, f"rank {rank} exited {r.returncode}:\n{r.stderr[-4000:]}"
     dp = world // tp
