@@ -85,39 +85,37 @@ def _check(ranks: list[dict], config: str, model_name: str, dp: int = 1):
 
 PP2 = ["gpipe:sgd", "1f1b:sgd", "interleaved_1f1b:sgd:2", "zb1p:sgd", "dualpipev:sgd", "1f1b:adamw"]
 
-
-@pytest.fixture(scope="module")
-def pp2(tmp_path_factory):
-    return _launch(tmp_path_factory, "pp2", 2, "gpt4", 2, 1, PP2)
+# One test per launch, one subtest per plan: under ``pytest -n`` a module fixture shared by several
+# tests would be launched again in every worker that runs one of them.
 
 
-@pytest.mark.parametrize("config", PP2)
-def test_pp2_gpt_matches_single_process_training(pp2, config):
-    _check(pp2, config, "gpt4")
-
-
-def test_pp2_measured_timeline_has_every_action_once(pp2):
+def test_pp2_gpt_every_schedule_matches_single_process_training(tmp_path_factory, subtests):
+    pp2 = _launch(tmp_path_factory, "pp2", 2, "gpt4", 2, 1, PP2)
+    for config in PP2:
+        with subtests.test(config=config):
+            _check(pp2, config, "gpt4")
     for config, kinds in (("1f1b:sgd", "FB"), ("zb1p:sgd", "FIW"), ("interleaved_1f1b:sgd:2", "FB")):
-        events = [e for r in pp2 for e in r[config]["events"]]
-        timeline = timeline_from_events(events)
-        stages, m = pp2[0][config]["stages"], pp_worker.microbatches_for(config.split(":")[0], 2)
-        for kind in kinds:
-            got = sorted((e.stage, e.microbatch) for e in timeline.events if e.kind == kind)
-            assert got == sorted((s, i) for s in range(stages) for i in range(m)), (config, kind)
-        assert 0.0 < timeline.bubble_fraction < 1.0
+        with subtests.test(timeline=config):
+            # The measured timeline has every action once.
+            events = [e for r in pp2 for e in r[config]["events"]]
+            timeline = timeline_from_events(events)
+            stages, m = pp2[0][config]["stages"], pp_worker.microbatches_for(config.split(":")[0], 2)
+            for kind in kinds:
+                got = sorted((e.stage, e.microbatch) for e in timeline.events if e.kind == kind)
+                assert got == sorted((s, i) for s in range(stages) for i in range(m)), (config, kind)
+            assert 0.0 < timeline.bubble_fraction < 1.0
 
 
-@pytest.fixture(scope="module")
-def pp4(tmp_path_factory):
-    return _launch(tmp_path_factory, "pp4", 4, "heavy_head", 4, 1, ["1f1b:sgd", "zb1p:sgd"])
+def test_pp4_heavy_head_matches_single_process_training(tmp_path_factory, subtests):
+    configs = ["1f1b:sgd", "zb1p:sgd"]
+    pp4 = _launch(tmp_path_factory, "pp4", 4, "heavy_head", 4, 1, configs)
+    for config in configs:
+        with subtests.test(config=config):
+            _check(pp4, config, "heavy_head")
 
 
-@pytest.mark.parametrize("config", ["1f1b:sgd", "zb1p:sgd"])
-def test_pp4_heavy_head_matches_single_process_training(pp4, config):
-    _check(pp4, config, "heavy_head")
-
-
-def test_dp2_x_pp2_matches_single_process_training(tmp_path_factory):
+def test_dp2_x_pp2_matches_single_process_training(tmp_path_factory, subtests):
     ranks = _launch(tmp_path_factory, "dp2pp2", 4, "gpt4", 2, 2, ["1f1b:sgd", "1f1b:adamw"])
-    _check(ranks, "1f1b:sgd", "gpt4", dp=2)
-    _check(ranks, "1f1b:adamw", "gpt4", dp=2)
+    for config in ("1f1b:sgd", "1f1b:adamw"):
+        with subtests.test(config=config):
+            _check(ranks, config, "gpt4", dp=2)
