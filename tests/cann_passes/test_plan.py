@@ -47,12 +47,19 @@ def test_yaml_plan_loads(tmp_path):
     assert plan.backend == "eager" and plan.extra_passes == ("cleanup{cse=false}",)
 
 
-@pytest.mark.parametrize("fields, pass_name", [({"pp": 2, "microbatches": 2}, "pipeline_split")])
-def test_capability_not_built_raises_not_implemented_naming_it(fields, pass_name):
-    if is_registered(pass_name):
-        pytest.skip(f"the '{pass_name}' pass is registered")
+@pytest.mark.parametrize("fields, pass_name", [({"pp": 2, "microbatches": 2}, "pipeline_split"),
+                                               ({"tp": 2}, "tensor_parallel"),
+                                               ({"dp": 2, "zero_stage": 1}, "optimizer_shard")])
+def test_capability_not_built_raises_not_implemented_naming_it(fields, pass_name, monkeypatch):
+    # A build without the pass (a user's trimmed registry) must refuse the field, not ignore it.
+    import cann_passes.pass_manager as pass_manager
+    registered = pass_manager.is_registered
+    monkeypatch.setattr(pass_manager, "is_registered", lambda name: name != pass_name and registered(name))
     with pytest.raises(NotImplementedError, match=pass_name):
         Plan(**fields)
+    monkeypatch.undo()
+    assert registered(pass_name)
+    Plan(**fields)
 
 
 @pytest.mark.parametrize("fields", [{"precision": "bf16"}, {"dp": 2, "zero_stage": 3},
