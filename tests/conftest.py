@@ -16,6 +16,17 @@ from recipes.models.mlp import MLP, mlp_loss
 os.environ.setdefault("CANN_PASSES_COMPILE_CACHE", "off")
 
 
+@pytest.fixture(scope="module")
+def one_intra_op_thread():
+    """Tiny models' ops take microseconds: on a shared machine (the suite runs one pytest worker
+    per core) a second intra-op thread buys no speed and its spin-waits cost the most CPU time.
+    Use with ``pytestmark = pytest.mark.usefixtures("one_intra_op_thread")``; restored after the module."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def make_optimizer(kind: str, params):
     if kind == "sgd":
         return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-4)

@@ -27,16 +27,7 @@ import pp_worker  # noqa: E402
 REPO = Path(__file__).resolve().parents[2]
 WORKER = str(Path(__file__).parent / "pp_worker.py")
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_intra_op_thread():
-    """The eager reference in this process too (restored after the module)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_intra_op_thread")]  # the eager reference too
 
 
 def _launch(tmp_path_factory, name: str, nprocs: int, model: str, pp: int, dp: int, configs: list[str]):

@@ -53,13 +53,7 @@ def _train(model, plan, steps=2):
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, step
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_intra_op_thread():
-    """Tiny ops on a shared machine (the suite runs one process per core): more threads only wait."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 @pytest.fixture(scope="module")

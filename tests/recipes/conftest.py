@@ -2,18 +2,12 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_thread_per_test_process():
-    """Small recipe models on one intra-op thread: at hidden sizes of 32-64, a second thread buys no
-    speed, and on a shared machine (or beside another pytest worker) its spin-waits cost the most
-    CPU time of a recipe test. Restored after the module."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _recipes_on_one_thread(one_intra_op_thread):
+    """Every recipe test module: hidden sizes of 32-64 (see tests/conftest.py)."""
     yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

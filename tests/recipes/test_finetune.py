@@ -24,14 +24,6 @@ TINY = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These models' ops take microseconds: one thread each is faster on a shared machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
