@@ -27,6 +27,16 @@ def one_intra_op_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="module")
+def torchair():
+    """torchair, loaded offline from the torch_npu wheel; skips where the wheel cannot be had."""
+    from cann_passes.lowering.ge_offline import TorchairUnavailable, load_torchair
+    try:
+        return load_torchair()
+    except TorchairUnavailable as e:
+        pytest.skip(f"torchair (torch_npu wheel) unavailable: {e}")
+
+
 def make_optimizer(kind: str, params):
     if kind == "sgd":
         return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-4)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from cann_passes import Plan
-from cann_passes.lowering.ge_offline import TorchairUnavailable, load_torchair, lower_to_ge
+from cann_passes.lowering.ge_offline import lower_to_ge
 from cann_passes.pass_manager import PassContext, PassManager
 from cann_passes.passes.npu_legalize import _index_put
 from graph_ir import capture_train_step
@@ -14,12 +14,7 @@ from tests.zoo import build
 PIPELINE = "cleanup,autocast{dtype=bf16,policy=npu},npu_legalize,cleanup"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def torchair():
-    try:
-        return load_torchair()
-    except TorchairUnavailable as e:
-        pytest.skip(f"torchair (torch_npu wheel) unavailable: {e}")
+pytestmark = pytest.mark.usefixtures("torchair")  # skips the module where torchair cannot be had
 
 
 @pytest.mark.parametrize("name", ["llama", "bert", "gpt2", "clip"])

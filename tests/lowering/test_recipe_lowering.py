@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cann_passes import Plan
-from cann_passes.lowering.ge_offline import TorchairUnavailable, load_torchair, write_ge_report
+from cann_passes.lowering.ge_offline import write_ge_report
 from cann_passes.pass_manager import PassContext, PassManager, is_registered
 from graph_ir import capture_train_step
 from recipes.data.text import TextBatches, load_corpus
@@ -17,12 +17,7 @@ from tools.lower_check import compile_recipe, main
 GPT_TINY = "recipes.models.gpt:gpt_tiny"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def torchair():
-    try:
-        return load_torchair()
-    except TorchairUnavailable as e:
-        pytest.skip(f"torchair (torch_npu wheel) unavailable: {e}")
+pytestmark = pytest.mark.usefixtures("torchair")  # skips the module where torchair cannot be had
 
 
 def _matmuls(h: dict) -> int:

@@ -5,18 +5,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cann_passes.lowering.ge_offline import TorchairUnavailable, load_torchair, lower_to_ge
+from cann_passes.lowering.ge_offline import lower_to_ge
 from cann_passes.pass_manager import PassContext, PassManager
 from graph_ir import capture_train_step
 from tests import zoo
 
 
-@pytest.fixture(scope="module", autouse=True)
-def torchair():
-    try:
-        return load_torchair()
-    except TorchairUnavailable as e:
-        pytest.skip(f"torchair (torch_npu wheel) unavailable: {e}")
+pytestmark = pytest.mark.usefixtures("torchair")  # skips the module where torchair cannot be had
 
 
 @pytest.fixture(scope="module")
