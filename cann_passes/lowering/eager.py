@@ -4,25 +4,53 @@ The reference backend: no compilation, so every other backend is checked
 against it, and the one that runs anywhere torch runs. It runs the graph's
 generated Python code (``GraphModule.forward``), not an interpreter.
 
-The captured step is functional: every op allocates its result. Eager
-PyTorch's optimizer updates its temporaries in place instead, and with ~10
-full-size temporaries per parameter the fresh allocations (page faults on
-every step) cost more than the arithmetic. So the lowered copy rewrites a
-pointwise op whose first operand's buffer dies at that op into its in-place
-variant (``add`` -> ``add_``), the reuse eager code does by hand. Graph
-inputs are never written (the step stays atomic: the model and optimizer
-keep their old values until the runtime stores the outputs), nor is any
-buffer still read later through any alias; the same kernel runs on the same
-values, so results are bitwise those of the functional graph.
+The captured step is functional: every op allocates its result, and the new
+parameters and optimizer state are fresh tensors. Eager PyTorch's optimizer
+updates them in place instead, and with ~10 full-size temporaries per
+parameter the fresh allocations (page faults on every step) cost more than
+the arithmetic. So the lowered copy rewrites a pointwise op whose first
+operand's buffer dies at that op into its in-place variant (``add`` ->
+``add_``), the reuse eager code does by hand:
+
+- a buffer the graph allocated, when nothing reads it (through any alias)
+  later;
+- a parameter, buffer or optimizer-state input of a whole-step or apply
+  graph, when its last reader is that op, the chain of in-place ops that
+  starts there ends in the graph's output for that same value (so the graph
+  returns the input itself, holding its new contents, and the runtime has
+  nothing to store), and the op comes after every forward and backward op
+  and every collective: the loss, every gradient and every exchange are done
+  before the first input is written, so a step that fails there (bad labels,
+  an index out of range, a peer gone) leaves the model and the optimizer as
+  they were. At run time the inputs written must not share storage with any
+  other input (a user's optimizer state aliasing a parameter, a flattened
+  parameter buffer) and must not overlap themselves; a call where they do
+  runs the functional copy instead.
+
+The same kernel runs on the same values, so results are bitwise those of the
+functional graph.
 """
 from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.fx
 from torch.fx.passes.reinplace import _maybe_get_inplace_op
 
 from graph_ir import TrainGraph
+from graph_ir.analysis.collectives import is_communication_op
 from graph_ir.analysis.memory import storage_roots
+from graph_ir.meta import GraphKind, Region, graph_kind, region_of
+from graph_ir.signature import InputKind
+
+# Inputs the runtime owns and stores back after the step; the batch and hyperparameters are the user's.
+WRITABLE_INPUTS = (InputKind.PARAM.value, InputKind.BUFFER.value, InputKind.OPT_STATE.value)
+# Graphs whose updated inputs the runtime stores right after the call, with no other graph holding
+# an older view of them in between (pipeline stages pass saved values between calls).
+INPUT_WRITING_GRAPHS = (GraphKind.STEP, GraphKind.APPLY)
 
 
 def _layout(val) -> tuple | None:
@@ -31,11 +59,13 @@ def _layout(val) -> tuple | None:
     return (tuple(val.shape), val.dtype, tuple(val.stride()), val.device) if val.is_contiguous() else None
 
 
-def reuse_dead_operands(gm: torch.fx.GraphModule) -> int:
-    """Rewrite ``y = op(x, ...)`` to ``y = op_(x, ...)`` where ``op`` is pointwise, ``x`` is a buffer
-    the graph allocated, nothing reads it (through any alias) after this op, and ``x`` has ``y``'s
-    shape, dtype and (contiguous) strides. Returns how many ops were rewritten."""
-    graph = gm.graph
+@dataclass
+class ReusePlan:
+    rewrites: dict[torch.fx.Node, torch._ops.OpOverload] = field(default_factory=dict)
+    written: set[torch.fx.Node] = field(default_factory=set)   # graph inputs written in place
+
+
+def _plan(graph: torch.fx.Graph, writable: dict[torch.fx.Node, int]) -> ReusePlan:
     nodes = list(graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     roots = storage_roots(graph)
@@ -49,21 +79,29 @@ def reuse_dead_operands(gm: torch.fx.GraphModule) -> int:
 
     never = len(nodes) + 1
     last_use: dict[torch.fx.Node, int] = {}
+    fence = -1   # inputs are written only after this position (the last non-optimizer op or collective)
     for n in nodes:
         for a in n.all_input_nodes:
             r = roots[a]
             last_use[r] = never if n.op == "output" else max(last_use.get(r, -1), position[n])
-    rewritten = 0
+        if n.op == "call_function" and (region_of(n) != Region.OPTIMIZER or is_communication_op(n)):
+            fence = position[n]
+    plan = ReusePlan()
     for n in nodes:
         if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload) or not n.args:
             continue
         if torch.Tag.pointwise not in n.target.tags or torch.Tag.nondeterministic_seeded in n.target.tags:
             continue
         x = n.args[0]
-        if not isinstance(x, torch.fx.Node) or x.op != "call_function":
+        if not isinstance(x, torch.fx.Node):
             continue
         root = find(x)
-        if root.op != "call_function" or last_use.get(root) != position[n]:
+        if root.op == "placeholder":
+            if root not in writable or position[n] <= fence:
+                continue
+        elif root.op != "call_function" or x.op != "call_function":
+            continue
+        if last_use.get(root) != position[n]:
             continue
         others = [a for a in n.all_input_nodes if a is not x]
         if x in (n.args[1:] + tuple(n.kwargs.values())) or any(find(a) is root for a in others):
@@ -74,15 +112,81 @@ def reuse_dead_operands(gm: torch.fx.GraphModule) -> int:
         inplace = _maybe_get_inplace_op(n.target)
         if inplace is None:
             continue
-        n.target = inplace
-        # y now names x's buffer: the buffer lives as long as y's own readers.
+        plan.rewrites[n] = inplace
+        if root.op == "placeholder":
+            plan.written.add(root)
+        # n now names x's buffer: the buffer lives as long as n's own readers.
         own = roots[n]
         parent[own] = root
         last_use[root] = last_use.get(own, position[n])
-        rewritten += 1
-    if rewritten:
+    # An input is written only if the graph returns it as its own new value; else it stays untouched.
+    outputs = list(graph.output_node().args[0])
+    wrong = {p for p in plan.written if find(outputs[writable[p]]) is not p}
+    if wrong:
+        return _plan(graph, {p: i for p, i in writable.items() if p not in wrong})
+    return plan
+
+
+def reuse_dead_operands(gm: torch.fx.GraphModule, writable: dict[torch.fx.Node, int] | None = None) -> int:
+    """Rewrite ``y = op(x, ...)`` to ``y = op_(x, ...)`` where ``op`` is pointwise, nothing reads ``x``'s
+    buffer (through any alias) after this op, and ``x`` has ``y``'s shape, dtype and (contiguous)
+    strides; ``x``'s buffer is one the graph allocated, or a placeholder in ``writable`` (placeholder ->
+    index of the graph output that is its new value: it is written only if that output ends up
+    naming its buffer). Returns how many ops were rewritten; ``gm.meta['written_inputs']`` lists the
+    placeholders written."""
+    plan = _plan(gm.graph, writable or {})
+    for node, inplace in plan.rewrites.items():
+        node.target = inplace
+    gm.meta["written_inputs"] = [n.name for n in gm.graph.nodes if n in plan.written]
+    if plan.rewrites:
         gm.recompile()
-    return rewritten
+    return len(plan.rewrites)
+
+
+def writable_inputs(graph: TrainGraph) -> dict[torch.fx.Node, int]:
+    """Inputs of ``graph`` the eager lowering may update in place: placeholder -> index of its new value."""
+    if graph_kind(graph.attrs) not in INPUT_WRITING_GRAPHS:
+        return {}
+    outputs = {(s.kind, s.name): i for i, s in enumerate(graph.signature.outputs)}
+    return {node: outputs[(spec.kind, spec.name)]
+            for node, spec in zip(graph.placeholders(), graph.signature.inputs)
+            if spec.kind in WRITABLE_INPUTS and (spec.kind, spec.name) in outputs}
+
+
+class EagerRunner:
+    """The lowered graph, guarded: a call whose written inputs share storage with another input (or
+    overlap themselves) runs the functional copy instead."""
+
+    def __init__(self, gm: torch.fx.GraphModule, written: list[int], functional: Callable[[], torch.fx.GraphModule]):
+        self.gm, self.written = gm, written
+        self._make_functional, self._functional = functional, None
+
+    @property
+    def graph(self) -> torch.fx.Graph:
+        return self.gm.graph
+
+    @property
+    def code(self) -> str:
+        return self.gm.code
+
+    def safe(self, inputs) -> bool:
+        """Whether the written inputs of this call own their storage alone, without internal overlap."""
+        if not self.written:
+            return True
+        storages = Counter(t.untyped_storage().data_ptr() for t in inputs
+                           if isinstance(t, torch.Tensor) and t.numel())
+        for i in self.written:
+            t = inputs[i]
+            if t.numel() and (not t.is_contiguous() or storages[t.untyped_storage().data_ptr()] != 1):
+                return False
+        return True
+
+    def __call__(self, *inputs):
+        if self.safe(inputs):
+            return self.gm(*inputs)
+        if self._functional is None:
+            self._functional = self._make_functional()
+        return self._functional(*inputs)
 
 
 class EagerLowering:
@@ -93,6 +197,19 @@ class EagerLowering:
 
     def compile(self, graph: TrainGraph, example_inputs, plan):
         lowered = graph.copy()
-        lowered.attrs["reused_buffers"] = reuse_dead_operands(lowered.gm)
+        writable = writable_inputs(lowered)
+        lowered.attrs["reused_buffers"] = reuse_dead_operands(lowered.gm, writable)
+        names = set(lowered.gm.meta["written_inputs"])
         lowered.recompile()
-        return lowered.gm
+        written = [i for i, p in enumerate(lowered.placeholders()) if p.name in names]
+
+        def functional() -> torch.fx.GraphModule:
+            copy = graph.copy()
+            reuse_dead_operands(copy.gm)
+            return copy.gm
+
+        runner = EagerRunner(lowered.gm, written, functional)
+        # What the step updates in place, ``kind:name`` (for reports and tests).
+        runner.written_inputs = [f"{lowered.signature.inputs[i].kind}:{lowered.signature.inputs[i].name}"
+                                 for i in written]
+        return runner

@@ -147,6 +147,12 @@ def bind_inputs(graph: TrainGraph, model: torch.nn.Module, optimizer: torch.opti
     return flat
 
 
+def _same_tensor(held: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether ``value`` is ``held``'s own memory, seen the same way (an input updated in place)."""
+    return (value.data_ptr() == held.data_ptr() and value.shape == held.shape and value.stride() == held.stride()
+            and value.dtype == held.dtype)
+
+
 def write_back(graph: TrainGraph, outputs, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                step_state: StepState, shards: ShardStore | None = None) -> dict[str, torch.Tensor]:
     """Store new parameters, buffers, optimizer and step state; return the metrics."""
@@ -161,15 +167,18 @@ def write_back(graph: TrainGraph, outputs, model: torch.nn.Module, optimizer: to
                 shards.store(f"{kind}:{spec.name}", value, placement)
             elif kind == OutputKind.PARAM:
                 # Rebinding .data keeps the Parameter object (and so the optimizer's
-                # references and any tied modules) while taking the new storage.
-                params[spec.name].data = value
+                # references and any tied modules) while taking the new storage; a
+                # backend that updated the parameter in place returns its own storage.
+                if not _same_tensor(params[spec.name], value):
+                    params[spec.name].data = value
             elif kind == OutputKind.OPT_STATE:
                 name, key = split_state_name(spec.name)
                 optimizer.state[params[name]][key] = value
                 if placement is not None:
                     shards.store(f"{kind}:{spec.name}", value, placement)
             elif kind == OutputKind.BUFFER:
-                buffers[spec.name].copy_(value)
+                if not _same_tensor(buffers[spec.name], value):
+                    buffers[spec.name].copy_(value)
             elif kind == OutputKind.STEP_STATE:
                 step_state.values[spec.name] = value
             elif kind == OutputKind.METRIC:

@@ -1,10 +1,15 @@
-"""The eager backend's buffer reuse: in-place only where the functional graph's buffer is dead."""
+"""The eager backend's buffer reuse: in-place only where the functional graph's buffer is dead, and into
+parameter and optimizer-state inputs only where the step returns them as their own new value."""
 from __future__ import annotations
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import pytest
+
+from cann_passes import Plan, compile_for_npu
 from cann_passes.lowering.eager import reuse_dead_operands
+from tests.conftest import eager_losses, mlp_batches, tiny_mlp
 
 aten = torch.ops.aten
 
@@ -65,3 +70,106 @@ def test_broadcast_and_dtype_change_stay_functional():
     gm, _ = _run_both(f, torch.randn(1, 4), torch.randn(4, 4))
     by_name = {n.name: n for n in gm.graph.nodes}
     assert by_name["add"].target is aten.add.Tensor
+
+
+# -- graph inputs updated in place -----------------------------------------------------------------
+
+def _optimizer_region(gm):
+    from graph_ir.meta import REGION, Region
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            n.meta[REGION] = Region.OPTIMIZER.value
+    return gm
+
+
+def test_an_input_is_written_only_where_the_graph_returns_it_as_its_new_value():
+    def update(p, m, g):
+        m2 = m * 0.9 + g                 # ends in output 1: m's new value
+        p2 = (p * 0.5).cumsum(0)         # cumsum is not pointwise: p's chain ends in a fresh buffer
+        return p2, m2
+
+    args = (torch.randn(8), torch.randn(8), torch.randn(8))
+    gm = _optimizer_region(_traced(update, *args))
+    reference = gm(*[a.clone() for a in args])
+    p, m, g = gm.graph.find_nodes(op="placeholder")
+    reuse_dead_operands(gm, {p: 0, m: 1})
+    assert gm.meta["written_inputs"] == [m.name]
+    inputs = [a.clone() for a in args]
+    out = gm(*inputs)
+    assert out[1] is inputs[1], "m's new value is m itself"
+    assert torch.equal(inputs[0], args[0]) and torch.equal(inputs[2], args[2])
+    assert all(torch.equal(o, r) for o, r in zip(out, reference))
+
+
+def test_no_input_is_written_before_the_last_forward_or_backward_op():
+    from graph_ir.meta import REGION, Region
+
+    def step(p, g):
+        new = p * 0.9 + g
+        return new, (g * 2).sum()
+
+    args = (torch.randn(8), torch.randn(8))
+    gm = _optimizer_region(_traced(step, *args))
+    last = [n for n in gm.graph.nodes if n.op == "call_function"][-1]
+    last.meta[REGION] = Region.BACKWARD.value      # a backward op after the update: a failure there must find p intact
+    p, _ = gm.graph.find_nodes(op="placeholder")
+    reuse_dead_operands(gm, {p: 0})
+    assert gm.meta["written_inputs"] == []
+
+
+def _twins(build):
+    model, loss_fn = build()
+    ref, _ = build()
+    ref.load_state_dict(model.state_dict())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    return model, opt, ref, ref_opt, loss_fn
+
+
+def _zoo_gpt2():
+    from tests.zoo import build
+    entry = build("gpt2", layers=2)      # tied input and output embeddings: one parameter, updated once
+    return entry.model, entry.loss_fn
+
+
+@pytest.mark.parametrize("build", [tiny_mlp, _zoo_gpt2], ids=["mlp", "transformers-gpt2"])
+def test_the_step_updates_parameters_and_state_in_place_bitwise_like_torch_optim(build):
+    from tests.zoo import causal_lm_batch
+    model, opt, ref, ref_opt, loss_fn = _twins(build)
+    batches = mlp_batches(3) if build is tiny_mlp else [causal_lm_batch(s) for s in range(3)]
+    step = compile_for_npu(model, Plan(backend="eager", compile_cache="off"), optimizer=opt, loss_fn=loss_fn)
+    step(batches[0])
+    storage = [p.data_ptr() for p in model.parameters()]
+    state = {id(t) for s in opt.state.values() for t in s.values()}
+    for b in batches[1:]:
+        step(b)
+    runner = step.last.runners["step"]
+    n_params = len(list(model.parameters()))
+    assert len(runner.written_inputs) == 4 * n_params        # parameter, step, exp_avg, exp_avg_sq
+    assert [p.data_ptr() for p in model.parameters()] == storage
+    assert {id(t) for s in opt.state.values() for t in s.values()} == state
+    eager_losses(ref, loss_fn, ref_opt, batches)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    ours, theirs = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+    assert all(torch.equal(ours[i][k], theirs[i][k]) for i in theirs for k in theirs[i])
+
+
+def test_inputs_sharing_storage_run_the_functional_copy():
+    model, opt, ref, ref_opt, loss_fn = _twins(tiny_mlp)
+    batches = mlp_batches(2)
+    step = compile_for_npu(model, Plan(backend="eager", compile_cache="off"), optimizer=opt, loss_fn=loss_fn)
+    step(batches[0])
+    eager_losses(ref, loss_fn, ref_opt, batches[:1])
+    # A user's state that makes two inputs one tensor: an in-place update of one would change the other.
+    first, second = list(model.parameters())[:2]
+    shared = opt.state[first]["exp_avg_sq"]
+    opt.state[second]["exp_avg_sq"] = shared.view(-1)[: second.numel()].view_as(second)
+    runner = step.last.runners["step"]
+    from cann_passes.runtime.binding import bind_inputs
+    inputs = bind_inputs(step.last.program["step"], model, opt, batches[1], step.step_state)
+    assert not runner.safe(inputs)
+    kept = [t.clone() for t in inputs]
+    outputs = runner(*inputs)
+    assert all(torch.equal(t, k) for t, k in zip(inputs, kept)), "the functional copy writes no input"
+    functional = runner._functional(*kept)
+    assert all(torch.equal(a, b) for a, b in zip(outputs, functional))
