@@ -129,12 +129,12 @@ def _slice_own_shard(tg: TrainGraph, name: str, layout: ShardLayout) -> None:
     redirect(param, build.pad_to(own, layout.shard[name]), readers)
 
 
-def _shard_inputs(tg: TrainGraph, names: list[str], layout: ShardLayout, stage: int) -> None:
+def _shard_inputs(tg: TrainGraph, names: list[str], layout: ShardLayout, shard_params: bool) -> None:
     mode = tg.fake_mode()
     for i, spec in enumerate(tg.signature.inputs):
         if spec.kind == InputKind.OPT_STATE:
             owner = spec.name.rpartition(":")[0]
-        elif spec.kind == InputKind.PARAM and stage == 3:
+        elif spec.kind == InputKind.PARAM and shard_params:
             owner = spec.name
         else:
             continue
@@ -148,7 +148,7 @@ def _shard_inputs(tg: TrainGraph, names: list[str], layout: ShardLayout, stage: 
             # The same placement for the input and the output it becomes: binding, checkpoints and
             # the user-facing state dicts read it (graph_ir.placement), nothing re-derives it.
             set_placement(tg, spec.kind, spec.name, layout.placement[owner], node)
-    if stage < 3:
+    if not shard_params:
         for name in names:
             _slice_own_shard(tg, name, layout)
 
@@ -261,11 +261,112 @@ def _shard_parameters(tg: TrainGraph, names: list[str], layout: ShardLayout, buc
                 user.replace_input_with(source, twin)
 
 
+# -- stage 1/2, master sharded: the step's low-precision parameters gathered once ------------------
+
+_CASTS = (aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+LOW_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _step_readers(param: torch.fx.Node) -> list[torch.fx.Node]:
+    """The forward and backward nodes that read a parameter input (the update reads its shard)."""
+    return [u for u in param.users if u.op == "call_function" and region_of(u) in (Region.FORWARD, Region.BACKWARD)]
+
+
+def _low_precision_cast(param: torch.fx.Node) -> torch.fx.Node | None:
+    """The one cast to bf16/fp16 that every forward and backward read of ``param`` goes through.
+
+    Mixed precision (the autocast pass) casts a weight once per step and shares that cast between
+    forward and backward; a weight read so is needed whole only in the low dtype.
+    """
+    readers = _step_readers(param)
+    if len(readers) != 1 or readers[0].target not in _CASTS:
+        return None
+    cast = readers[0]
+    if cast.target is aten._to_copy.default and set(cast.kwargs) != {"dtype"}:
+        return None                  # a device or layout change as well: not a pure dtype cast
+    val = cast.meta.get("val")
+    return cast if isinstance(val, torch.Tensor) and val.dtype in LOW_DTYPES else None
+
+
+def _gather_whole_for_step(tg: TrainGraph, names: list[str], layout: ShardLayout, bucket_bytes: float) -> dict:
+    """Stage 1/2 with the master sharded: rebuild each parameter whole once, before its first read.
+
+    A parameter read only through one low-precision cast is gathered in that dtype (the cast is
+    made on this rank's fp32 shard, so the gathered copy is bit for bit the cast of the whole
+    fp32 parameter); any other is gathered in its own dtype. The whole copy serves forward and
+    backward (no second gather, unlike stage 3) and dies after its last backward use.
+    Returns the gathered elements per dtype name.
+    """
+    position = position_map(tg)
+    todo = []
+    for name in names:
+        param = tg.input_node(InputKind.PARAM, name)
+        cast = _low_precision_cast(param)
+        readers = [cast] if cast is not None else _step_readers(param)
+        if readers:
+            todo.append((min(readers, key=position.__getitem__), name, cast))
+    todo.sort(key=lambda t: position[t[0]])
+    dtype_of = {n: (c.meta["val"].dtype if c is not None else tg.input_node(InputKind.PARAM, n).meta["val"].dtype)
+                for _, n, c in todo}
+    cast_of = {n: c for _, n, c in todo}
+    # Buckets of one dtype each (one all-gather moves one dtype), in first-read order.
+    runs: list[list[str]] = []
+    for _, name, _ in todo:
+        if runs and dtype_of[runs[-1][-1]] == dtype_of[name]:
+            runs[-1].append(name)
+        else:
+            runs.append([name])
+    moved: dict[str, int] = {}
+    for run in runs:
+        dtype = dtype_of[run[0]]
+        sizes = {n: layout.numel[n] * dtype.itemsize for n in run}
+        for bucket in make_buckets(run, sizes, bucket_bytes):
+            params = {n: tg.input_node(InputKind.PARAM, n) for n in bucket}
+            readers = {n: [cast_of[n]] if cast_of[n] is not None else _step_readers(params[n]) for n in bucket}
+            anchor = min((u for n in bucket for u in readers[n]), key=position_map(tg).__getitem__)
+            build = NodeBuilder(tg, anchor, region_of(anchor), ORIGIN)
+            pieces = [build(aten._to_copy.default, params[n], dtype=dtype) if cast_of[n] is not None else params[n]
+                      for n in bucket]
+            row = build(aten.cat.default, pieces) if len(pieces) > 1 else pieces[0]
+            gathered = build(c10d.wait_tensor.default,
+                             build(c10d.all_gather_into_tensor.default, row, layout.group.size,
+                                   layout.group.group_name))
+            table = build(aten.view.default, gathered, [layout.group.size, -1])
+            offset = 0
+            for name in bucket:
+                whole = _column_to_param(build, table, offset, name, layout)
+                offset += layout.shard[name]
+                if cast_of[name] is not None:
+                    cast_of[name].replace_all_uses_with(whole)
+                    tg.graph.erase_node(cast_of[name])
+                else:
+                    for user in readers[name]:
+                        user.replace_input_with(params[name], whole)
+            key = str(dtype).removeprefix("torch.")
+            moved[key] = moved.get(key, 0) + layout.group.size * sum(layout.shard[n] for n in bucket)
+    return moved
+
+
+MASTER_OPTIONS = ("whole", "sharded")
+
+
+def _master_sharded(graph: TrainGraph, stage: int, master: str) -> bool:
+    if master not in MASTER_OPTIONS:
+        raise DistributedRewriteError(f"optimizer_shard option master={master!r} must be one of {MASTER_OPTIONS}")
+    if stage == 3 or master == "whole":
+        return stage == 3
+    if GraphAttr.GRAD_ACCUMULATION in graph.attrs:
+        raise DistributedRewriteError(
+            "optimizer_shard option master='sharded' with gradient accumulation is not built (rule: the "
+            "whole parameters would be gathered once per microbatch; use master='whole' or stage=3)")
+    return True
+
+
 # -- the pass -----------------------------------------------------------------------------------
 
 @register_pass("optimizer_shard", preserves=())
 def optimizer_shard_pass(graph: TrainGraph, ctx: PassContext, *, stage: int = 1,
-                         bucket_mb: float = 25.0) -> TrainGraph:
+                         bucket_mb: float = 25.0, master: str = "whole") -> TrainGraph:
     """ZeRO stage 1/2/3 over the mesh's ``dp`` dimension (see the module docstring)."""
     if stage not in (1, 2, 3):
         raise DistributedRewriteError(f"optimizer_shard option stage={stage} must be 1, 2 or 3")
@@ -285,21 +386,26 @@ def optimizer_shard_pass(graph: TrainGraph, ctx: PassContext, *, stage: int = 1,
     layout = ShardLayout(graph, order, group)
     sizes = {n: nbytes(grads[n].meta["val"]) for n in order}
     buckets = make_buckets(order, sizes, bucket_bytes)
+    sharded_master = _master_sharded(graph, stage, master)
     for bucket in buckets:
         _reduce_scatter_bucket(graph, bucket, grads, layout, stage, "sum" if accumulating else "avg")
-    _shard_inputs(graph, order, layout, stage)
+    _shard_inputs(graph, order, layout, shard_params=sharded_master)
     for node in optimizer_subgraph(graph, order):
         recompute_val(graph, node)
-    if stage < 3:
+    gathered = {}
+    if stage == 3:
+        _shard_parameters(graph, order, layout, bucket_bytes)
+    elif sharded_master:
+        gathered = _gather_whole_for_step(graph, order, layout, bucket_bytes)
+    else:
         for bucket in buckets:
             _gather_new_params(graph, bucket, layout)
-    else:
-        _shard_parameters(graph, order, layout, bucket_bytes)
     average_loss(graph, group, ORIGIN)
     padding = {n: layout.padding(n) for n in order}
     graph.attrs[GraphAttr.SHARDED_STATE] = True
     graph.attrs[GraphAttr.ZERO] = {"stage": stage, "dp": group.size, "rank": group.rank, "axis": DP,
-                                   "params": layout.to_json()}
+                                   "master": "sharded" if sharded_master else "whole",
+                                   "gathered_for_step": gathered, "params": layout.to_json()}
     ctx.stat("buckets", len(buckets))
     ctx.stat("padding_elements", sum(padding.values()))
     for kind, elements in collective_elements(graph).items():

@@ -90,6 +90,50 @@ def parity(world_size: int, out: str, strategies: str, verify: str):
         torch.save(result, f"{out}/parity.rank{world.rank}.pt")
 
 
+def with_master(plan, master: str):
+    """``plan`` with the optimizer_shard pass option ``master`` (the plan's own pipeline, as text)."""
+    import dataclasses
+    from cann_passes.pass_manager import Pipeline
+    from cann_passes.pipeline import build_pipeline
+    passes = [dataclasses.replace(p, options=(*p.options, ("master", master))) if p.name == "optimizer_shard" else p
+              for p in build_pipeline(plan, "eager").passes]
+    return plan.replace(pipeline=str(Pipeline(tuple(passes))))
+
+
+MASTER_RUNS = {"dp": (0, "whole"), "zero1": (1, "sharded"), "zero2": (2, "sharded"), "zero2_whole": (2, "whole")}
+
+
+def master(world_size: int, out: str, precision: str, runs: str):
+    """ZeRO-1/2 with the fp32 master sharded: what the user's model, optimizer and graph show."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    base = Plan(backend="eager", verify="shallow", dp=world_size, bucket_mb=0.02, precision=precision)
+    with init_distributed(base) as world:
+        result = {}
+        for name in runs.split(","):
+            stage, how = MASTER_RUNS[name]
+            plan = base.replace(zero_stage=stage)
+            plan = with_master(plan, how) if stage else plan
+            model, opt = make_model()
+            step = compile_for_npu(model, plan, optimizer=opt, loss_fn=gpt_loss)
+            losses = [float(step(shard_batch(global_batch(i), world.dp_rank, world.dp_size))) for i in range(5)]
+            state = {k: v.detach().clone() for k, v in model.state_dict().items()}   # no project call
+            model.eval()
+            with torch.no_grad():
+                evaluated = model(probe_batch())
+            model.train()
+            full = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+            graph = step.last.graph
+            nodes = [(str(n.target), str(n.meta.get("region")), str(n.meta["val"].dtype))
+                     for n in graph.graph.nodes if "c10d" in str(n.target) and "wait" not in str(n.target)]
+            inputs = {s.name: tuple(n.meta["val"].shape) for s, n in zip(graph.signature.inputs, graph.placeholders())
+                      if s.kind == "param"}
+            result[name] = {"losses": losses, "state": state, "eval": evaluated,
+                            "optim": {k: {kk: vv.clone() for kk, vv in v.items()} for k, v in full["state"].items()},
+                            "collectives": nodes, "param_inputs": inputs, "zero": graph.attrs.get("zero"),
+                            "shards": sorted(step.param_shards)}
+        torch.save(result, f"{out}/master_{precision}.rank{world.rank}.pt")
+
+
 def resume(world_size: int, out: str, stage: str, ckpt: str, phase: str):
     plan = Plan(backend="eager", dp=world_size, zero_stage=int(stage))
     with init_distributed(plan) as world:
@@ -126,4 +170,5 @@ if __name__ == "__main__":
     scenario, out, *args = sys.argv[1:]
     import os
     world_size = int(os.environ["WORLD_SIZE"])
-    {"parity": parity, "resume": resume, "fault": fault, "user_state": user_state}[scenario](world_size, out, *args)
+    {"parity": parity, "resume": resume, "fault": fault, "user_state": user_state,
+     "master": master}[scenario](world_size, out, *args)
