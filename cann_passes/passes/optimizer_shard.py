@@ -11,11 +11,25 @@ each rank the shard of every parameter in the bucket, and one all-gather of
 the concatenated new shards rebuilds them.
 
 - stage 1: optimizer state sharded. Gradients are reduce-scattered after
-  backward ends (full gradients live until then), each rank updates its
-  shards, new parameters are all-gathered.
+  backward ends (full gradients live until then, as in the paper's P_os and
+  DeepSpeed's stage 1, which reduces into each rank's partition; an
+  all-reduce would move twice the gradient bytes for halves no rank reads),
+  each rank updates its shards, new parameters are all-gathered.
 - stage 2: as stage 1, but each bucket is reduce-scattered as soon as its
   last gradient exists, so full gradients die early; the graph's memory
   profile shows the lower peak.
+- stage 1/2 with ``master=sharded`` (the paper's mixed-precision layout): the
+  fp32 parameters, which are the master weights, are sharded like the
+  optimizer state; the parameter inputs and outputs are this rank's shards.
+  Before its first read each parameter is gathered whole once for the step:
+  one that mixed precision reads only through its bf16/fp16 cast is gathered
+  in that dtype (the cast is made on the shard, so the copy is bit for bit
+  the cast of the whole fp32 parameter), any other in its own dtype. The
+  whole copy serves forward and backward and dies after its last use; no new
+  parameters are gathered after the update. The default, ``master=whole``,
+  keeps the fp32 parameters whole on every rank (what forward reads in fp32
+  training). Not built with gradient accumulation (it would gather once per
+  microbatch) nor with pp > 1.
 - stage 3: parameters sharded as well: the graph's parameter inputs and
   outputs are shards. A bucket of parameters is all-gathered right before its
   first forward use and gathered again before its first backward use (views
@@ -216,7 +230,9 @@ def _view_chain(root) -> list[torch.fx.Node]:
     while stack:
         node = stack.pop()
         chain.append(node)
-        stack.extend(u for u in node.users if is_view_op(u) and region_of(u) == Region.FORWARD)
+        # A dtype cast (mixed precision casts each weight once and backward reads that cast) is
+        # rebuilt on the backward copy like a view: else the forward copy's cast lives to backward.
+        stack.extend(u for u in node.users if (is_view_op(u) or _is_dtype_cast(u)) and region_of(u) == Region.FORWARD)
     return chain
 
 
@@ -272,6 +288,12 @@ def _step_readers(param: torch.fx.Node) -> list[torch.fx.Node]:
     return [u for u in param.users if u.op == "call_function" and region_of(u) in (Region.FORWARD, Region.BACKWARD)]
 
 
+def _is_dtype_cast(node: torch.fx.Node) -> bool:
+    if node.op != "call_function" or node.target not in _CASTS:
+        return False
+    return node.target is not aten._to_copy.default or set(node.kwargs) == {"dtype"}
+
+
 def _low_precision_cast(param: torch.fx.Node) -> torch.fx.Node | None:
     """The one cast to bf16/fp16 that every forward and backward read of ``param`` goes through.
 
@@ -279,11 +301,9 @@ def _low_precision_cast(param: torch.fx.Node) -> torch.fx.Node | None:
     forward and backward; a weight read so is needed whole only in the low dtype.
     """
     readers = _step_readers(param)
-    if len(readers) != 1 or readers[0].target not in _CASTS:
-        return None
+    if len(readers) != 1 or not _is_dtype_cast(readers[0]):
+        return None                  # read in its own dtype too, or a cast that also moves or re-lays it
     cast = readers[0]
-    if cast.target is aten._to_copy.default and set(cast.kwargs) != {"dtype"}:
-        return None                  # a device or layout change as well: not a pure dtype cast
     val = cast.meta.get("val")
     return cast if isinstance(val, torch.Tensor) and val.dtype in LOW_DTYPES else None
 
@@ -350,11 +370,15 @@ def _gather_whole_for_step(tg: TrainGraph, names: list[str], layout: ShardLayout
 MASTER_OPTIONS = ("whole", "sharded")
 
 
-def _master_sharded(graph: TrainGraph, stage: int, master: str) -> bool:
+def _master_sharded(graph: TrainGraph, stage: int, master: str, pp: int) -> bool:
     if master not in MASTER_OPTIONS:
         raise DistributedRewriteError(f"optimizer_shard option master={master!r} must be one of {MASTER_OPTIONS}")
     if stage == 3 or master == "whole":
         return stage == 3
+    if pp > 1:
+        raise DistributedRewriteError(
+            f"optimizer_shard option master='sharded' with pp = {pp} is not built (rule: parameter shards "
+            "are not split into pipeline stages yet, as for ZeRO-3; use master='whole')")
     if GraphAttr.GRAD_ACCUMULATION in graph.attrs:
         raise DistributedRewriteError(
             "optimizer_shard option master='sharded' with gradient accumulation is not built (rule: the "
@@ -386,7 +410,7 @@ def optimizer_shard_pass(graph: TrainGraph, ctx: PassContext, *, stage: int = 1,
     layout = ShardLayout(graph, order, group)
     sizes = {n: nbytes(grads[n].meta["val"]) for n in order}
     buckets = make_buckets(order, sizes, bucket_bytes)
-    sharded_master = _master_sharded(graph, stage, master)
+    sharded_master = _master_sharded(graph, stage, master, getattr(plan, "pp", 1) or 1)
     for bucket in buckets:
         _reduce_scatter_bucket(graph, bucket, grads, layout, stage, "sum" if accumulating else "avg")
     _shard_inputs(graph, order, layout, shard_params=sharded_master)

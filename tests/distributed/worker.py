@@ -100,7 +100,8 @@ def with_master(plan, master: str):
     return plan.replace(pipeline=str(Pipeline(tuple(passes))))
 
 
-MASTER_RUNS = {"dp": (0, "whole"), "zero1": (1, "sharded"), "zero2": (2, "sharded"), "zero2_whole": (2, "whole")}
+MASTER_RUNS = {"dp": (0, "whole"), "zero1": (1, "sharded"), "zero2": (2, "sharded"), "zero2_whole": (2, "whole"),
+               "zero3": (3, "sharded")}
 
 
 def master(world_size: int, out: str, precision: str, runs: str):
@@ -112,7 +113,7 @@ def master(world_size: int, out: str, precision: str, runs: str):
         for name in runs.split(","):
             stage, how = MASTER_RUNS[name]
             plan = base.replace(zero_stage=stage)
-            plan = with_master(plan, how) if stage else plan
+            plan = with_master(plan, how) if stage in (1, 2) else plan
             model, opt = make_model()
             step = compile_for_npu(model, plan, optimizer=opt, loss_fn=gpt_loss)
             losses = [float(step(shard_batch(global_batch(i), world.dp_rank, world.dp_size))) for i in range(5)]
