@@ -8,6 +8,12 @@ contiguous stages minimizing the largest stage cost, subject to each stage's mem
 how many microbatches the schedule keeps alive on that stage (:func:`in_flight_for`, from
 the schedule simulator).
 
+Cut points may differ in what they send: with ``cut_seconds`` (the transfer time of what
+crosses a cut before each unit, :func:`cut_transfer_seconds`) a stage's cost is its compute
+plus the transfers at both its ends, so a cut inside an MLP (the 4x hidden crossing) is taken
+only where the balance gains more than the send costs; among the splits with the least
+largest stage cost the one sending least is returned (a second exact pass).
+
 Why our own: this is the linear-partition problem, solved exactly by a dynamic program
 (``best[k][j]`` = the smallest max cost of the first ``j`` units in ``k`` stages) in
 O(n^2 p) with numpy over the split point; the memory rule is one mask per stage. No
@@ -27,8 +33,9 @@ class Split:
     """Stages as contiguous unit ranges: stage k runs units boundaries[k]..boundaries[k+1]-1."""
     boundaries: tuple[int, ...]       # start unit index of each stage
     n_units: int
-    stage_costs: tuple[float, ...]
+    stage_costs: tuple[float, ...]    # compute seconds (the units' costs)
     stage_bytes: tuple[float, ...]    # static + in_flight * activation bytes
+    stage_transfer_s: tuple[float, ...] = ()   # the transfers at the stage's cuts (with cut_seconds)
 
     @property
     def n_stages(self) -> int:
@@ -36,9 +43,15 @@ class Split:
 
     @property
     def imbalance(self) -> float:
-        """Largest stage cost over the mean (1.0 is perfect)."""
+        """Largest stage compute cost over the mean (1.0 is perfect)."""
         mean = sum(self.stage_costs) / len(self.stage_costs)
         return max(self.stage_costs) / mean if mean > 0 else 1.0
+
+    @property
+    def largest_seconds(self) -> float:
+        """What the balancer minimizes: the largest stage's compute plus its cuts' transfers."""
+        transfer = self.stage_transfer_s or (0.0,) * len(self.stage_costs)
+        return max(c + t for c, t in zip(self.stage_costs, transfer))
 
     def ranges(self) -> list[range]:
         ends = list(self.boundaries[1:]) + [self.n_units]
@@ -90,51 +103,97 @@ def _prefix(x: np.ndarray) -> np.ndarray:
 
 
 def balance(unit_costs: Sequence[float], n_stages: int, *, unit_static_bytes=None,
-            unit_activation_bytes=None, in_flight=None, memory_limit: float | None = None) -> Split:
+            unit_activation_bytes=None, in_flight=None, memory_limit: float | None = None,
+            cut_seconds: Sequence[float] | None = None) -> Split:
     """The contiguous split of units into ``n_stages`` minimizing the largest stage cost.
 
     Exact (dynamic program). Memory per stage = its units' static bytes + ``in_flight[stage]``
-    x their activation bytes, at most ``memory_limit``. Among splits with the same largest
-    cost the one found first (earliest stages as full as allowed) is returned. Raises
-    ValueError naming the stage and its bytes when no split fits.
+    x their activation bytes, at most ``memory_limit``. ``cut_seconds[i]`` (i >= 1) is what a
+    cut just before unit i costs each of the two stages it separates (sending and receiving
+    what crosses it; ``cut_seconds[0]`` is unused): a stage's cost is then its compute plus
+    its cuts, and among the splits with the least largest cost the one whose cuts cost least
+    in total is returned. Without ``cut_seconds`` the split found first among equals (earliest
+    stages as full as allowed) is returned. Raises ValueError naming the stage and its bytes
+    when no split fits.
     """
     costs, static, act, flights = _arrays(unit_costs, n_stages, unit_static_bytes,
                                           unit_activation_bytes, in_flight)
     n, p = len(costs), n_stages
+    cut = np.zeros(n + 1)
+    if cut_seconds is not None:
+        given = np.asarray(cut_seconds, dtype=np.float64)
+        if given.shape != (n,) or np.any(given < 0) or not np.all(np.isfinite(given)):
+            raise ValueError(f"cut_seconds: must be {n} finite numbers >= 0, one per unit (the cut before it)")
+        cut[1:n] = given[1:]
     C, S, A = _prefix(costs), _prefix(static), _prefix(act)
     limit = np.inf if memory_limit is None else float(memory_limit)
     inf = np.inf
+
+    def stage_terms(k: int, j: int):
+        """Stage k-1 running units i..j-1 for every possible start i: cost and memory fit."""
+        i = np.arange(k - 1, j)
+        stage_cost = C[j] - C[i] + cut[i] + cut[j]
+        fits = (S[j] - S[i]) + flights[k - 1] * (A[j] - A[i]) <= limit * (1 + 1e-12)
+        return i, stage_cost, fits
+
     # best[k, j]: smallest max cost placing units 0..j-1 in stages 0..k-1; arg[k, j]: where
     # stage k-1 starts in that split.
     best = np.full((p + 1, n + 1), inf)
     arg = np.zeros((p + 1, n + 1), dtype=np.int64)
     best[0, 0] = 0.0
     for k in range(1, p + 1):
-        f = flights[k - 1]
         for j in range(k, n - (p - k) + 1):
-            i = np.arange(k - 1, j)                      # stage k-1 runs units i..j-1
-            stage_cost = C[j] - C[i]
-            stage_mem = (S[j] - S[i]) + f * (A[j] - A[i])
+            i, stage_cost, fits = stage_terms(k, j)
             cand = np.maximum(best[k - 1, i], stage_cost)
-            cand[stage_mem > limit * (1 + 1e-12)] = inf
+            cand[~fits] = inf
             t = int(np.argmin(cand))
             best[k, j], arg[k, j] = cand[t], i[t]
     if not np.isfinite(best[p, n]):
         raise ValueError(_infeasible(n, p, S, A, flights, limit))
+    if cut_seconds is not None:
+        # Second pass: every stage within the optimum, the least total spent at cuts.
+        bound = best[p, n] * (1 + 1e-9)
+        spent = np.full((p + 1, n + 1), inf)
+        spent[0, 0] = 0.0
+        for k in range(1, p + 1):
+            for j in range(k, n - (p - k) + 1):
+                i, stage_cost, fits = stage_terms(k, j)
+                cand = spent[k - 1, i] + cut[i]
+                cand[~fits | (stage_cost > bound)] = inf
+                t = int(np.argmin(cand))
+                spent[k, j], arg[k, j] = cand[t], i[t]
     starts = [0] * p
     j = n
     for k in range(p, 0, -1):
         starts[k - 1] = int(arg[k, j])
         j = starts[k - 1]
-    return _split(starts, n, C, S, A, flights)
+    return _split(starts, n, C, S, A, flights, cut)
 
 
-def _split(starts, n, C, S, A, flights) -> Split:
+def _split(starts, n, C, S, A, flights, cut=None) -> Split:
     ends = list(starts[1:]) + [n]
     stage_costs = tuple(float(C[e] - C[b]) for b, e in zip(starts, ends))
     stage_bytes = tuple(float(S[e] - S[b] + f * (A[e] - A[b]))
                         for b, e, f in zip(starts, ends, flights))
-    return Split(tuple(int(s) for s in starts), n, stage_costs, stage_bytes)
+    transfer = () if cut is None else tuple(float(cut[b] + cut[e]) for b, e in zip(starts, ends))
+    return Split(tuple(int(s) for s in starts), n, stage_costs, stage_bytes, transfer)
+
+
+def cut_transfer_seconds(cut_bytes: Sequence[float], link, pp: int = 2, microbatches: int = 1, *,
+                         tensors: Sequence[int] | None = None) -> list[float]:
+    """Per unit, the seconds a cut just before it costs each of the two stages it separates: one
+    direction's transfer of what crosses it (the later stage receives the activations, the earlier
+    one their gradients; sends are asynchronous), per microbatch, over ``link`` (a DeviceProfile
+    or (latency, bandwidth)), one message (one latency) per tensor (``tensors[i]``, default 1),
+    times ``microbatches``. Counted as exposed, which the schedule simulator (overlapping transfers
+    with compute) refines; for the split it is the price of a cut."""
+    from .schedules import _link_params
+    latency, bandwidth = _link_params(link, pp)
+    counts = [1] * len(cut_bytes) if tensors is None else list(tensors)
+    if len(counts) != len(cut_bytes):
+        raise ValueError(f"tensors: {len(counts)} counts for {len(cut_bytes)} cuts")
+    return [0.0 if i == 0 else microbatches * (max(1, k) * latency + float(b) / bandwidth)
+            for i, (b, k) in enumerate(zip(cut_bytes, counts))]
 
 
 def _infeasible(n, p, S, A, flights, limit) -> str:

@@ -131,3 +131,37 @@ def test_plan_pipeline_splits_per_schedule_and_takes_the_fastest_that_fits():
     assert "gpipe" in tight.table and "refused" in tight.table
     with pytest.raises(ValueError, match="no pipeline schedule and split"):
         plan_pipeline(costs, 4, 8, unit_activation_bytes=act, memory_limit=3)
+
+
+def test_cut_prices_are_optimal_against_brute_force_and_the_cheapest_cuts_win_ties():
+    from cann_passes.stage_balance import cut_transfer_seconds
+    rng = random.Random(5)
+    for _ in range(150):
+        n = rng.randint(2, 9)
+        p = rng.randint(2, n)
+        costs = [rng.random() for _ in range(n)]
+        cut = [0.0] + [rng.choice([0.0, 0.05, 0.3]) for _ in range(n - 1)]
+        split = balance(costs, p, cut_seconds=cut)
+        best = None
+        for cuts in itertools.combinations(range(1, n), p - 1):
+            starts, ends = (0, *cuts), (*cuts, n)
+            worst = max(sum(costs[b:e]) + (cut[b] if b else 0) + (cut[e] if e < n else 0)
+                        for b, e in zip(starts, ends))
+            spent = sum(cut[c] for c in cuts)
+            if best is None or worst < best[0] - 1e-12 or (abs(worst - best[0]) <= 1e-12 and spent < best[1]):
+                best = (worst, spent)
+        got = max(c + t for c, t in zip(split.stage_costs, split.stage_transfer_s))
+        assert got == pytest.approx(best[0], abs=1e-9)
+        assert sum(cut[b] for b in split.boundaries[1:]) == pytest.approx(best[1], abs=1e-9)
+    # a cut that costs more than the balance gains is avoided, a cheap one is taken
+    split = balance([1, 1, 1, 1], 2, cut_seconds=[0, 0.001, 1.5, 0.001])   # 2 + 1.5 > 3 + 0.001
+    assert split.boundaries == (0, 1) or split.boundaries == (0, 3)
+    even = balance([1, 1, 1, 1], 2, cut_seconds=[0, 0.001, 0.002, 0.001])
+    assert even.boundaries == (0, 2)            # 2 + 0.002 beats 3 + 0.001
+    # the price of a cut: what one stage receives per microbatch over the link (latency, bandwidth),
+    # a message per tensor
+    assert cut_transfer_seconds([0, 1000, 0], (1e-6, 1e9)) == pytest.approx([0.0, 1e-6 + 1e-6, 1e-6])
+    assert cut_transfer_seconds([0, 1000], (1e-6, 1e9), tensors=[0, 3], microbatches=2) == \
+        pytest.approx([0.0, 2 * (3e-6 + 1e-6)])
+    with pytest.raises(ValueError, match="cut_seconds"):
+        balance([1, 1], 2, cut_seconds=[0.1])
