@@ -193,3 +193,55 @@ def test_measured_events_round_trip_and_give_costs_to_resimulate(tmp_path):
     assert costs == [StageCost(2.0, 1.0, 1.0)] * 2        # B split evenly into I and W
     again = S.simulate("1f1b", 2, 4, costs)
     assert again.makespan == pytest.approx(sim.makespan)
+
+
+# -- pipeline_schedule: dynamic, resolved by compile_program ------------------------------------
+
+def _tiny_gpt_step():
+    import torch
+
+    from graph_ir import capture_train_step
+    from recipes.models.gpt import GPT, gpt_loss, gpt_tiny
+    torch.manual_seed(0)
+    model = GPT(gpt_tiny(n_layer=4, tie_weights=False, bias=False))
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    captured, _ = capture_train_step(model, torch.optim.SGD(model.parameters(), lr=0.05), gpt_loss,
+                                     (idx, torch.roll(idx, -1, dims=1)))
+    return captured
+
+
+def test_dynamic_compiles_the_fastest_simulated_candidate_over_its_real_stages(one_intra_op_thread):
+    from cann_passes import Plan
+    from cann_passes.compile import compile_program
+    from cann_passes.plan import PlanError
+    from cann_passes.simulate import stage_program_figures
+    from graph_ir.mesh import MeshDesc
+    from graph_ir.meta import GraphAttr
+    captured = _tiny_gpt_step()
+    plan = Plan(pp=2, microbatches=2, backend="eager", pipeline_schedule="dynamic")
+    program = compile_program(captured, plan, MeshDesc.fake(pp=2))
+    info = program.attrs[GraphAttr.PIPELINE_PARALLEL]
+    choice = info["dynamic"]
+    rows = {r["schedule"]: r for r in choice["candidates"]}
+    # DualPipeV needs microbatches >= 2 pp: refused by its rule; the others simulated
+    assert rows["dualpipev"]["makespan_s"] is None and "microbatches >= its 2*pp" in rows["dualpipev"]["verdict"]
+    ran = [r for r in choice["candidates"] if r["makespan_s"] is not None]
+    assert {r["schedule"] for r in ran} >= {"gpipe", "1f1b", "interleaved_1f1b", "zb1p"}
+    best = min(ran, key=lambda r: r["makespan_s"])
+    assert (choice["schedule"], choice["virtual_stages"]) == (best["schedule"], best["virtual_stages"])
+    assert best["verdict"] == "chosen" and "chosen" in choice["table"]
+    # the compiled program is the chosen schedule's: its stage count, its rank placement
+    assert info["schedule"] == choice["schedule"]
+    assert info["stages"] == 2 * S.stages_per_rank(choice["schedule"], choice["virtual_stages"])
+    assert info["stage_to_rank"] == S.stage_to_rank(choice["schedule"], 2, choice["virtual_stages"])
+    # each figure is what compiling that schedule and replaying its stage graphs gives
+    profile = get_profile(plan.device_profile)
+    for row in (best, rows["gpipe"]):
+        fixed = plan.replace(pipeline_schedule=row["schedule"], pipeline_virtual_stages=row["virtual_stages"])
+        stage_program = compile_program(captured, fixed, MeshDesc.fake(pp=2))
+        _, costs = stage_program_figures(stage_program, fixed, profile)
+        again = S.simulate(row["schedule"], 2, 2, costs, row["virtual_stages"], link=profile)
+        assert again.makespan == pytest.approx(row["makespan_s"], rel=1e-9)
+    # a layer-count split cannot be given with it (the stage count is the choice's)
+    with pytest.raises(PlanError, match="pipeline_split"):
+        Plan(pp=2, microbatches=2, pipeline_schedule="dynamic", pipeline_split=[2, 2])
