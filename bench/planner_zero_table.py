@@ -12,10 +12,11 @@ The paper's columns (Rajbhandari et al. 2020, Sec. 5 and Table 1): fp16 paramete
 at stages 0-2), fp16 gradients 2 Psi (whole at 0-1, a shard at 2-3), K = 12 bytes of fp32 master
 weight and Adam moments (a shard from stage 1).
 
-The program's columns, per rank at the step's peak:
+The program's columns, per rank, each term at its largest during the step (the paper's model-state
+accounting; the terms need not peak together, the simulator's peak is what is live at once):
 - "16-bit p": the bf16 weights the step holds whole. With the fp32 parameters whole (the default,
   ``master=whole``) these are the casts autocast keeps from forward for backward; with
-  ``optimizer_shard{master=sharded}`` they are the copies gathered once per step from each rank's
+  ``zero_master: sharded`` (``optimizer_shard{master=sharded}``) they are the copies gathered once per step from each rank's
   cast shard (a weight that is read in fp32 somewhere, such as the tied embedding / lm_head and
   the norms, is gathered in fp32 and counted here at 4 bytes). At stage 3 the gathers are per
   bucket and short-lived: nothing is held whole.
@@ -30,12 +31,9 @@ The per-term differences printed under the table sum exactly to each row's diffe
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 from cann_passes import Plan
 from cann_passes.compile import compile_program
-from cann_passes.pass_manager import Pipeline
-from cann_passes.pipeline import build_pipeline
 from cann_passes.simulate import GB, extrapolate, mesh_for
 from graph_ir.analysis.memory import state_bytes
 from graph_ir.meta import ORIGIN_PASS, Region, nbytes, region_of
@@ -52,12 +50,8 @@ def paper(stage: int, psi: float, n: int) -> tuple[float, float, float]:
 
 
 def plan_for(stage: int, master: str, n: int) -> Plan:
-    plan = Plan(dp=n, zero_stage=stage, precision="bf16", verify="off")
-    if stage in (1, 2) and master == "sharded":
-        passes = [dataclasses.replace(p, options=(*p.options, ("master", "sharded")))
-                  if p.name == "optimizer_shard" else p for p in build_pipeline(plan, "eager").passes]
-        plan = plan.replace(pipeline=str(Pipeline(tuple(passes))))
-    return plan
+    return Plan(dp=n, zero_stage=stage, precision="bf16", verify="off",
+                **({"zero_master": master} if stage in (1, 2) else {}))
 
 
 def _held_whole(graph, stage: int) -> tuple[int, bool]:
@@ -102,8 +96,8 @@ def main() -> None:
     whole_grads = extrapolate(ga, gb, la, lb, spec.layers)           # every fp32 gradient, whole
     n = args.ranks
     print(f"GPT d_model 4096, 36 layers: Psi = {psi / 1e9:.2f}B; {caps.method}; N = {n}; GB = 1e9 bytes")
-    print("per rank at the step's peak; program: 16-bit p (bf16 weights held whole) | grads (fp32) | "
-          "K = fp32 params + Adam moments")
+    print("per rank, each term at its largest in the step; program: 16-bit p (bf16 weights held whole) | "
+          "grads (fp32) | K = fp32 params + Adam moments")
     print(f"{'stage':<7}{'fp32 params':<13}{'16-bit p':>9}{'grads':>8}{'K':>8}{'total':>8}  |"
           f"{'paper p':>8}{'g':>7}{'K':>7}{'total':>7}  |{'ratio':>6}{'sim peak':>9}")
     notes = []
@@ -134,7 +128,8 @@ def main() -> None:
             why.append(f"K {dk / GB:+.2f}" + (" (the fp32 parameters whole on every rank: the master is not "
                                               "sharded)" if where == "whole" else " (shard padding)"))
         print(f"  stage {stage} {where:<8} {dt / GB:+6.2f} = " + ("; ".join(why) or "none"))
-    print("sim peak: the simulator's per-rank peak (activations of one 128-token row included).")
+    print("sim peak: the simulator's per-rank peak, what is live at once (activations of one 128-token row "
+          "included; below the column total where the whole gradients and 16-bit weights do not coincide).")
 
 
 if __name__ == "__main__":

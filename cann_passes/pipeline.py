@@ -62,7 +62,8 @@ def build_pipeline(plan: Plan, backend: str) -> Pipeline:
     if plan.dp > 1 and plan.zero_stage == 0:
         steps.append(f"data_parallel{{bucket_mb={bucket_mb},algo={plan.allreduce_algo}}}")
     if plan.zero_stage:
-        steps.append(f"optimizer_shard{{stage={plan.zero_stage},bucket_mb={bucket_mb}}}")
+        master = ",master=sharded" if getattr(plan, "zero_master", "whole") == "sharded" else ""
+        steps.append(f"optimizer_shard{{stage={plan.zero_stage},bucket_mb={bucket_mb}{master}}}")
     if plan.grad_clip_norm is not None:
         steps.append(f"grad_clip{{max_norm={float(plan.grad_clip_norm)!r}}}")
     steps.extend(plan.extra_passes)

@@ -44,7 +44,8 @@ TP_STYLES = ("column", "row", "vocab", "replicate")
 _ENUMS = {"precision": PRECISIONS, "recompute": RECOMPUTE_POLICIES, "backend": BACKENDS,
           "pipeline_schedule": PIPELINE_SCHEDULES, "verify": VERIFY_LEVELS,
           "allreduce_algo": ALLREDUCE_ALGOS, "loss_scale": LOSS_SCALES,
-          "device_profile": DEVICE_PROFILES, "grad_reduce_dtype": ("fp32", "bf16")}
+          "device_profile": DEVICE_PROFILES, "grad_reduce_dtype": ("fp32", "bf16"),
+          "zero_master": ("whole", "sharded")}
 _POSITIVE_INTS = ("dp", "tp", "pp", "microbatches", "recompute_every_n", "loss_scale_growth_interval",
                   "pipeline_virtual_stages")
 
@@ -91,6 +92,7 @@ class Plan:
     vocab_parallel_loss: bool = False          # tp: cross-entropy on vocabulary-sharded logits
     pp: int = 1
     zero_stage: int = 0
+    zero_master: str = "whole"                 # ZeRO-1/2: fp32 parameters whole, or sharded with the optimizer state
     microbatches: int = 1
     accumulate_target: int | None = None       # dynamic accumulation: samples per optimizer step
     grad_clip_norm: float | None = None        # clip the global gradient 2-norm to this (grad_clip pass)
@@ -321,6 +323,13 @@ class Plan:
             if self._changed(name) and self.dp == 1:
                 raise PlanError(name, "applies only to gradient reduction across data-parallel ranks "
                                 "(dp = 1)", getattr(self, name))
+        if self._changed("zero_master") and self.zero_stage not in (1, 2):
+            raise PlanError("zero_master", "applies only to zero_stage 1 or 2 (stage 3 always shards the "
+                            f"parameters; zero_stage = {self.zero_stage})", self.zero_master)
+        if self._changed("zero_master") and (self.microbatches > 1 or self.accumulate_target is not None
+                                              or self.pp > 1):
+            raise PlanError("zero_master", "'sharded' is not built with gradient accumulation or pp > 1 "
+                            "(the whole parameters would be gathered once per microbatch)", self.zero_master)
         if self.pipeline is not None:
             return   # the text decides the passes: _check_against_pipeline_text
         if self._changed("recompute_every_n") and self.recompute != "every_n_layers":
@@ -424,6 +433,8 @@ class Plan:
                             self.pipeline)
         if self.zero_stage:
             agree("zero_stage", "optimizer_shard", "stage", self.zero_stage)
+        if self._changed("zero_master"):
+            agree("zero_master", "optimizer_shard", "master", self.zero_master)
         elif self.dp > 1:
             agree("dp", "data_parallel")
         if self._changed("bucket_mb"):

@@ -5,7 +5,8 @@
 - stage 2: each bucket is reduce-scattered as soon as backward completes it: only shards and the
   buckets in flight live at backward's end.
 - stage 3: the parameter inputs are shards as well.
-- ``optimizer_shard{master=sharded}`` at stage 1/2 (the paper's mixed-precision layout): the fp32
+- ``zero_master: sharded`` (``optimizer_shard{master=sharded}``) at stage 1/2 (the paper's
+  mixed-precision layout): the fp32
   parameters are this rank's shard, like the optimizer state; a weight that mixed precision reads
   only as bf16 is gathered whole in bf16 once per step (the cast of the shard), anything else in
   fp32. On 2 gloo ranks it trains exactly like plain data parallelism in bf16 and like one process
@@ -93,31 +94,39 @@ def test_each_stage_holds_what_its_name_says(captured):
     assert graphs[3].attrs["zero"]["master"] == "sharded"
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_sharded_master_gathers_bf16_weights_once_and_holds_fp32_shards(captured, stage):
+@pytest.mark.parametrize("stage,low", [(1, "bf16"), (2, "bf16"), (2, "fp16")])
+def test_sharded_master_gathers_bf16_weights_once_and_holds_fp32_shards(captured, stage, low):
     _, numel = captured
-    graph = _rewrite(captured, f"autocast{{dtype=bf16,policy=cuda}},"
+    scaling = "loss_scale{mode=dynamic}," if low == "fp16" else ""
+    graph = _rewrite(captured, f"autocast{{dtype={low},policy=cuda}},{scaling}"
                                f"optimizer_shard{{stage={stage},bucket_mb=0.02,master=sharded}}")
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}[low]
     shards = sum(-(-n // DP) for n in numel.values())
     assert _param_input_bytes(graph) == 4 * shards          # the fp32 master: this rank's shard only
     gathers = _collectives(graph, "all_gather")
     # gathered for forward, before its first use; never again in backward; nothing after the update
     assert {region_of(n) for n in gathers} == {Region.FORWARD}
     dtypes = {n.meta["val"].dtype for n in gathers}
-    assert dtypes == {torch.bfloat16, torch.float32}
+    assert dtypes == {low, torch.float32}
     zero = graph.attrs["zero"]
     assert zero["master"] == "sharded"
-    # the matmul weights travel in bf16; the tied embedding / lm_head (read in fp32 by the
+    # the matmul weights travel in 16 bits; the tied embedding / lm_head (read in fp32 by the
     # embedding) and the norms in fp32; every parameter once
     moved = zero["gathered_for_step"]
-    assert moved["bfloat16"] > moved["float32"] > 0
-    assert moved["bfloat16"] + moved["float32"] == DP * shards
+    name = str(low).removeprefix("torch.")
+    assert moved[name] > moved["float32"] > 0
+    assert moved[name] + moved["float32"] == DP * shards
     # no fp32 copy of a bf16-only weight: its only cast reads the shard
     casts = [n for n in graph.graph.nodes if n.target is torch.ops.aten._to_copy.default
              and n.args[0].op == "placeholder" and region_of(n) != Region.OPTIMIZER]
     assert casts and all(n.args[0].meta["val"].dim() == 1 for n in casts)
     after = _reduce_scatters_after_backward(graph)
-    assert all(after) if stage == 1 else not all(after)
+    if scaling:
+        # fp16 loss scaling unscales every gradient after backward ends (loss_scale), and the
+        # update reads the unscaled one: its reduce-scatter cannot start earlier, even at stage 2
+        assert all(after)
+    else:
+        assert all(after) if stage == 1 else not all(after)
 
 
 def test_stage3_in_bf16_keeps_no_weight_from_forward_to_backward(captured):
@@ -143,6 +152,21 @@ def test_sharded_master_refuses_what_it_does_not_build(captured):
         _rewrite(captured, "optimizer_shard{stage=1,master=fp16}")
     with pytest.raises(PassFailure, match="master='sharded' with gradient accumulation"):
         _rewrite(captured, "grad_accumulation{microbatches=2},optimizer_shard{stage=2,master=sharded}")
+
+
+def test_zero_master_plan_field_builds_the_option_and_refuses_what_is_not_built():
+    from cann_passes import Plan
+    from cann_passes.pipeline import build_pipeline
+    from cann_passes.plan import PlanError
+    text = str(build_pipeline(Plan(dp=2, zero_stage=2, precision="bf16", zero_master="sharded"), "eager"))
+    assert "master=sharded" in text
+    assert "master" not in str(build_pipeline(Plan(dp=2, zero_stage=2), "eager"))
+    for bad, rule in [({"zero_stage": 3}, "applies only to zero_stage 1 or 2"),
+                      ({"zero_stage": 1, "microbatches": 2}, "not built with gradient accumulation"),
+                      ({"zero_stage": 1, "zero_master": "half"}, "must be one of")]:
+        with pytest.raises(PlanError, match=rule) as info:
+            Plan(dp=2, **({"zero_master": "sharded"} | bad))
+        assert info.value.field == "zero_master"
 
 
 def _eager(steps: int):

@@ -90,16 +90,6 @@ def parity(world_size: int, out: str, strategies: str, verify: str):
         torch.save(result, f"{out}/parity.rank{world.rank}.pt")
 
 
-def with_master(plan, master: str):
-    """``plan`` with the optimizer_shard pass option ``master`` (the plan's own pipeline, as text)."""
-    import dataclasses
-    from cann_passes.pass_manager import Pipeline
-    from cann_passes.pipeline import build_pipeline
-    passes = [dataclasses.replace(p, options=(*p.options, ("master", master))) if p.name == "optimizer_shard" else p
-              for p in build_pipeline(plan, "eager").passes]
-    return plan.replace(pipeline=str(Pipeline(tuple(passes))))
-
-
 MASTER_RUNS = {"dp": (0, "whole"), "zero1": (1, "sharded"), "zero2": (2, "sharded"), "zero2_whole": (2, "whole"),
                "zero3": (3, "sharded")}
 
@@ -112,8 +102,7 @@ def master(world_size: int, out: str, precision: str, runs: str):
         result = {}
         for name in runs.split(","):
             stage, how = MASTER_RUNS[name]
-            plan = base.replace(zero_stage=stage)
-            plan = with_master(plan, how) if stage in (1, 2) else plan
+            plan = base.replace(zero_stage=stage, **({"zero_master": how} if stage in (1, 2) else {}))
             model, opt = make_model()
             step = compile_for_npu(model, plan, optimizer=opt, loss_fn=gpt_loss)
             losses = [float(step(shard_batch(global_batch(i), world.dp_rank, world.dp_size))) for i in range(5)]
