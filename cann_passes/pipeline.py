@@ -25,6 +25,12 @@ step; the runtime's accumulation loop does not run. Gradients are
 all-reduced (or reduce-scattered) one parameter at a time, so every
 collective lands in the stage that owns its gradient.
 
+What composes with pp > 1 on the (pp, dp, tp) mesh: static microbatches, dp,
+ZeRO-1/2, tp (the stage graphs keep each rank's tp collectives), weights tied
+across stages and global grad-norm clipping (their parts all-reduced over the
+pp group, see ``pipeline_split``). Refused by field (``_check_pipeline_plan``):
+ZeRO-3, dynamic accumulation, loss scaling.
+
 A plan's ``pipeline`` field replaces all of this with its own text.
 """
 from __future__ import annotations
@@ -92,15 +98,17 @@ def pipeline_split_spec(plan: Plan):
 
 def _check_pipeline_plan(plan: Plan) -> None:
     """What pipeline parallelism does not compose with yet, refused by field."""
-    if plan.tp > 1:
-        raise PlanError("tp", f"tensor parallelism with pp = {plan.pp} is not built yet (rule: tp = 1 "
-                              "when pp > 1)", plan.tp)
+    if plan.effective_loss_scale != "none":
+        raise PlanError("loss_scale", f"{plan.effective_loss_scale} loss scaling with pp = {plan.pp} is not built (rule: "
+                                      "its overflow check combines every stage's gradients inside backward; use "
+                                      "precision bf16, or loss_scale: none)", plan.loss_scale)
     if plan.accumulate_target is not None:
         raise PlanError("accumulate_target", "dynamic accumulation with pp > 1 is not built (rule: the "
                                              "pipeline's microbatches are fixed per step)", plan.accumulate_target)
     if plan.zero_stage == 3:
         raise PlanError("zero_stage", "ZeRO-3 with pp > 1 is not built yet (rule: zero_stage <= 2 when "
-                                      "pp > 1)", plan.zero_stage)
+                                      "pp > 1: each stage would gather its parameters per microbatch, "
+                                      "which the stage graphs do not do)", plan.zero_stage)
     if plan.pipeline_schedule == "dynamic":
         raise PlanError("pipeline_schedule", "'dynamic' must be resolved to a schedule before compiling "
                                              "(cann_passes.schedules.choose_schedule)", plan.pipeline_schedule)

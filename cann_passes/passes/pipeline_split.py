@@ -34,10 +34,29 @@ depend only on the batch, hyperparameters, read-only buffers or constants
 (masks, positions, rotary tables, ``lr`` arithmetic) are copied into every
 graph that needs them instead of being sent. Random ops are never copied.
 
-Refused, naming the rule: a parameter read by two stages (tied embeddings:
-untie them, or keep both ends on one stage), an optimizer-region value that
-combines stages (global gradient clipping, loss scaling's ``found_inf``), and
-more stages than units.
+Where stages meet besides the boundary, the split rewrites the step so that
+each stage computes its part and an all-reduce over the pipeline ranks (the
+mesh's ``pp`` group, a functional collective in the apply graphs) combines them:
+
+- a weight tied across stages (GPT-2's embedding and head), as Megatron does:
+  every stage reading it holds it and accumulates its own part of the
+  gradient (its own accumulator, ``<acc>@stage<s>`` off its home stage); each
+  of those stages' apply graphs sums the parts and runs the same update;
+- an optimizer value combining every stage's (global gradient-norm
+  clipping's total norm, a sum or maximum): each stage reduces its own terms,
+  the all-reduce combines the parts, and each stage computes what follows
+  (the clip coefficient) itself.
+
+Tensor parallelism inside stages needs nothing of the split: the stage graphs
+keep the rank's tp collectives (never cut between a collective and its wait)
+and the boundary values are that rank's pieces.
+
+Refused, naming the rule: a tied weight whose stages are not every pipeline
+rank (pp > 2: its group would be a subset) or a value combined across stages
+when a rank holds several stages (interleaved, DualPipeV), an optimizer value
+combining stages otherwise than by sum, maximum or 2-norm (ZeRO's sharded
+norms, loss scaling's ``found_inf``, which is in backward), and more stages than
+units.
 
 The stage graphs carry ``attrs['stage']`` (index, rank, first/last) and the
 program ``attrs['pipeline']`` (stages, stage -> rank, units, cuts, costs); which
@@ -46,6 +65,7 @@ rank runs a stage is ``cann_passes.schedules.stage_to_rank`` for the schedule.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import re
 
 import torch
 import torch.fx
@@ -55,6 +75,7 @@ from graph_ir.analysis.cost import node_cost
 from graph_ir.analysis.memory import aliases_input
 from graph_ir.analysis.structure import find_blocks
 from graph_ir.meta import (ACCUMULATOR_PREFIX, REGION, GraphAttr, GraphKind, Region, StageValue,
+from graph_ir.build import add_node
                            graph_kind, module_path_of, nbytes, region_of)
 from graph_ir.program import EVERY_MICROBATCH, EVERY_STEP, Flow, Program, Run
 from graph_ir.signature import InputKind, OutputKind, Spec, StepSignature, split_state_name
@@ -96,6 +117,12 @@ def _is_random(node: torch.fx.Node) -> bool:
 def _classify(graph: TrainGraph) -> _Nodes:
     placeholders = graph.placeholders()
     spec_of = dict(zip(placeholders, graph.signature.inputs))
+def _is_collective(node: torch.fx.Node) -> bool:
+    """A functional collective (tensor parallelism's): its result is not ready before its wait_tensor,
+    so nothing may cut between the two."""
+    return getattr(node.target, "namespace", None) == "_c10d_functional" and node.target.__name__ != "wait_tensor.default"
+
+
     updated_buffers = {s.name for s in graph.signature.outputs if s.kind == OutputKind.BUFFER}
     owner: dict[torch.fx.Node, str] = {}
     for node, spec in spec_of.items():
@@ -118,6 +145,9 @@ def _classify(graph: TrainGraph) -> _Nodes:
             continue
         {Region.FORWARD: forward, Region.BACKWARD: backward, Region.OPTIMIZER: optimizer}.get(
             region_of(node), forward).append(node)
+        if node.op == "get_attr":   # a constant (one the tensor_parallel rewrite traced): copied like one
+            free.add(node)
+            continue
     nodes = _Nodes(graph, order, spec_of, owner, free, forward, backward, optimizer)
     nodes.outputs = list(zip(graph.signature.outputs, graph.output_values()))
     return nodes
@@ -149,7 +179,7 @@ def _unit_starts(nodes: _Nodes, slack: float = CROSSING_SLACK) -> list[int]:
     position = {n: i for i, n in enumerate(nodes.forward)}
     marks = [0] * (len(nodes.forward) + 2)
     for i, node in enumerate(nodes.forward):
-        if aliases_input(node) or not isinstance(node.meta.get("val"), torch.Tensor):
+        if aliases_input(node) or not isinstance(node.meta.get("val"), torch.Tensor) or _is_collective(node):
             last = max((position[u] for u in node.users if u in position), default=i)
             if last > i:
                 marks[i + 1] += 1
@@ -182,26 +212,38 @@ def _unit_starts(nodes: _Nodes, slack: float = CROSSING_SLACK) -> list[int]:
 
 # -- stage of every node ------------------------------------------------------------------------
 
-def _homes(nodes: _Nodes, fstage: dict[torch.fx.Node, int], last: int, strict: bool) -> dict[str, int]:
-    """Parameter (and updated buffer) name -> the stage whose forward reads it (``strict``: only one)."""
+def _homes(nodes: _Nodes, fstage: dict[torch.fx.Node, int], last: int,
+           strict: bool) -> tuple[dict[str, int], dict[str, list[int]]]:
+    """Parameter (and updated buffer) name -> the stage whose forward reads it first (its home), and
+    the parameters read by the forward of several stages (tied weights) -> those stages."""
     readers: dict[str, set[int]] = {}
     for node, name in nodes.owner.items():
         stages = {fstage[u] for u in node.users if u in fstage}
         readers.setdefault(name, set()).update(stages)
-    homes = {}
+    params = {spec.name for spec in nodes.spec_of.values() if spec.kind == InputKind.PARAM}
+    homes, shared = {}, {}
     for name, stages in readers.items():
         if len(stages) > 1 and strict:
-            raise PlanError("pp", f"parameter '{name}' is read by the forward of stages {sorted(stages)} "
-                                  "(rule: a parameter lives on one stage; untie tied weights such as shared "
-                                  "input/output embeddings, or cut so that both uses fall in one stage)")
+            if name not in params:
+                raise PlanError("pp", f"buffer '{name}' is updated by the step and read by the forward of stages "
+                                      f"{sorted(stages)} (rule: a buffer the step updates lives on one stage; cut "
+                                      "so that its uses fall in one stage)")
+            shared[name] = sorted(stages)
         homes[name] = min(stages) if stages else last
-    return homes
+    return homes, shared
 
 
-def _assign(nodes: _Nodes, fstage: dict[torch.fx.Node, int], n_stages: int, strict: bool = True) -> tuple[dict, dict]:
-    """The stage of every non-free node (forward given), and each parameter's home. Not ``strict`` (pricing
-    units): a parameter read by several units counts in the first, and nothing is refused."""
-    homes = _homes(nodes, fstage, n_stages - 1, strict)
+def _assign(nodes: _Nodes, fstage: dict[torch.fx.Node, int], n_stages: int,
+            strict: bool = True) -> tuple[dict, dict, dict, list]:
+    """The stage of every non-free node (forward given), each parameter's home, the parameters several
+    stages read (tied weights: each of those stages holds them) and the optimizer nodes that combine
+    values of several stages (placed on the last of them for now; ``_reduce_over_stages`` rewrites
+    them). Not ``strict`` (pricing units): a parameter read by several units counts in the first."""
+    homes, shared = _homes(nodes, fstage, n_stages - 1, strict)
+    # A tied weight read in backward (the head's input gradient) says nothing about the stage: each
+    # stage holding it reads its own copy.
+    tied = {node for node, name in nodes.owner.items()
+            if name in shared and nodes.spec_of[node].kind == InputKind.PARAM}
     stage = dict(fstage)
     out_home: dict[torch.fx.Node, set[int]] = {}
     for spec, value in nodes.outputs:
@@ -235,14 +277,15 @@ def _assign(nodes: _Nodes, fstage: dict[torch.fx.Node, int], n_stages: int, stri
                 s |= down[u]
         down[node] = s
     for node in nodes.optimizer:
+            elif a in out_home:   # an accumulated gradient: its parameter's stage
+                s |= out_home[a]
         stages = up[node] | down[node]
-        if len(stages) > 1 and strict:
-            raise PlanError("pp", f"optimizer node {node.name} ({node.target}) combines values of stages "
-                                  f"{sorted(stages)} (rule: each stage's update reads only its own gradients "
-                                  "and state; global gradient clipping and loss scaling across stages are not "
-                                  "built for pp > 1)")
-        stage[node] = max(stages) if stages else n_stages - 1
+        if len(stages) > 1:
+            mixed.append(node)
+        # What a node reads decides first: a gradient feeding a norm over every stage stays with its own.
+        stage[node] = max(up[node] or down[node] or {n_stages - 1})
     # Backward, lower bounds from readers and reads (users first).
+    mixed = []
     back = set(nodes.backward)
     low: dict[torch.fx.Node, int] = {}
     pinned: set[torch.fx.Node] = set()
@@ -263,16 +306,18 @@ def _assign(nodes: _Nodes, fstage: dict[torch.fx.Node, int], n_stages: int, stri
         low[node] = bound
     for node in nodes.backward:
         preds = [stage[a] for a in node.all_input_nodes if a in back]
+            if a in tied:
+                continue
         # A view costs nothing and crossing it would send its base again: it stays with its readers.
         late = preds and node not in pinned and not aliases_input(node)
         stage[node] = max(low[node], min(preds)) if late else low[node]
     for node in nodes.backward if strict else ():
         for a in node.all_input_nodes:
-            if a in nodes.owner and homes[nodes.owner[a]] != stage[node]:
+            if a in nodes.owner and a not in tied and homes[nodes.owner[a]] != stage[node]:
                 raise PipelineSplitError(
                     f"backward node {node.name} ({node.target}) reads '{nodes.owner[a]}' of stage "
                     f"{homes[nodes.owner[a]]} but its gradient flow puts it in stage {stage[node]}")
-    return stage, homes
+    return stage, homes, shared, mixed
 
 
 # -- costs of units -----------------------------------------------------------------------------
@@ -288,7 +333,7 @@ class UnitCosts:
 def _unit_costs(nodes: _Nodes, starts: list[int], profile) -> UnitCosts:
     n = len(starts)
     fstage = _forward_stages(nodes, starts)
-    stage, homes = _assign(nodes, fstage, n, strict=False)
+    stage, homes, _, _ = _assign(nodes, fstage, n, strict=False)
     seconds, fwd = [0.0] * n, [0.0] * n
     for node in (*nodes.forward, *nodes.backward, *nodes.optimizer):
         t = node_time(node, profile)
@@ -370,6 +415,354 @@ def _free_closure(nodes: _Nodes, wanted) -> set[torch.fx.Node]:
             out.add(node)
             todo.extend(a for a in node.all_input_nodes if a in nodes.free)
     return out
+# -- where stages meet besides the boundary: tied weights, values reduced over every stage ---------
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+TIED_SUFFIX = "@stage"   # accumulator of a tied weight's partial gradient on a stage other than its home
+_REDUCTIONS = {aten.add.Tensor: "sum", aten.maximum.default: "max"}
+
+
+class _Rewriter:
+    """Adds nodes to the step being split, keeping the split's bookkeeping (stage, node lists) in step."""
+
+    def __init__(self, nodes: _Nodes, stage: dict, group: str):
+        self.nodes, self.stage, self.group = nodes, stage, group
+        self.graph = nodes.graph.graph
+        self.mode = nodes.graph.fake_mode()
+
+    def emit(self, before: torch.fx.Node, s: int, region: Region, target, *args, **kwargs) -> torch.fx.Node:
+        with self.graph.inserting_before(before):
+            node = add_node(self.graph, target, args, kwargs, region=region, module_path="",
+                            origin="pipeline_split", mode=self.mode)
+        self.stage[node] = s
+        (self.nodes.backward if region == Region.BACKWARD else self.nodes.optimizer).append(node)
+        return node
+
+    def all_reduce(self, before: torch.fx.Node, s: int, value: torch.fx.Node, op: str) -> torch.fx.Node:
+        reduced = self.emit(before, s, Region.OPTIMIZER, c10d.all_reduce.default, value, op, self.group)
+        return self.emit(before, s, Region.OPTIMIZER, c10d.wait_tensor.default, reduced)
+
+    def copy(self, node: torch.fx.Node, s: int, env: dict) -> torch.fx.Node:
+        with self.graph.inserting_before(node):
+            new = self.graph.node_copy(node, lambda a: env.get(a, a))
+        self.stage[new] = s
+        self.nodes.optimizer.append(new)
+        return new
+
+    def drop(self, dead: set[torch.fx.Node]) -> None:
+        """Nodes no stage graph computes any more (left in the source graph, which is replaced)."""
+        self.nodes.backward = [n for n in self.nodes.backward if n not in dead]
+        self.nodes.optimizer = [n for n in self.nodes.optimizer if n not in dead]
+        for node in dead:
+            self.stage.pop(node, None)
+
+
+def _sum_tree(root: torch.fx.Node, op) -> tuple[list, set]:
+    """The terms of ``root`` as a tree of ``op`` (add / maximum) nodes, each read only by the tree."""
+    leaves, tree, todo = [], set(), [root]
+    while todo:
+        node = todo.pop()
+        inner = (node.op == "call_function" and node.target == op and not node.kwargs and len(node.args) == 2
+                 and all(isinstance(a, torch.fx.Node) for a in node.args)
+                 and (node is root or len(node.users) == 1))
+        if inner:
+            tree.add(node)
+            todo.extend(reversed(node.args))
+        else:
+            leaves.append(node)
+    return leaves, tree
+
+
+def _accumulation(acc: torch.fx.Node):
+    """``acc = acc_in + grad * weight`` (grad_accumulation's update): (acc_in, the mul node, grad)."""
+    if acc.target != aten.add.Tensor or len(acc.args) != 2:
+        return None
+    acc_in, scaled = acc.args
+    if getattr(scaled, "op", None) == "placeholder":
+        acc_in, scaled = scaled, acc_in
+    if getattr(acc_in, "op", None) != "placeholder" or getattr(scaled, "target", None) != aten.mul.Tensor:
+        return None
+    grad = next((a for a in scaled.args if isinstance(a, torch.fx.Node) and a.op != "placeholder"), None)
+    return (acc_in, scaled, grad) if grad is not None else None
+
+
+def _state_owner(spec: Spec) -> str | None:
+    if spec.kind == OutputKind.PARAM:
+        return spec.name
+    if spec.kind == OutputKind.OPT_STATE:
+        return split_state_name(spec.name)[0]
+    return None
+
+
+def _split_tied_gradients(rw: _Rewriter, homes: dict, shared: dict) -> dict[str, dict]:
+    """Megatron's tied weights: every stage reading a weight holds it and accumulates its own partial
+    gradient (its own accumulator); each apply graph sums the partials with an all-reduce over the
+    stages holding it and runs the same update. Returns parameter -> {holders, per-stage accumulators}."""
+    nodes, stage = rw.nodes, rw.stage
+    values = {(sp.kind, sp.name): v for sp, v in nodes.outputs}
+    opt = set(nodes.optimizer)
+    step_state = nodes.graph.attrs.setdefault(GraphAttr.STEP_STATE, {})
+    tied = {}
+    for name, readers in shared.items():
+        home = homes[name]
+        acc = values.get((OutputKind.STEP_STATE, ACCUMULATOR_PREFIX + name))
+        if acc is None:   # frozen: read by each stage, updated by none
+            tied[name] = {"holders": list(readers), "acc": {}}
+            continue
+        found = _accumulation(acc)
+        if found is None:
+            raise PipelineSplitError(f"tied parameter '{name}': its accumulator update {acc.name} is not "
+                                     "acc + grad * weight (rule: run grad_accumulation before pipeline_split)")
+        acc_in, scaled, grad = found
+        if len(grad.users) != 1:
+            raise PipelineSplitError(f"tied parameter '{name}': its gradient {grad.name} is read by more than its "
+                                     "accumulator (rule: a tied weight's gradient is split into per-stage parts)")
+        weight = next(a for a in scaled.args if a is not grad)
+        leaves, tree = _sum_tree(grad, aten.add.Tensor)
+        by_stage: dict[int, list] = {}
+        for leaf in leaves:
+            # A view of a term (the head's transposed weight gradient) was placed with its reader, the
+            # sum: it goes back to the stage that made its base.
+            views, base = [], leaf
+            while aliases_input(base) and base.all_input_nodes and base.all_input_nodes[0] in stage:
+                views.append(base)
+                base = base.all_input_nodes[0]
+            where = stage.get(base, home)
+            for view in views:
+                stage[view] = where
+            by_stage.setdefault(where, []).append(leaf)
+        holders = sorted(set(readers) | set(by_stage))
+        if home not in by_stage:
+            raise PipelineSplitError(f"tied parameter '{name}': no part of its gradient is computed by its "
+                                     f"home stage {home}")
+        accs = {home: (acc_in, acc)}
+        for s in holders:
+            terms = by_stage.get(s, [])
+            partial = terms[0] if terms else None
+            for term in terms[1:]:
+                partial = rw.emit(scaled, s, Region.BACKWARD, aten.add.Tensor, partial, term)
+            if s == home:
+                scaled.replace_input_with(grad, partial)
+                continue
+            state = f"{ACCUMULATOR_PREFIX}{name}{TIED_SUFFIX}{s}"
+            with rw.graph.inserting_after(acc_in):
+                placeholder = rw.graph.placeholder(re.sub(r"\W", "_", f"step_state_{state}"))
+            placeholder.meta = dict(acc_in.meta)
+            nodes.spec_of[placeholder] = Spec(InputKind.STEP_STATE, state)
+            nodes.owner[placeholder] = name
+            step_state[state] = dict(step_state[ACCUMULATOR_PREFIX + name])
+            if partial is None:   # nothing to add on this stage: the apply reads the zeros it starts from
+                accs[s] = (placeholder, placeholder)
+                continue
+            new = rw.emit(scaled, s, Region.BACKWARD, aten.add.Tensor, placeholder,
+                          rw.emit(scaled, s, Region.BACKWARD, aten.mul.Tensor, partial, weight))
+            nodes.outputs.append((Spec(OutputKind.STEP_STATE, state), new))
+            accs[s] = (placeholder, new)
+        rw.drop(tree - set(leaves))
+        readers_of_acc = [u for u in acc.users if u in opt]
+        if not readers_of_acc:
+            raise PipelineSplitError(f"tied parameter '{name}': its update reads no accumulated gradient")
+        first = min(readers_of_acc, key=lambda u: nodes.order.get(u, 1 << 60))
+        summed = rw.all_reduce(first, home, acc, "sum")
+        for user in readers_of_acc:
+            user.replace_input_with(acc, summed)
+        tied[name] = {"holders": holders, "acc": accs}
+    return tied
+
+
+def _copy_tied_updates(rw: _Rewriter, homes: dict, tied: dict, replica: dict) -> None:
+    """Each stage holding a tied weight (besides its home) gets the home's update of it, reading its own
+    accumulator (summed over the holders) and its own copies of values reduced over the stages."""
+    nodes, stage = rw.nodes, rw.stage
+    opt = set(nodes.optimizer)
+    twin = {copy: (orig, s) for (orig, s), copy in replica.items()}
+    for name, info in tied.items():
+        home = homes[name]
+        if not info["acc"]:
+            continue
+        acc = info["acc"][home][1]
+        own_values = {acc} | {ph for ph, owner in nodes.owner.items() if owner == name}
+        # The update of this weight alone: optimizer nodes of its home reading only its values, what
+        # they make, free values and values reduced over the stages (which every stage has).
+        update, mine = [], set()
+        for node in rw.graph.nodes:
+            if node not in opt or stage.get(node) != home or node in twin:
+                continue
+            reads = node.all_input_nodes
+            if any(a in own_values or a in mine for a in reads) and all(
+                    a in own_values or a in mine or a in twin or a in nodes.free
+                    or (a.op in ("placeholder", "get_attr") and a not in nodes.owner) for a in reads):
+                update.append(node)
+                mine.add(node)
+        for s in info["holders"]:
+            if s == home:
+                continue
+            env = {acc: info["acc"][s][1]}
+            for node in update:
+                for a in node.all_input_nodes:
+                    if a in twin:
+                        env[a] = replica[(twin[a][0], s)]
+                env[node] = rw.copy(node, s, env)
+            nodes.outputs += [(spec, env[v]) for spec, v in list(nodes.outputs)
+                              if v in mine and _state_owner(spec) == name]
+        missed = [spec.name for spec, v in nodes.outputs if _state_owner(spec) == name and v in opt and v not in mine
+                  and stage.get(v) == home]
+        if missed:
+            raise PipelineSplitError(f"tied parameter '{name}': the update of {missed[0]} reads values of its "
+                                     f"stage {home} other than its own (rule: a tied weight's update is copied to "
+                                     "every stage holding it)")
+
+
+def _reduce_over_stages(rw: _Rewriter, homes: dict, n_stages: int) -> tuple[dict, list[str]]:
+    """Optimizer values that combine every stage's (global gradient-norm clipping's total norm): each
+    stage computes its part, an all-reduce over the pipeline ranks combines the parts, and every stage
+    computes what follows from the total itself. Returns (original node, stage) -> that stage's copy."""
+    nodes, stage = rw.nodes, rw.stage
+    opt = set(nodes.optimizer)
+    up: dict[torch.fx.Node, set] = {}
+    for node in rw.graph.nodes:
+        if node not in opt:
+            continue
+        s = set()
+        for a in node.all_input_nodes:
+            if a in nodes.owner:
+                s.add(homes[nodes.owner[a]])
+            elif a in opt:
+                s |= up[a]
+            elif a in stage:
+                s.add(stage[a])
+        up[node] = s
+    mixed = [n for n in rw.graph.nodes if n in opt and len(up[n]) > 1]
+    replica: dict = {}
+    if not mixed:
+        return replica, []
+    mixed_set = set(mixed)
+    reduced: list[str] = []
+    done: set[torch.fx.Node] = set()
+    replicated: set[torch.fx.Node] = set()
+    own: dict[torch.fx.Node, int] = {}
+
+    def refuse(node):
+        raise PlanError("pp", f"optimizer node {node.name} ({node.target}) combines values of stages "
+                              f"{sorted(up[node])} (rule: a value combining stages must be a sum, a maximum or "
+                              "the 2-norm of values each stage has, such as global gradient-norm clipping's "
+                              "total norm; loss scaling's overflow check and ZeRO's sharded norms are not)")
+
+    for node in mixed:
+        if node in done:
+            continue
+        if not any(a in mixed_set for a in node.all_input_nodes):
+            # Where stages first meet: the combination itself.
+            if node.target == aten.stack.default and len(node.users) == 1:
+                (root,) = node.users
+                if not (root.target == aten.linalg_vector_norm.default and list(root.args[1:2]) in ([], [2.0], [2])
+                        and not root.args[2:] and not root.kwargs) and root.target != aten.sum.default:
+                    refuse(node)
+                kind, leaves, tree = ("norm" if root.target != aten.sum.default else "sum"), list(node.args[0]), {node}
+            elif node.target in _REDUCTIONS:
+                root = node
+                while (len(root.users) == 1 and next(iter(root.users)).target == node.target
+                       and next(iter(root.users)) in mixed_set):
+                    root = next(iter(root.users))
+                kind = _REDUCTIONS[node.target]
+                leaves, tree = _sum_tree(root, node.target)
+            else:
+                refuse(node)
+            by_stage: dict[int, list] = {}
+            for leaf in leaves:
+                where = up.get(leaf) or ({stage[leaf]} if leaf in stage else {0})
+                if len(where) > 1:
+                    refuse(node)
+                by_stage.setdefault(min(where), []).append(leaf)
+            anchor = root   # after every term
+            like = root.meta["val"]
+            for s in range(n_stages):
+                terms = by_stage.get(s, [])
+                if kind == "norm":
+                    if terms:
+                        stacked = rw.emit(anchor, s, Region.OPTIMIZER, aten.stack.default, terms)
+                        part = rw.emit(anchor, s, Region.OPTIMIZER, aten.sum.default,
+                                       rw.emit(anchor, s, Region.OPTIMIZER, aten.mul.Tensor, stacked, stacked))
+                    else:
+                        part = rw.emit(anchor, s, Region.OPTIMIZER, aten.zeros.default, [], dtype=like.dtype,
+                                       device=like.device)
+                    total = rw.emit(anchor, s, Region.OPTIMIZER, aten.sqrt.default,
+                                    rw.all_reduce(anchor, s, part, "sum"))
+                else:
+                    part = terms[0] if terms else None
+                    for term in terms[1:]:
+                        part = rw.emit(anchor, s, Region.OPTIMIZER, root.target, part, term)
+                    if part is None:
+                        fill = 0.0 if kind == "sum" else float("-inf")
+                        part = rw.emit(anchor, s, Region.OPTIMIZER, aten.full.default, [], fill, dtype=like.dtype,
+                                       device=like.device)
+                    total = rw.all_reduce(anchor, s, part, kind)
+                replica[(root, s)] = total
+            reduced.append(f"{root.name} ({kind})")
+            replicated.add(root)
+            done |= tree | {root}
+            continue
+        # After the combination: a value every stage computes from the total alone, or one stage's own
+        # value (a parameter's clipped gradient) that reads the total.
+        others = set()
+        for a in node.all_input_nodes:
+            if a in replicated:
+                continue
+            others |= {own[a]} if a in own else up.get(a) or ({stage[a]} if a in stage else set())
+        if len(others) > 1:
+            refuse(node)
+        if others:
+            (t,) = others
+            for a in [a for a in node.all_input_nodes if a in replicated]:
+                node.replace_input_with(a, replica[(a, t)])
+            stage[node] = own[node] = t
+        else:
+            for s in range(n_stages):
+                replica[(node, s)] = rw.copy(node, s, {a: replica[(a, s)] for a in node.all_input_nodes
+                                                        if a in replicated})
+            replicated.add(node)
+        done.add(node)
+    # Outputs of replicated values (the norm as a metric): every stage reports its own copy.
+    outputs = []
+    for spec, value in nodes.outputs:
+        if value in replicated:
+            outputs += [(spec, replica[(value, s)]) for s in range(n_stages)]
+        else:
+            outputs.append((spec, value))
+    nodes.outputs = outputs
+    rw.drop({n for n in done if n not in own})
+    return replica, reduced
+
+
+def _share_across_stages(nodes: _Nodes, stage: dict, homes: dict, shared: dict, mixed: list, ranks: list[int],
+                         n_stages: int, pp: int, schedule: str, ctx, program) -> tuple[dict, list[str]]:
+    """Tied weights and values combined over every stage, rewritten into per-stage parts whose
+    all-reduce runs over the pipeline ranks (the mesh's ``pp`` group)."""
+    if not shared and not mixed:
+        return {}, []
+    what = (f"parameter '{next(iter(shared))}' (read by the forward of stages {next(iter(shared.values()))})"
+            if shared else f"optimizer node {mixed[0].name}, which combines values of several stages")
+    if len(set(ranks)) != n_stages:
+        field = "pipeline_schedule" if schedule in ("dualpipev", "zbv") else "pipeline_virtual_stages"
+        raise PlanError(field, f"{what} needs an all-reduce over the stages, and schedule '{schedule}' puts "
+                               f"several stages on one pipeline rank (rule: weights tied across stages and "
+                               "global gradient clipping need one stage per pipeline rank)", schedule)
+    mesh = getattr(ctx, "mesh", None) or program.mesh
+    if mesh is None or "pp" not in mesh.axes or mesh.size("pp") != pp:
+        raise PipelineSplitError(f"{what} needs the mesh's pp axis of {pp} ranks to name its all-reduce's group")
+    rw = _Rewriter(nodes, stage, mesh.group_name("pp"))
+    tied = _split_tied_gradients(rw, homes, shared)
+    for name, info in tied.items():
+        if sorted(ranks[s] for s in info["holders"]) != list(range(pp)):
+            raise PlanError("pp", f"parameter '{name}' is tied across stages {info['holders']} of {pp} (rule: a "
+                                  "tied weight's stages are every pipeline rank, whose group sums its gradient: "
+                                  "pp = 2 for an embedding tied to the head, or untie it)", pp)
+    replica, reduced = _reduce_over_stages(rw, homes, n_stages)
+    _copy_tied_updates(rw, homes, tied, replica)
+    return tied, reduced
+
+
 
 
 def _extract(nodes: _Nodes, compute: list[torch.fx.Node], cut: list[tuple[Spec, torch.fx.Node]],
@@ -628,7 +1021,7 @@ def pipeline_split_pass(program: Program, ctx: PassContext, *, stages: int = 2, 
         stage_bytes = [float(b) for b in split.stage_bytes]
     starts = [units[u] for u in unit_of_stage]
     fstage = _forward_stages(nodes, starts)
-    stage, homes = _assign(nodes, fstage, stages)
+    stage, homes, shared, mixed = _assign(nodes, fstage, stages)
     ranks = _default_ranks(stages, pp, schedule)
     base = {k: v for k, v in graph.attrs.items() if k != GraphAttr.KIND}
     graphs, flows, built = _build_stages(nodes, stage, homes, stages, ranks, base)
@@ -645,8 +1038,11 @@ def pipeline_split_pass(program: Program, ctx: PassContext, *, stages: int = 2, 
         "unit_static_bytes": costs.static_bytes, "unit_activation_bytes": costs.activation_bytes,
         "stage_seconds": stage_cost, "stage_bytes": stage_bytes, "imbalance": max(stage_cost) / mean if mean else 1.0,
         "boundary_tensors": [len(st.acts_in) for st in built],
-        "param_stage": homes, "microbatches": graph.attrs[GraphAttr.GRAD_ACCUMULATION]["microbatches"]}
+        "param_stage": homes, "microbatches": graph.attrs[GraphAttr.GRAD_ACCUMULATION]["microbatches"],
+        "shared_params": {n: info["holders"] for n, info in tied.items()}, "stage_reductions": reduced}
     ctx.stat("stages", stages)
     ctx.stat("units", len(units))
     ctx.stat("imbalance", round(program.attrs[GraphAttr.PIPELINE_PARALLEL]["imbalance"], 4))
     return program
+    tied, reduced = _share_across_stages(nodes, stage, homes, shared, mixed, ranks, stages, pp, schedule,
+                                         ctx, program)

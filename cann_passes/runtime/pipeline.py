@@ -74,12 +74,12 @@ class StageExecutor:
         bound = iter(bind_inputs(_Inputs(graph, standard), self.step.model, self.step.optimizer, batch,
                                  self.step.step_state, self.step.shards, self.step._init_state))
         flat = []
-        for spec in graph.signature.inputs:
+        for spec, node in zip(graph.signature.inputs, graph.placeholders()):
             if spec.kind in StageValue.KINDS:
                 if spec not in held:
                     raise PipelineRuntimeError(f"stage {self.index} {part} (microbatch {mb}) needs "
                                                f"{spec.kind} '{spec.name}', which nothing handed it")
-                flat.append(held[spec])
+                flat.append(_as_recorded(held[spec], node.meta.get("val")))
             else:
                 flat.append(next(bound))
         outputs = self.runners[part](*flat)
@@ -137,6 +137,17 @@ class StageExecutor:
         self.values.clear()
 
 
+def _as_recorded(value: torch.Tensor, recorded) -> torch.Tensor:
+    """``value`` laid out with the strides the graph was traced with. A boundary value arrives
+    contiguous (that is how it is sent), but a graph may read it through views that are valid only
+    on its original layout (attention's output, transposed, viewed back to tokens x features)."""
+    if not isinstance(recorded, torch.Tensor) or not isinstance(value, torch.Tensor) \
+            or value.shape != recorded.shape or value.stride() == recorded.stride():
+        return value
+    out = torch.empty_strided(recorded.shape, recorded.stride(), dtype=value.dtype, device=value.device)
+    return out.copy_(value)
+
+
 def stage_graphs(program: Program, index: int) -> dict[str, Any]:
     prefix = f"stage{index}."
     return {name[len(prefix):]: g for name, g in program.graphs.items() if name.startswith(prefix)}
@@ -162,7 +173,14 @@ def run_local(step, program: Program, runners: dict[str, Any], microbatches: lis
     """Every stage in this process: per microbatch all forwards in order, then all backwards in reverse;
     then every stage's apply. ``split_backward`` runs backward_input then backward_weight instead of
     the full backward (the zero-bubble parts)."""
-    n = program.attrs[GraphAttr.PIPELINE_PARALLEL]["stages"]
+    info = program.attrs[GraphAttr.PIPELINE_PARALLEL]
+    n = info["stages"]
+    across = [f"weight '{name}' tied across stages {holders}" for name, holders in info.get("shared_params", {}).items()]
+    across += [f"{what} reduced over every stage" for what in info.get("stage_reductions", [])]
+    if across:
+        raise PipelineRuntimeError(f"the stages all-reduce over the pipeline ranks ({'; '.join(across)}), which one "
+                                   "process holding every stage has no group for (rule: run pp > 1 with tied weights "
+                                   "or gradient clipping under init_distributed, one process per pipeline rank)")
     stages = [StageExecutor(s, stage_graphs(program, s), {p: runners[f"stage{s}.{p}"] for p in
                                                            stage_graphs(program, s)}, step) for s in range(n)]
     rows = [_rows(mb) for mb in microbatches]
@@ -225,6 +243,8 @@ def step(step, batch: Any) -> torch.Tensor:
         loss = run_schedule(step, comp, microbatches)
     step.steps_run += 1
     step.optimizer._opt_called = True   # LR schedulers check that the optimizer stepped
+    if step.shards.params():   # tensor-parallel shards: the user's model is gathered when read
+        step.model_stale = True
     return loss
 
 

@@ -1,9 +1,15 @@
-"""One rank of a pipeline test run: ``python tests/pipeline/pp_worker.py OUTDIR MODEL PP DP CONFIG...``.
+"""One rank of a pipeline test run: ``python tests/pipeline/pp_worker.py OUTDIR MODEL PP DP TP CONFIG...``.
 
-Each CONFIG is ``schedule:optimizer[:v]`` (``1f1b:sgd``, ``interleaved_1f1b:adamw:2``); all run in
-this process one after the other under one process group, each from the same initial weights.
-Each rank writes OUTDIR/rank<R>.pt: per config the losses, the parameters of the stages this rank
-holds, and the measured per-action events of the last step.
+Each CONFIG is ``[model/]schedule:optimizer[:option...]`` (``1f1b:sgd``, ``interleaved_1f1b:adamw:2``,
+``llama/gpipe:adamw``: another model than MODEL); an option is the number of virtual stages per rank,
+``clip=X`` (``plan.grad_clip_norm``) or ``fp16`` (fp16 autocast with dynamic loss scaling). All configs run in this process one after the other under
+one ``(pp, dp, tp)`` mesh, each from the same initial weights.
+Each rank writes OUTDIR/rank<R>.pt: per config the losses, the full parameters of the stages this
+rank holds (gathered over tp by ``model.state_dict()``), and the measured per-action events of the
+last step.
+
+MODEL is a recipe GPT (``gpt4``, ``heavy_head``) or a ``tests.zoo`` model built from its
+``transformers`` config (``llama``, ``gpt2``: GPT2LMHeadModel with its embedding tied to the head).
 """
 from __future__ import annotations
 
@@ -21,17 +27,36 @@ from recipes.models.gpt import GPT, gpt_loss, gpt_tiny  # noqa: E402
 
 STEPS, GLOBAL_BATCH, SEQ = 10, 8, 16
 MODELS = {"gpt4": dict(n_layer=4), "heavy_head": dict(n_layer=4, vocab_size=2048)}
+ZOO = {"llama": dict(layers=2), "gpt2": dict(layers=2)}
 
 
-def global_batch(i: int, vocab: int = 256):
+def global_batch(name: str, i: int):
+    if name in ZOO:   # two zoo batches of 4 rows, unpadded: every row has the same token count
+        from tests import zoo
+        entry = _zoo(name)
+        halves = [entry.make_batch(1000 + 2 * i + h, pad=False) for h in range(2)]
+        return {k: torch.cat([h[k] for h in halves]) for k in halves[0]}
+    vocab = MODELS[name].get("vocab_size", 256)
     g = torch.Generator().manual_seed(1000 + i)
     idx = torch.randint(0, vocab, (GLOBAL_BATCH, SEQ), generator=g)
     return idx, torch.roll(idx, -1, dims=1)
 
 
+def _zoo(name: str):
+    from tests import zoo
+    return zoo.build(name, seed=0, **ZOO[name])
+
+
+def loss_fn(name: str):
+    return _zoo(name).loss_fn if name in ZOO else gpt_loss
+
+
 def make_model(name: str, optimizer: str):
-    torch.manual_seed(0)
-    model = GPT(gpt_tiny(tie_weights=False, bias=False, **MODELS[name]))
+    if name in ZOO:
+        model = _zoo(name).model
+    else:
+        torch.manual_seed(0)
+        model = GPT(gpt_tiny(tie_weights=False, bias=False, **MODELS[name]))
     if optimizer == "sgd":
         return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
@@ -41,29 +66,56 @@ def microbatches_for(schedule: str, pp: int) -> int:
     return 2 * pp if schedule == "dualpipev" else max(4, pp)
 
 
-def main(out: str, model_name: str, pp: int, dp: int, configs: list[str]) -> None:
+def parse_config(config: str, default_model: str) -> tuple[str, str]:
+    """(model, schedule:optimizer[:options]) of a CONFIG."""
+    model, _, rest = config.rpartition("/")
+    return model or default_model, rest
+
+
+def plan_for(config: str, pp: int, dp: int, tp: int) -> Plan:
+    schedule, _, *options = config.split(":")
+    fields = dict(backend="eager", pp=pp, dp=dp, tp=tp, microbatches=microbatches_for(schedule, pp),
+                  pipeline_schedule=schedule)
+    for option in options:
+        if option.isdigit():
+            fields["pipeline_virtual_stages"] = int(option)
+        elif option.startswith("clip="):
+            fields["grad_clip_norm"] = float(option.removeprefix("clip="))
+        elif option == "fp16":
+            fields["precision"] = "fp16"
+        else:
+            raise ValueError(f"unknown config option {option!r}")
+    return Plan(**fields)
+
+
+def main(out: str, model_name: str, pp: int, dp: int, tp: int, configs: list[str]) -> None:
     results = {}
-    with init_distributed(Plan(backend="eager", pp=pp, dp=dp, microbatches=max(4, pp))) as world:
-        vocab = MODELS[model_name].get("vocab_size", 256)
+    with init_distributed(Plan(backend="eager", pp=pp, dp=dp, tp=tp, microbatches=max(4, pp))) as world:
         for config in configs:
-            schedule, optimizer, *rest = config.split(":")
-            v = int(rest[0]) if rest else 1
-            plan = Plan(backend="eager", pp=pp, dp=dp, microbatches=microbatches_for(schedule, pp),
-                        pipeline_schedule=schedule, pipeline_virtual_stages=v)
-            model, opt = make_model(model_name, optimizer)
-            step = compile_for_npu(model, plan, optimizer=opt, loss_fn=gpt_loss)
-            losses = [float(step(shard_batch(global_batch(i, vocab), world.dp_rank, world.dp_size)))
+            name, what = parse_config(config, model_name)
+            plan = plan_for(what, pp, dp, tp)
+            model, opt = make_model(name, what.split(":")[1])
+            step = compile_for_npu(model, plan, optimizer=opt, loss_fn=loss_fn(name))
+            losses = [float(step(shard_batch(global_batch(name, i), world.dp_rank, world.dp_size)))
                       for i in range(STEPS)]
             info = step.last.program.attrs[GraphAttr.PIPELINE_PARALLEL]
             pp_rank = step.mesh.local_rank("pp")
             mine = {s for s, r in enumerate(info["stage_to_rank"]) if r == pp_rank}
-            params = {n: p.detach().clone() for n, p in model.named_parameters() if info["param_stage"][n] in mine}
+            state = model.state_dict()   # gathers tensor-parallel shards (a collective over tp)
+            params = {n: state[n].detach().clone() for n, _ in model.named_parameters()
+                      if set(_stages_of(info, n)) & mine}
             events = [(e.rank, e.stage, e.microbatch, e.kind, e.start_s, e.end_s)
                       for e in step.pipeline_timeline().events]
             results[config] = {"losses": losses, "params": params, "events": events,
-                               "stage_seconds": info["stage_seconds"], "stages": info["stages"]}
+                               "stage_seconds": info["stage_seconds"], "stages": info["stages"],
+                               "shared": info.get("shared_params", {})}
     torch.save(results, Path(out) / f"rank{world.rank}.pt")
 
 
+def _stages_of(info: dict, name: str) -> list[int]:
+    """The stages holding parameter ``name``: its home, and every stage sharing it (tied weights)."""
+    return list(info.get("shared_params", {}).get(name, [info["param_stage"][name]]))
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5:])
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6:])

@@ -19,7 +19,6 @@ import torch
 
 from cann_passes.runtime.distributed import launch_local
 from cann_passes.schedules import timeline_from_events
-from recipes.models.gpt import gpt_loss
 
 sys.path.insert(0, str(Path(__file__).parent))
 import pp_worker  # noqa: E402
@@ -30,9 +29,10 @@ WORKER = str(Path(__file__).parent / "pp_worker.py")
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_intra_op_thread")]  # the eager reference too
 
 
-def _launch(tmp_path_factory, name: str, nprocs: int, model: str, pp: int, dp: int, configs: list[str]):
+def _launch(tmp_path_factory, name: str, nprocs: int, model: str, pp: int, dp: int, configs: list[str],
+            tp: int = 1):
     out = tmp_path_factory.mktemp(name)
-    results = launch_local([WORKER, str(out), model, str(pp), str(dp), *configs], nprocs,
+    results = launch_local([WORKER, str(out), model, str(pp), str(dp), str(tp), *configs], nprocs,
                            env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, timeout_s=900, cwd=str(REPO))
     for rank, r in enumerate(results):
         assert r.returncode == 0, f"rank {rank} exited {r.returncode}:\n{r.stderr[-4000:]}"
@@ -40,33 +40,51 @@ def _launch(tmp_path_factory, name: str, nprocs: int, model: str, pp: int, dp: i
 
 
 @functools.cache
-def _reference(model_name: str, optimizer: str):
+def _reference(model_name: str, optimizer: str, clip: float | None = None):
     model, opt = pp_worker.make_model(model_name, optimizer)
-    vocab = pp_worker.MODELS[model_name].get("vocab_size", 256)
-    losses = []
+    loss_fn = pp_worker.loss_fn(model_name)
+    losses, clipped = [], 0
     for i in range(pp_worker.STEPS):
         opt.zero_grad()
-        loss = gpt_loss(model, pp_worker.global_batch(i, vocab))
+        loss = loss_fn(model, pp_worker.global_batch(model_name, i))
         loss.backward()
+        if clip is not None:
+            clipped += float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)) > clip
         opt.step()
         losses.append(loss.item())
+    assert clip is None or clipped >= pp_worker.STEPS // 2, "the clip norm must bind for the test to mean anything"
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _check(ranks: list[dict], config: str, model_name: str, dp: int = 1):
-    optimizer = config.split(":")[1]
-    ref_losses, ref_params = _reference(model_name, optimizer)
+def _clip_of(config: str) -> float | None:
+    what = pp_worker.parse_config(config, "")[1]
+    return next((float(o.removeprefix("clip=")) for o in what.split(":")[2:] if o.startswith("clip=")), None)
+
+
+def _check(ranks: list[dict], config: str, model_name: str, dp: int = 1, tp: int = 1):
+    model_name, what = pp_worker.parse_config(config, model_name)
+    optimizer = what.split(":")[1]
+    ref_losses, ref_params = _reference(model_name, optimizer, _clip_of(config))
     for rank, result in enumerate(ranks):
         for i, (got, want) in enumerate(zip(result[config]["losses"], ref_losses, strict=True)):
             assert abs(got - want) <= 1e-5 * abs(want), f"{config} rank {rank} step {i}: loss {got} vs {want}"
-    params = {}
-    # The (pp, dp) mesh numbers ranks pp-major: ranks[::dp] are the dp-rank-0 replica of every stage.
-    for replica in ranks[1:dp]:
-        for name, value in replica[config]["params"].items():
-            assert torch.equal(value, ranks[0][config]["params"][name]), f"dp replicas differ at {name}"
-    for result in ranks[::dp]:
-        assert not set(params) & set(result[config]["params"]), "a parameter is held by two pipeline ranks"
-        params.update(result[config]["params"])
+    # The (pp, dp, tp) mesh numbers ranks pp-major: ranks [k * dp * tp, (k + 1) * dp * tp) hold pipeline
+    # rank k's stages; every one of them holds the same full parameters (tp shards gathered).
+    per_pp = dp * tp
+    params: dict = {}
+    shared = set(ranks[0][config]["shared"])
+    for k in range(len(ranks) // per_pp):
+        group = ranks[k * per_pp:(k + 1) * per_pp]
+        for replica in group[1:]:
+            assert set(replica[config]["params"]) == set(group[0][config]["params"])
+            for name, value in replica[config]["params"].items():
+                assert torch.equal(value, group[0][config]["params"][name]), f"replicas differ at {name}"
+        mine = group[0][config]["params"]
+        for name, value in mine.items():
+            if name in params:   # a weight tied across stages: every stage holding it applies the same update
+                assert name in shared, f"{name} is held by two pipeline ranks"
+                assert torch.equal(value, params[name]), f"the stages sharing {name} hold different values"
+        params.update(mine)
     assert set(params) == set(ref_params)
     if optimizer == "sgd":
         for name, want in ref_params.items():
@@ -110,3 +128,28 @@ def test_dp2_x_pp2_matches_single_process_training(tmp_path_factory, subtests):
     for config in ("1f1b:sgd", "1f1b:adamw"):
         with subtests.test(config=config):
             _check(ranks, config, "gpt4", dp=2)
+
+
+def test_tp2_x_pp2_gpt_and_llama_match_single_process_training(tmp_path_factory, subtests):
+    """A (pp=2, tp=2) mesh: every stage graph holds its tensor-parallel collectives, over its
+    pipeline rank's tp group; the stages send their tp shards of the boundary values."""
+    configs = ["1f1b:sgd", "llama/zb1p:sgd", "llama/gpipe:adamw"]
+    ranks = _launch(tmp_path_factory, "tp2pp2", 4, "gpt4", 2, 1, configs, tp=2)
+    for config in configs:
+        with subtests.test(config=config):
+            _check(ranks, config, "gpt4", tp=2)
+
+
+def test_tied_weights_and_global_grad_clipping_across_stages_match_single_process_training(tmp_path_factory,
+                                                                                         subtests):
+    """GPT2LMHeadModel ties its embedding to the head, read by the first and the last stage: both hold it,
+    each accumulates its part of the gradient, an all-reduce over the pipeline ranks sums the parts and
+    both apply the same update. Global grad-norm clipping: each stage's squared norms are summed over
+    the pipeline ranks, so every stage clips by the same coefficient (``clip_grad_norm_``'s)."""
+    configs = ["gpt2/1f1b:sgd", "gpt2/gpipe:adamw", "1f1b:sgd:clip=0.5", "gpt2/zb1p:sgd:clip=0.5"]
+    ranks = _launch(tmp_path_factory, "tied_clip", 2, "gpt4", 2, 1, configs)
+    for config in configs:
+        with subtests.test(config=config):
+            _check(ranks, config, "gpt4")
+            if config.startswith("gpt2/"):
+                assert ranks[0][config]["shared"] == {"transformer.wte.weight": [0, 1]}

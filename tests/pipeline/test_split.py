@@ -44,7 +44,7 @@ def _sgd(params):
 def _program(model, plan, rows=2, rank=0):
     opt = _sgd(model.parameters())
     captured, _ = capture_train_step(model, opt, gpt_loss, _batch(0, rows=rows))
-    return compile_program(captured, plan, MeshDesc.fake(pp=plan.pp, dp=plan.dp, rank=rank))
+    return compile_program(captured, plan, MeshDesc.fake(pp=plan.pp, dp=plan.dp, tp=plan.tp, rank=rank))
 
 
 def _train(model, plan, steps=2):
@@ -133,24 +133,91 @@ class TestStageGraphs:
             assert len(reduces) == len([s for s in graph.signature.outputs if s.kind == "param"])
 
 
-class TestRefusals:
-    def test_tied_embeddings_across_stages_are_refused_naming_the_parameter(self):
-        torch.manual_seed(0)
-        model = GPT(gpt_tiny(n_layer=2, tie_weights=True, bias=False))
-        with pytest.raises(PassFailure, match=r"plan field 'pp'.*wte.weight.*one stage"):
-            _program(model, Plan(pp=2, microbatches=2, backend="eager"))
+class TestWithTensorParallelism:
+    def test_tp_stage_graphs_hold_their_collectives_over_this_ranks_tp_group(self):
+        # Rank 3 of a (pp=2, dp=1, tp=2) mesh: pipeline rank 1, tp rank 1.
+        program = _program(_gpt(), Plan(pp=2, tp=2, microbatches=2, backend="eager"), rank=3)
+        verify_program(program, deep=True)
+        assert program.mesh.local_rank("pp") == 1 and program.mesh.local_rank("tp") == 1
+        tp_group = program.mesh.group_name("tp")
+        counts = {}
+        for name, graph in program.graphs.items():
+            collectives = [n for n in graph.graph.nodes if n.op == "call_function"
+                           and getattr(n.target, "namespace", "") == "_c10d_functional"
+                           and "wait_tensor" not in str(n.target)]
+            counts[name] = len(collectives)
+            for node in collectives:
+                assert node.args[-1] == tp_group, (name, node.name, node.args)
+                # A collective's result is waited for in the graph that issues it.
+                assert any("wait_tensor" in str(u.target) for u in node.users), (name, node.name)
+        # Both stages' forwards and backwards reduce their row-parallel partial sums.
+        for s in range(2):
+            assert counts[f"stage{s}.forward"] > 0 and counts[f"stage{s}.backward"] > 0, counts
+        # Boundary activations are this rank's values; the residual stream crosses replicated, full width.
+        act = [n for s, n in zip(program["stage1.forward"].signature.inputs, program["stage1.forward"].placeholders())
+               if s.kind == StageValue.ACTIVATION]
+        assert any(a.meta["val"].shape == (2, 16, 32) for a in act), [a.meta["val"].shape for a in act]
 
+
+class TestRefusals:
     def test_more_stages_than_units_is_refused(self):
         with pytest.raises(PassFailure, match=r"plan field 'pp'.*cuttable unit"):
             _program(_gpt(layers=1), Plan(pp=8, microbatches=8, backend="eager", pipeline_schedule="gpipe"))
 
-    def test_pp_with_tp_is_refused_by_field(self):
-        with pytest.raises(PlanError, match="plan field 'tp'"):
-            _program(_gpt(), Plan(pp=2, tp=2, microbatches=2, backend="eager"))
 
-    def test_global_gradient_clipping_across_stages_is_refused(self):
-        with pytest.raises(PassFailure, match=r"plan field 'pp'.*combines values of stages"):
-            _program(_gpt(), Plan(pp=2, microbatches=2, backend="eager", grad_clip_norm=1.0))
+    def test_tied_weights_need_every_pipeline_rank_and_one_stage_per_rank(self):
+        torch.manual_seed(0)
+        tied = GPT(gpt_tiny(n_layer=2, tie_weights=True, bias=False))
+        with pytest.raises(PassFailure, match=r"plan field 'pp'.*wte.weight.*tied across stages \[0, 3\]"):
+            _program(tied, Plan(pp=4, microbatches=4, backend="eager"))
+        with pytest.raises(PassFailure, match=r"plan field 'pipeline_virtual_stages'.*one stage per pipeline rank"):
+            _program(_gpt(), Plan(pp=2, microbatches=4, backend="eager", grad_clip_norm=1.0,
+                                  pipeline_schedule="interleaved_1f1b", pipeline_virtual_stages=2))
+
+    def test_loss_scaling_is_refused_by_field(self):
+        with pytest.raises(PlanError, match="plan field 'loss_scale'"):
+            _program(_gpt(), Plan(pp=2, microbatches=2, backend="eager", precision="fp16"))
+
+
+class TestAcrossStages:
+    """Values several stages meet on besides the boundary, all-reduced over the pipeline ranks."""
+
+    @staticmethod
+    def _reduces(graph):
+        return [n for n in graph.graph.nodes if "all_reduce" in str(n.target)]
+
+    def test_tied_embedding_is_held_by_both_stages_each_with_its_part_of_the_gradient(self):
+        torch.manual_seed(0)
+        model = GPT(gpt_tiny(n_layer=2, tie_weights=True, bias=False))
+        program = _program(model, Plan(pp=2, microbatches=2, backend="eager"))
+        verify_program(program, deep=True)
+        assert program.attrs[PP]["shared_params"] == {"wte.weight": [0, 1]}
+        group = program.mesh.group_name("pp")
+        part = "grad_accumulation:grad/wte.weight@stage1"
+        for s in range(2):
+            apply = program[f"stage{s}.apply"]
+            assert "wte.weight" in [o.name for o in apply.signature.outputs if o.kind == "param"]
+            (reduce,) = self._reduces(apply)
+            assert reduce.args[1:] == ("sum", group)
+        # The head's part accumulates on the last stage and never crosses to the first.
+        assert part in [o.name for o in program["stage1.backward"].signature.outputs]
+        assert part in [i.name for i in program["stage1.apply"].signature.inputs]
+        grads = [i for i in program["stage0.backward"].signature.inputs if i.kind == StageValue.GRADIENT]
+        assert len(grads) == 1
+        with pytest.raises(Exception, match=r"tied across stages.*init_distributed"):
+            _train(model, Plan(pp=2, microbatches=2, backend="eager"), steps=1)
+
+    def test_global_grad_clipping_sums_each_stages_squared_norms_over_the_pipeline_ranks(self):
+        program = _program(_gpt(), Plan(pp=2, microbatches=2, backend="eager", grad_clip_norm=1.0))
+        verify_program(program, deep=True)
+        assert len(program.attrs[PP]["stage_reductions"]) == 1
+        for s in range(2):
+            apply = program[f"stage{s}.apply"]
+            (reduce,) = self._reduces(apply)
+            assert reduce.args[1:] == ("sum", program.mesh.group_name("pp"))
+            assert "grad_clip:grad_norm" in [o.name for o in apply.signature.outputs]
+            # Nothing else than the parts of the norm crosses: no stage reads another's gradients.
+            assert not [i for i in apply.signature.inputs if i.kind in StageValue.KINDS]
 
 
 class TestAllStagesInOneProcess:
