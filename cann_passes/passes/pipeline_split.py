@@ -64,8 +64,8 @@ rank runs a stage is ``cann_passes.schedules.stage_to_rank`` for the schedule.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 import re
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx
@@ -74,8 +74,8 @@ from graph_ir import TrainGraph
 from graph_ir.analysis.cost import node_cost
 from graph_ir.analysis.memory import aliases_input
 from graph_ir.analysis.structure import find_blocks
-from graph_ir.meta import (ACCUMULATOR_PREFIX, REGION, GraphAttr, GraphKind, Region, StageValue,
 from graph_ir.build import add_node
+from graph_ir.meta import (ACCUMULATOR_PREFIX, REGION, GraphAttr, GraphKind, Region, StageValue,
                            graph_kind, module_path_of, nbytes, region_of)
 from graph_ir.program import EVERY_MICROBATCH, EVERY_STEP, Flow, Program, Run
 from graph_ir.signature import InputKind, OutputKind, Spec, StepSignature, split_state_name
@@ -109,6 +109,12 @@ class _Nodes:
     outputs: list[tuple[Spec, object]] = field(default_factory=list)
 
 
+def _is_collective(node: torch.fx.Node) -> bool:
+    """A functional collective (tensor parallelism's): its result is not ready before its wait_tensor,
+    so nothing may cut between the two."""
+    return getattr(node.target, "namespace", None) == "_c10d_functional" and node.target.__name__ != "wait_tensor.default"
+
+
 def _is_random(node: torch.fx.Node) -> bool:
     tags = getattr(node.target, "tags", ())
     return torch.Tag.nondeterministic_seeded in tags or node.is_impure()
@@ -117,12 +123,6 @@ def _is_random(node: torch.fx.Node) -> bool:
 def _classify(graph: TrainGraph) -> _Nodes:
     placeholders = graph.placeholders()
     spec_of = dict(zip(placeholders, graph.signature.inputs))
-def _is_collective(node: torch.fx.Node) -> bool:
-    """A functional collective (tensor parallelism's): its result is not ready before its wait_tensor,
-    so nothing may cut between the two."""
-    return getattr(node.target, "namespace", None) == "_c10d_functional" and node.target.__name__ != "wait_tensor.default"
-
-
     updated_buffers = {s.name for s in graph.signature.outputs if s.kind == OutputKind.BUFFER}
     owner: dict[torch.fx.Node, str] = {}
     for node, spec in spec_of.items():
@@ -137,6 +137,9 @@ def _is_collective(node: torch.fx.Node) -> bool:
     order = {}
     for i, node in enumerate(graph.graph.nodes):
         order[node] = i
+        if node.op == "get_attr":   # a constant (one the tensor_parallel rewrite traced): copied like one
+            free.add(node)
+            continue
         if node.op != "call_function":
             continue
         if not _is_random(node) and all(a in free or (a.op == "placeholder" and a not in owner)
@@ -145,9 +148,6 @@ def _is_collective(node: torch.fx.Node) -> bool:
             continue
         {Region.FORWARD: forward, Region.BACKWARD: backward, Region.OPTIMIZER: optimizer}.get(
             region_of(node), forward).append(node)
-        if node.op == "get_attr":   # a constant (one the tensor_parallel rewrite traced): copied like one
-            free.add(node)
-            continue
     nodes = _Nodes(graph, order, spec_of, owner, free, forward, backward, optimizer)
     nodes.outputs = list(zip(graph.signature.outputs, graph.output_values()))
     return nodes
@@ -268,6 +268,8 @@ def _assign(nodes: _Nodes, fstage: dict[torch.fx.Node, int], n_stages: int,
                 s.add(homes[nodes.owner[a]])
             elif a in opt:
                 s |= up[a]
+            elif a in out_home:   # an accumulated gradient: its parameter's stage
+                s |= out_home[a]
         up[node] = s
     down: dict[torch.fx.Node, set[int]] = {}
     for node in reversed(nodes.optimizer):
@@ -276,16 +278,14 @@ def _assign(nodes: _Nodes, fstage: dict[torch.fx.Node, int], n_stages: int,
             if u in opt:
                 s |= down[u]
         down[node] = s
+    mixed = []
     for node in nodes.optimizer:
-            elif a in out_home:   # an accumulated gradient: its parameter's stage
-                s |= out_home[a]
         stages = up[node] | down[node]
         if len(stages) > 1:
             mixed.append(node)
         # What a node reads decides first: a gradient feeding a norm over every stage stays with its own.
         stage[node] = max(up[node] or down[node] or {n_stages - 1})
     # Backward, lower bounds from readers and reads (users first).
-    mixed = []
     back = set(nodes.backward)
     low: dict[torch.fx.Node, int] = {}
     pinned: set[torch.fx.Node] = set()
@@ -297,6 +297,8 @@ def _assign(nodes: _Nodes, fstage: dict[torch.fx.Node, int], n_stages: int,
             elif u in stage:
                 bound = max(bound, stage[u])
         for a in node.all_input_nodes:
+            if a in tied:
+                continue
             if a in nodes.owner:
                 bound = max(bound, homes[nodes.owner[a]])
                 pinned.add(node)
@@ -306,8 +308,6 @@ def _assign(nodes: _Nodes, fstage: dict[torch.fx.Node, int], n_stages: int,
         low[node] = bound
     for node in nodes.backward:
         preds = [stage[a] for a in node.all_input_nodes if a in back]
-            if a in tied:
-                continue
         # A view costs nothing and crossing it would send its base again: it stays with its readers.
         late = preds and node not in pinned and not aliases_input(node)
         stage[node] = max(low[node], min(preds)) if late else low[node]
@@ -405,16 +405,6 @@ def _layer_starts(nodes: _Nodes, units: list[int], layers: list[int]) -> list[in
     return starts
 
 
-# -- building the stage graphs ------------------------------------------------------------------
-
-def _free_closure(nodes: _Nodes, wanted) -> set[torch.fx.Node]:
-    out, todo = set(), [a for n in wanted for a in n.all_input_nodes if a in nodes.free]
-    while todo:
-        node = todo.pop()
-        if node not in out:
-            out.add(node)
-            todo.extend(a for a in node.all_input_nodes if a in nodes.free)
-    return out
 # -- where stages meet besides the boundary: tied weights, values reduced over every stage ---------
 
 aten = torch.ops.aten
@@ -763,6 +753,16 @@ def _share_across_stages(nodes: _Nodes, stage: dict, homes: dict, shared: dict, 
     return tied, reduced
 
 
+# -- building the stage graphs ------------------------------------------------------------------
+
+def _free_closure(nodes: _Nodes, wanted) -> set[torch.fx.Node]:
+    out, todo = set(), [a for n in wanted for a in n.all_input_nodes if a in nodes.free]
+    while todo:
+        node = todo.pop()
+        if node not in out:
+            out.add(node)
+            todo.extend(a for a in node.all_input_nodes if a in nodes.free)
+    return out
 
 
 def _extract(nodes: _Nodes, compute: list[torch.fx.Node], cut: list[tuple[Spec, torch.fx.Node]],
@@ -1023,6 +1023,8 @@ def pipeline_split_pass(program: Program, ctx: PassContext, *, stages: int = 2, 
     fstage = _forward_stages(nodes, starts)
     stage, homes, shared, mixed = _assign(nodes, fstage, stages)
     ranks = _default_ranks(stages, pp, schedule)
+    tied, reduced = _share_across_stages(nodes, stage, homes, shared, mixed, ranks, stages, pp, schedule,
+                                         ctx, program)
     base = {k: v for k, v in graph.attrs.items() if k != GraphAttr.KIND}
     graphs, flows, built = _build_stages(nodes, stage, homes, stages, ranks, base)
     stage_cost = [0.0] * stages
@@ -1044,5 +1046,3 @@ def pipeline_split_pass(program: Program, ctx: PassContext, *, stages: int = 2, 
     ctx.stat("units", len(units))
     ctx.stat("imbalance", round(program.attrs[GraphAttr.PIPELINE_PARALLEL]["imbalance"], 4))
     return program
-    tied, reduced = _share_across_stages(nodes, stage, homes, shared, mixed, ranks, stages, pp, schedule,
-                                         ctx, program)
