@@ -20,13 +20,24 @@
 
 5. With --measured: events a pipeline run recorded (``schedules.save_events``), their
    bubble beside the simulation of the same schedule with the measured mean stage costs.
+6. With --run: runs every schedule on gloo (local processes, one intra-op thread each) at
+   pp = 2 and pp = 4 on a small GPT (4 layers, d_model 64, vocab 256, seq 64, 8 microbatches),
+   records the last of 3 steps' per-action events (``out/events_<schedule>_p<P>.json``) and
+   prints table 5 for them: measured beside simulated beside the formula. CPU ranks share the
+   machine's cores (and here other work), so measured bubbles carry that contention; the
+   simulated figure is what the same mean costs give without it.
 
-Nothing here runs a pipeline: measured events come from the pipeline runtime.
+    python bench/pipeline_bubbles.py --run [--schedules gpipe,1f1b] [--pp 2,4]
 """
 from __future__ import annotations
 
 import argparse
 import os
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cann_passes import schedules as S
 from cann_passes.cost_model import get_profile
@@ -110,11 +121,20 @@ def profile_table(profile_name: str) -> None:
     print()
 
 
+def _imbalance(costs: list[StageCost], stages_of_rank: dict[int, list[int]]) -> float:
+    """Max / mean over ranks of the measured compute per microbatch (F + I + W of the rank's stages):
+    the formulas assume 1.0; above it the slowest rank sets the pace and the others wait."""
+    per_rank = [sum(costs[s].forward_s + costs[s].backward_input_s + costs[s].backward_weight_s for s in stages)
+                for stages in stages_of_rank.values()]
+    return max(per_rank) / (sum(per_rank) / len(per_rank))
+
+
 def measured_table(paths: list[str]) -> None:
     """Measured bubbles beside the simulation of the same schedule with the measured mean costs."""
-    print("Measured bubble vs simulated (same schedule, mean measured stage costs, free transfers) vs formula")
+    print("Measured bubble vs simulated (same schedule, mean measured stage costs, free transfers) vs formula "
+          "(balanced stages);\nstage imbalance: max / mean measured compute per rank")
     print(f"{'schedule':<22}{'p':>3}{'m':>4}{'measured':>10}{'simulated':>11}{'formula':>10}"
-          f"{'makespan meas/sim':>19}")
+          f"{'makespan meas/sim':>19}{'stage imbalance':>17}")
     for path in paths:
         measured = S.load_events(path)
         name, v = measured.name, measured.v
@@ -124,20 +144,83 @@ def measured_table(paths: list[str]) -> None:
                            for k in ("forward_s", "backward_input_s", "backward_weight_s")))
         f = S.bubble_fraction_formula(name, measured.pp, measured.microbatches, v, mean)
         print(f"{label(name, v):<22}{measured.pp:>3}{measured.microbatches:>4}{measured.bubble_fraction:>10.4f}"
-              f"{sim.bubble_fraction:>11.4f}{f:>10.4f}{measured.makespan / sim.makespan:>19.3f}")
+              f"{sim.bubble_fraction:>11.4f}{f:>10.4f}{measured.makespan / sim.makespan:>19.3f}"
+              f"{_imbalance(costs, S.rank_stages(name, measured.pp, v)):>17.3f}")
         trace = os.path.splitext(path)[0] + ".trace.json"
         print(f"  measured trace: {measured.to_chrome_trace(trace)}")
 
 
+RUN_MODEL = dict(n_layer=4, d_model=64, n_head=4, vocab_size=256, seq_len=64)
+RUN_ROWS, RUN_MICROBATCHES, RUN_STEPS = 8, 8, 3
+RUN_SCHEDULES = "gpipe,1f1b,interleaved_1f1b,zb1p,dualpipev"
+
+
+def run_worker(out: str, pp: int, schedules: list[str]) -> None:
+    """One gloo rank: every schedule in turn on the same model; this rank's last-step events."""
+    import torch
+
+    from cann_passes import Plan, compile_for_npu
+    from cann_passes.runtime.distributed import init_distributed
+    from recipes.models.gpt import GPT, gpt_loss, gpt_tiny
+    results = {}
+    with init_distributed(Plan(backend="eager", pp=pp, microbatches=RUN_MICROBATCHES)) as world:
+        for name in schedules:
+            torch.manual_seed(0)
+            model = GPT(gpt_tiny(tie_weights=False, bias=False, **RUN_MODEL))
+            v = 2 if name == "interleaved_1f1b" else 1
+            plan = Plan(backend="eager", pp=pp, microbatches=RUN_MICROBATCHES, pipeline_schedule=name,
+                        pipeline_virtual_stages=v, verify="off")
+            step = compile_for_npu(model, plan, optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
+                                   loss_fn=gpt_loss)
+            for i in range(RUN_STEPS):   # the first step also compiles; the last one is kept
+                g = torch.Generator().manual_seed(1000 + i)
+                idx = torch.randint(0, RUN_MODEL["vocab_size"], (RUN_ROWS, RUN_MODEL["seq_len"]), generator=g)
+                step((idx, torch.roll(idx, -1, dims=1)))
+            results[name] = [(e.rank, e.stage, e.microbatch, e.kind, e.start_s, e.end_s)
+                             for e in step.pipeline_timeline().events]
+    torch.save(results, Path(out) / f"rank{world.rank}.pt")
+
+
+def run_measured(schedules: list[str], pps: list[int], out_dir: str = "out") -> list[str]:
+    """Launch the ranks per pp, save each schedule's events as ``out/events_<schedule>_p<P>.json``."""
+    import torch
+
+    from cann_passes.runtime.distributed import launch_local
+    repo = str(Path(__file__).resolve().parents[1])
+    paths = []
+    for pp in pps:
+        with tempfile.TemporaryDirectory() as tmp:
+            results = launch_local([__file__, "--worker", tmp, str(pp), *schedules], pp,
+                                   env={"PYTHONPATH": repo, "OMP_NUM_THREADS": "1"}, timeout_s=1800, cwd=repo)
+            for rank, r in enumerate(results):
+                if r.returncode != 0:
+                    raise SystemExit(f"pp={pp} rank {rank} failed:\n{r.stderr[-3000:]}")
+            ranks = [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(pp)]
+        for name in schedules:
+            tl = S.timeline_from_events([e for r in ranks for e in r[name]], name=name)
+            tl.v = S.stages_per_rank(name, 2 if name == "interleaved_1f1b" else 1)
+            paths.append(S.save_events(tl, os.path.join(out_dir, f"events_{name}_p{pp}.json")))
+    return paths
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        run_worker(sys.argv[2], int(sys.argv[3]), sys.argv[4:])
+        return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", default="out/pipeline_zb1p_p4_m8.json",
                     help="Chrome-trace path; the schedule, p and m are read from the name")
     ap.add_argument("--profile", default="ascend_910b")
     ap.add_argument("--measured", action="append", default=[],
                     help="events JSON of a measured run (schedules.save_events); repeatable")
+    ap.add_argument("--run", action="store_true", help="run the schedules on gloo and print table 5 for them")
+    ap.add_argument("--schedules", default=RUN_SCHEDULES, help="with --run: comma-separated schedules")
+    ap.add_argument("--pp", default="2,4", help="with --run: comma-separated pipeline sizes")
     args = ap.parse_args()
+    if args.run:
+        args.measured += run_measured(args.schedules.split(","), [int(p) for p in args.pp.split(",")])
     if args.measured:
+        print(f"GPT {RUN_MODEL}, {RUN_ROWS} rows, measured on this CPU (gloo)" if args.run else "")
         measured_table(args.measured)
         return
     formula_table()
