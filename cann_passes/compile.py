@@ -23,7 +23,7 @@ from graph_ir.program import Program
 
 from .dump import DumpWriter
 from .lowering import required_passes
-from .pass_manager import PassContext, PassManager, Pipeline, PipelineError
+from .pass_manager import PassContext, PassFailure, PassManager, Pipeline, PipelineError
 from .pipeline import build_pipeline
 from .plan import Plan, PlanError
 
@@ -154,9 +154,10 @@ def choose_pipeline_schedule(captured: TrainGraph, plan: Plan, mesh: MeshDesc, b
                 Program.of_step(graph, mesh), ctx)
         try:
             program = PassManager(Pipeline.of(*passes[cut:]), verify_level="off").run_program(prefix.copy(), ctx)
-        except Exception as exc:   # the split refuses this stage count (more stages than units, ...)
-            cause = exc.__cause__ or exc
-            row["verdict"] = f"refused: {cause}"
+        except PassFailure as exc:   # the split refuses this stage count (more stages than units, ...)
+            if not isinstance(exc.__cause__, ValueError):   # PlanError and the split's own errors
+                raise
+            row["verdict"] = f"refused: {exc.__cause__}"
             continue
         figs, costs = stage_program_figures(program, candidate, profile)
         timeline = S.simulate(name, plan.pp, m, costs, v, link=profile)

@@ -210,7 +210,7 @@ def _tiny_gpt_step():
     return captured
 
 
-def test_dynamic_compiles_the_fastest_simulated_candidate_over_its_real_stages(one_intra_op_thread):
+def test_dynamic_compiles_the_fastest_simulated_candidate_over_its_real_stages(one_intra_op_thread, tmp_path):
     from cann_passes import Plan
     from cann_passes.compile import compile_program
     from cann_passes.plan import PlanError
@@ -219,9 +219,10 @@ def test_dynamic_compiles_the_fastest_simulated_candidate_over_its_real_stages(o
     from graph_ir.meta import GraphAttr
     captured = _tiny_gpt_step()
     plan = Plan(pp=2, microbatches=2, backend="eager", pipeline_schedule="dynamic")
-    program = compile_program(captured, plan, MeshDesc.fake(pp=2))
+    program = compile_program(captured, plan, MeshDesc.fake(pp=2), dump_dir=str(tmp_path))
     info = program.attrs[GraphAttr.PIPELINE_PARALLEL]
     choice = info["dynamic"]
+    assert choice["table"] in (tmp_path / "pipeline_schedule.txt").read_text()
     rows = {r["schedule"]: r for r in choice["candidates"]}
     # DualPipeV needs microbatches >= 2 pp: refused by its rule; the others simulated
     assert rows["dualpipev"]["makespan_s"] is None and "microbatches >= its 2*pp" in rows["dualpipev"]["verdict"]
