@@ -181,3 +181,31 @@ def average_loss(tg: TrainGraph, group: MeshDim, origin: str) -> None:
 def redirect(value: torch.fx.Node, replacement: torch.fx.Node, users: Iterable[torch.fx.Node]) -> None:
     for user in users:
         user.replace_input_with(value, replacement)
+
+
+# Step metric of the loss_scale pass: whether this step's gradients overflowed (skipped if so).
+FOUND_INF = "loss_scale:found_inf"
+
+
+def agree_on_overflow(tg: TrainGraph, group: MeshDim, origin: str) -> bool:
+    """Make fp16 loss scaling's overflow flag the same on every rank of ``group``.
+
+    loss_scale checks the gradients this rank computed, before they are reduced; a rank whose
+    gradients overflow would skip the step while the others apply the reduced, non-finite ones.
+    The flag is all-reduced with ``max`` (any rank's overflow skips the step everywhere, and the
+    scale then backs off everywhere), as torch's GradScaler sees the already-reduced gradients.
+    Returns whether the graph had the flag.
+    """
+    try:
+        index = tg.signature.output_index(OutputKind.METRIC, FOUND_INF)
+    except ValueError:
+        return False
+    local = tg.output_values()[index]
+    users = list(local.users)
+    build = NodeBuilder(tg, after(local), region_of(local), origin)
+    as_float = build(aten._to_copy.default, local, dtype=torch.float32)
+    reduced = build(c10d.wait_tensor.default, build(c10d.all_reduce.default, as_float, "max", group.group_name))
+    anywhere = build(aten.gt.Scalar, reduced, 0.0)
+    for user in users:
+        user.replace_input_with(local, anywhere)
+    return True

@@ -9,6 +9,8 @@ data-parallel world size, which is the global-batch mean when every rank sees
 the same number of samples. With gradient accumulation the optimizer reads
 gradients already scaled by 1/(global samples), so the reduction is a sum and
 it happens once per optimizer step, at the start of the optimizer region.
+Under fp16 loss scaling the overflow flag is all-reduced too (``max``), so
+that every rank skips the same steps.
 
 ``algo`` (ring/tree/auto) is not written into the graph: the runtime maps it
 onto the collective library's own setting (``HCCL_ALGO``/``NCCL_ALGO``) before
@@ -22,9 +24,9 @@ from graph_ir import TrainGraph
 from graph_ir.meta import GRADIENT_OF, GraphAttr, Region, nbytes, region_of
 
 from ..pass_manager import PassContext, register_pass
-from ._collectives import (DistributedRewriteError, MeshDim, NodeBuilder, after, aten, average_loss, c10d,
-                           collective_elements, first_user, gradients, later_region, make_buckets, mesh_dim,
-                           position_map, redirect)
+from ._collectives import (DistributedRewriteError, MeshDim, NodeBuilder, after, agree_on_overflow, aten,
+                           average_loss, c10d, collective_elements, first_user, gradients, later_region,
+                           make_buckets, mesh_dim, position_map, redirect)
 
 ALGOS = ("auto", "ring", "tree")
 
@@ -74,6 +76,7 @@ def data_parallel_pass(graph: TrainGraph, ctx: PassContext, *, bucket_mb: float 
     for bucket in buckets:
         _all_reduce_bucket(graph, bucket, grads, group, "sum" if accumulating else "avg")
     average_loss(graph, group, "data_parallel")
+    agree_on_overflow(graph, group, "data_parallel")
     graph.attrs[GraphAttr.DATA_PARALLEL] = {"dp": group.size, "buckets": len(buckets), "algo": algo}
     ctx.stat("buckets", len(buckets))
     ctx.stat("all_reduce_elements", collective_elements(graph)["all_reduce"])

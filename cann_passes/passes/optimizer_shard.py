@@ -50,9 +50,10 @@ from graph_ir.placement import FlatShard, Placement, placement_of, set_placement
 from graph_ir.signature import InputKind, OutputKind
 
 from ..pass_manager import PassContext, register_pass
-from ._collectives import (DistributedRewriteError, MeshDim, NodeBuilder, after, aten, average_loss, c10d,
-                           collective_elements, first_node_of, first_user, gradients, later_region,
-                           make_buckets, mesh_dim, optimizer_subgraph, position_map, recompute_val, redirect)
+from ._collectives import (DistributedRewriteError, MeshDim, NodeBuilder, after, agree_on_overflow, aten,
+                           average_loss, c10d, collective_elements, first_node_of, first_user, gradients,
+                           later_region, make_buckets, mesh_dim, optimizer_subgraph, position_map,
+                           recompute_val, redirect)
 from graph_ir.analysis.cost import is_view_op
 
 ORIGIN = "optimizer_shard"
@@ -425,6 +426,7 @@ def optimizer_shard_pass(graph: TrainGraph, ctx: PassContext, *, stage: int = 1,
         for bucket in buckets:
             _gather_new_params(graph, bucket, layout)
     average_loss(graph, group, ORIGIN)
+    agree_on_overflow(graph, group, ORIGIN)      # every rank skips the same fp16 steps
     padding = {n: layout.padding(n) for n in order}
     graph.attrs[GraphAttr.SHARDED_STATE] = True
     graph.attrs[GraphAttr.ZERO] = {"stage": stage, "dp": group.size, "rank": group.rank, "axis": DP,

@@ -233,3 +233,35 @@ def test_sharded_master_and_stage3_in_bf16_train_exactly_like_data_parallel(tmp_
         whole = got["zero2_whole"]
         assert whole["zero"]["master"] == "whole" and not whole["shards"]
         assert {c[1] for c in whole["collectives"] if "all_gather" in c[0]} == {"optimizer"}
+
+
+def test_fp16_overflow_flag_is_all_reduced_before_any_update_reads_it(captured):
+    for sync in ("data_parallel{bucket_mb=0.02}", "optimizer_shard{stage=2,bucket_mb=0.02}"):
+        graph = _rewrite(captured, f"autocast{{dtype=fp16,policy=cuda}},loss_scale{{mode=dynamic}},{sync}")
+        index = graph.signature.output_index("metric", "loss_scale:found_inf")
+        flag = graph.output_values()[index]
+        source = flag.args[0].args[0]                    # gt(wait(all_reduce(float(local flag))))
+        assert "all_reduce" in str(source.target) and source.args[1] == "max", sync
+        # where(found_inf, old, new) for every parameter and state output: the skipped step
+        skips = [n for n in graph.graph.nodes if n.target is torch.ops.aten.where.self
+                 and region_of(n) == Region.OPTIMIZER and n.args[1].op == "placeholder"]
+        assert skips and all(n.args[0] is flag for n in skips), sync
+
+
+@pytest.mark.slow
+def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
+    assert_all_ok(run_ranks(DP, "overflow", str(tmp_path), "0,2"))
+    model, _ = worker.make_model()
+    initial = model.state_dict()
+    ranks = [torch.load(tmp_path / f"overflow.rank{r}.pt", weights_only=False) for r in range(DP)]
+    for stage in (0, 2):
+        first, second = (list(x) for x in zip(*(r[stage] for r in ranks)))
+        what = f"zero_stage {stage}"
+        assert all(s["found_inf"] for s in first), f"{what}: every rank skips the overflowing step"
+        for s in first:
+            _close(s["params"], dict(initial), f"{what}: parameters after the skipped step", tol=0.0)
+        assert first[0]["scale"] == first[1]["scale"]
+        assert not any(s["found_inf"] for s in second), what
+        for s in second:
+            assert all(torch.isfinite(v).all() for v in s["params"].values()), what
+            _close(s["params"], second[0]["params"], f"{what}: ranks agree after the next step", tol=0.0)

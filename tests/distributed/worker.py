@@ -124,6 +124,32 @@ def master(world_size: int, out: str, precision: str, runs: str):
         torch.save(result, f"{out}/master_{precision}.rank{world.rank}.pt")
 
 
+def weighted_loss(model, batch):
+    idx, targets, weight = batch
+    return gpt_loss(model, (idx, targets)) * weight.mean()
+
+
+def overflow(world_size: int, out: str, stages: str):
+    """fp16 loss scaling when only the last rank's gradients overflow: every rank must skip the step."""
+    result = {}
+    base = Plan(backend="eager", dp=world_size, precision="fp16", bucket_mb=0.02)
+    with init_distributed(base) as world:
+        for stage in map(int, stages.split(",")):
+            model, opt = make_model()
+            step = compile_for_npu(model, base.replace(zero_stage=stage), optimizer=opt, loss_fn=weighted_loss)
+            seen = []
+            for i, big in enumerate((1e8, 1.0)):
+                idx, targets = global_batch(i)
+                weight = torch.ones(len(idx))
+                weight[-len(idx) // world_size:] = big          # the last rank's rows only (first step)
+                step(shard_batch((idx, targets, weight), world.dp_rank, world.dp_size))
+                seen.append({"found_inf": bool(step.metrics["loss_scale:found_inf"]),
+                             "scale": float(step.metrics["loss_scale:scale"]),
+                             "params": {k: v.detach().clone() for k, v in model.state_dict().items()}})
+            result[stage] = seen
+    torch.save(result, f"{out}/overflow.rank{world.rank}.pt")
+
+
 def resume(world_size: int, out: str, stage: str, ckpt: str, phase: str):
     plan = Plan(backend="eager", dp=world_size, zero_stage=int(stage))
     with init_distributed(plan) as world:
@@ -161,4 +187,4 @@ if __name__ == "__main__":
     import os
     world_size = int(os.environ["WORLD_SIZE"])
     {"parity": parity, "resume": resume, "fault": fault, "user_state": user_state,
-     "master": master}[scenario](world_size, out, *args)
+     "master": master, "overflow": overflow}[scenario](world_size, out, *args)
