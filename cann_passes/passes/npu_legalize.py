@@ -222,8 +222,67 @@ def _index_put(x, indices, values, accumulate=False):
     return out.reshape(x.shape)
 
 
+# Integer shifts. torchair converts bitwise_and/or/not on tensors, but neither shift (its
+# bitwise_right_shift converter exists only for the in-place overload) and none of the prims
+# torch's decompositions turn them into; recompute's bit-packed dropout masks use both. A shift
+# by s is a multiplication or floor division by 2**s, which GE converts (Mul, Pow, FloorDiv),
+# with torch's rules for shifts out of range written out: 0, or the sign for a signed right shift.
+
+def _shift_operands(x, shift):
+    x, shift = torch.as_tensor(x), torch.as_tensor(shift, device=torch.as_tensor(x).device)
+    dtype = torch.result_type(x, shift)
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        raise _NoDecomposition(f"shift of {dtype} values (integer dtypes only)")
+    return x.to(dtype), shift.to(dtype), torch.iinfo(dtype).bits, dtype.is_signed
+
+
+def _shift_left(x, shift):
+    x, shift, bits, _ = _shift_operands(x, shift)
+    in_range = (shift >= 0) & (shift < bits)
+    power = torch.pow(2, torch.where(in_range, shift, torch.zeros_like(shift)))   # wraps like the shift
+    return torch.where(in_range, x * power, torch.zeros_like(x))
+
+
+def _shift_right(x, shift):
+    """Arithmetic for signed dtypes, logical for unsigned ones (torch's ``>>``)."""
+    x, shift, bits, signed = _shift_operands(x, shift)
+    # signed: 2**(bits-1) would overflow, and x >> (bits-1) is the sign anyway
+    limit = bits - 1 if signed else bits
+    in_range = (shift >= 0) & (shift < limit)
+    power = torch.pow(2, torch.where(in_range, shift, torch.zeros_like(shift)))
+    out_of_range = (torch.where(x < 0, torch.full_like(x, -1), torch.zeros_like(x)) if signed
+                    else torch.zeros_like(x))
+    return torch.where(in_range, torch.floor_divide(x, power), out_of_range)
+
+
+def _bitwise(tensor_op):
+    """``op.Scalar`` / ``op.Scalar_Tensor`` / the prim as ``op.Tensor`` on a 0-dim tensor operand."""
+    def decomposition(a, b):
+        like = a if isinstance(a, torch.Tensor) else b
+        dtype = torch.result_type(a, b)
+        a, b = (torch.full((), v, dtype=dtype, device=like.device) if not isinstance(v, torch.Tensor)
+                else v.to(dtype) for v in (a, b))
+        return tensor_op(a, b)
+    return decomposition
+
+
 DECOMPOSITIONS: dict[Any, Callable] = {
     aten.index_put.default: _index_put,
+    aten.bitwise_left_shift.Tensor: _shift_left,
+    aten.bitwise_left_shift.Tensor_Scalar: _shift_left,
+    aten.bitwise_left_shift.Scalar_Tensor: _shift_left,
+    aten.bitwise_right_shift.Tensor: _shift_right,
+    aten.bitwise_right_shift.Tensor_Scalar: _shift_right,
+    aten.bitwise_right_shift.Scalar_Tensor: _shift_right,
+    torch.ops.prims.shift_left.default: _shift_left,
+    torch.ops.prims.shift_right_arithmetic.default: _shift_right,
+    aten.bitwise_and.Scalar: _bitwise(torch.bitwise_and),
+    aten.bitwise_and.Scalar_Tensor: _bitwise(torch.bitwise_and),
+    aten.bitwise_or.Scalar: _bitwise(torch.bitwise_or),
+    aten.bitwise_or.Scalar_Tensor: _bitwise(torch.bitwise_or),
+    torch.ops.prims.bitwise_and.default: _bitwise(torch.bitwise_and),
+    torch.ops.prims.bitwise_or.default: _bitwise(torch.bitwise_or),
+    torch.ops.prims.bitwise_not.default: torch.bitwise_not,
     aten.silu_backward.default: _silu_backward,
     aten.amax.default: _amax,
     aten.amin.default: _amin,
@@ -343,6 +402,7 @@ class _Legalizer:
             for n in new_nodes:
                 depth[n] = depth.get(node, 0) + 1
             work.extend(n for n in new_nodes if not self.is_legal(n))
+        self._average_as_sum()      # coalesced collectives decompose into plain ones, maybe averaging
 
     def _decompose(self, node: torch.fx.Node, depth: int) -> list[torch.fx.Node]:
         name, target = node.name, str(node.target)
@@ -448,13 +508,20 @@ class _Legalizer:
 
     # -- all_reduce "avg" -> "sum" then divide ------------------------------------------------
     def _average_as_sum(self) -> None:
-        """HcomAllReduce has no average (torchair: "ge unsupported reduce type AVG")."""
-        for node in [n for n in self.graph.nodes if n.target is c10d.all_reduce.default and n.args[1] == "avg"]:
-            size = self.group_size(node.args[2])
+        """HcomAllReduce and HcomReduceScatter have no average (torchair: "ge unsupported reduce
+        type AVG"): sum, then divide what the wait returns by the group size."""
+        for node in [n for n in self.graph.nodes if n.target in (c10d.all_reduce.default,
+                                                                 c10d.reduce_scatter_tensor.default)
+                     and n.args[1] == "avg"]:
+            if node.target is c10d.all_reduce.default:
+                size = self.group_size(node.args[2])
+            else:           # reduce_scatter_tensor(input, reduce_op, group_size, group_name)
+                size = node.args[2]
+            kind = f"{node.target._schema.name.split('::')[-1]} avg"
             if size is None:
-                self.left[node.name] = f"all_reduce 'avg' over group {node.args[2]!r}, whose size is unknown here"
+                self.left[node.name] = f"{kind} over group {node.args[-1]!r}, whose size is unknown here"
                 continue
-            node.args = (node.args[0], "sum", node.args[2])
+            node.args = (node.args[0], "sum", *node.args[2:])
             for wait in [u for u in node.users if u.target is c10d.wait_tensor.default]:
                 readers = list(wait.users)
                 with self.graph.inserting_after(wait):
@@ -462,7 +529,7 @@ class _Legalizer:
                 self._inherit_meta(mean, wait)
                 for r in readers:
                     r.replace_input_with(wait, mean)
-            self.rewritten["all_reduce avg"] = self.rewritten.get("all_reduce avg", 0) + 1
+            self.rewritten[kind] = self.rewritten.get(kind, 0) + 1
 
     # -- flash attention pairs -> npu_fusion_attention ----------------------------------------
     def _fuse_attention_pairs(self) -> None:

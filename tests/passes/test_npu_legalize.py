@@ -233,6 +233,66 @@ def test_all_reduce_average_becomes_sum_then_divide(supported, gloo_group):
     assert lower_to_ge(tg.gm, name="avg").ok
 
 
+def test_reduce_scatter_average_becomes_sum_then_divide(supported, gloo_group):
+    name = gloo_group.group_name
+    c10d = torch.ops._c10d_functional
+
+    def f(a):
+        return (c10d.wait_tensor.default(c10d.reduce_scatter_tensor.default(a, "avg", 1, name)) + 1,)
+
+    args = (torch.randn(4, 3),)
+    tg = _train_graph(f, *args)
+    expected = tg.gm(*args)
+    tg = _legalize(tg)
+    tg.recompile()
+    (rs,) = [n for n in tg.graph.nodes if n.target is c10d.reduce_scatter_tensor.default]
+    assert rs.args[1:3] == ("sum", 1)                       # HcomReduceScatter has no "avg"
+    (div,) = [n for n in tg.graph.nodes if n.target is torch.ops.aten.div.Scalar]
+    assert div.args == (next(iter(rs.users)), 1)
+    torch.testing.assert_close(tg.gm(*args)[0], expected[0], rtol=0, atol=0)
+    assert lower_to_ge(tg.gm, name="rs_avg").ok
+
+
+def _integer_operands(dtype):
+    """Every edge case of a shift: extreme and sign-changing values, shifts below 0, up to and past the width."""
+    info = torch.iinfo(dtype)
+    values = sorted({v for v in (info.min, info.min + 1, -5, -1, 0, 1, 5, 77, 200, info.max - 1, info.max)
+                     if info.min <= v <= info.max})
+    shifts = list(range(-2 if dtype.is_signed else 0, info.bits + 2))
+    x, s = torch.meshgrid(torch.tensor(values, dtype=dtype), torch.tensor(shifts, dtype=dtype), indexing="ij")
+    return x.contiguous(), s.contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int32, torch.int64], ids=str)
+def test_integer_shifts_and_bitwise_prims_become_supported_ops_bit_for_bit(supported, dtype):
+    """Recompute stores dropout masks bit-packed (a left shift and a sum; a right shift and an and
+    to unpack); torch's decompositions turn those into prims torchair has no converter for. The
+    rewrites (multiply / floor-divide by 2**s, with torch's out-of-range rules) equal torch's own
+    ops on every value and shift."""
+    prims, aten = torch.ops.prims, torch.ops.aten
+
+    def f(x, s):
+        return (aten.bitwise_left_shift.Tensor(x, s), aten.bitwise_right_shift.Tensor(x, s),
+                prims.shift_left.default(x, s), prims.shift_right_arithmetic.default(x, s),
+                aten.bitwise_and.Scalar(x, 1), aten.bitwise_or.Scalar(x, 4), prims.bitwise_and.default(x, s),
+                aten.bitwise_right_shift.Tensor_Scalar(x, 3))
+
+    for name in ("aten.bitwise_left_shift.Tensor", "aten.bitwise_right_shift.Tensor", "prims.shift_left.default",
+                 "prims.shift_right_arithmetic.default", "prims.bitwise_and.default"):
+        assert name not in supported
+    args = _integer_operands(dtype)
+    tg = _train_graph(f, *args)
+    expected = tg.gm(*args)
+    tg = _legalize(tg)
+    tg.recompile()
+    assert _unsupported(tg.gm, supported) == []
+    for got, want in zip(tg.gm(*args), expected):
+        assert got.dtype == want.dtype and torch.equal(got, want), (got, want)
+    report = lower_to_ge(tg.gm, name="shifts")
+    assert report.ok, report.summary()
+    assert report.op_histogram.get("FloorDiv", 0) >= 3 and report.op_histogram.get("Pow", 0) >= 5
+
+
 def test_op_without_any_rewrite_is_listed_not_raised(supported):
     def f(x):
         # index_put is rewritten for integer indices on leading dims; not with a None index.
