@@ -199,7 +199,7 @@ def _close(got, want, what: str, tol: float = 1e-5):
 
 
 @pytest.mark.slow
-def test_sharded_master_fp32_matches_one_process_and_the_users_objects_are_trained(tmp_path):
+def test_sharded_master_fp32_matches_one_process_the_users_objects_are_trained_and_checkpoints_resume(tmp_path):
     assert_all_ok(run_ranks(DP, "master", str(tmp_path), "fp32", "zero1,zero2"))
     losses, state, evaluated = _eager(5)
     for rank in range(DP):
@@ -210,6 +210,10 @@ def test_sharded_master_fp32_matches_one_process_and_the_users_objects_are_train
             _close(run["losses"], losses, f"{what}: losses")
             _close(run["state"], dict(state), f"{what}: model.state_dict()")
             _close(run["eval"], evaluated, f"{what}: evaluation")
+        # DCP checkpoint after 5 steps, resumed for a 6th into the sharded and into the whole layout
+        resumed = got["resumed"]
+        for into in ("sharded", "whole"):
+            _close(resumed[into], resumed["uninterrupted"], f"resumed into master={into}, rank {rank}")
 
 
 @pytest.mark.slow

@@ -121,6 +121,25 @@ def master(world_size: int, out: str, precision: str, runs: str):
                             "optim": {k: {kk: vv.clone() for kk, vv in v.items()} for k, v in full["state"].items()},
                             "collectives": nodes, "param_inputs": inputs, "zero": graph.attrs.get("zero"),
                             "shards": sorted(step.param_shards)}
+            if precision == "fp32" and name == "zero2":
+                # a checkpoint of the sharded master resumes into itself and into the whole layout
+                ckpt = f"{out}/ckpt_master"
+                checkpoint.save(step, ckpt)
+                resumed = {}
+                for into in ("sharded", "whole"):
+                    fresh, fresh_opt = make_model()
+                    with torch.no_grad():      # resumed values must come from the checkpoint
+                        for p in fresh.parameters():
+                            p.add_(1.0)
+                    again = compile_for_npu(fresh, base.replace(zero_stage=1 if into == "whole" else 2,
+                                                                zero_master=into), optimizer=fresh_opt,
+                                            loss_fn=gpt_loss)
+                    checkpoint.load(again, ckpt, shard_batch(global_batch(0), world.dp_rank, world.dp_size))
+                    again(shard_batch(global_batch(5), world.dp_rank, world.dp_size))
+                    resumed[into] = {k: v.detach().clone() for k, v in fresh.state_dict().items()}
+                step(shard_batch(global_batch(5), world.dp_rank, world.dp_size))
+                resumed["uninterrupted"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                result["resumed"] = resumed
         torch.save(result, f"{out}/master_{precision}.rank{world.rank}.pt")
 
 
