@@ -22,9 +22,14 @@ kv heads, split across ranks); the optimizer updates each rank's shard. The
 result is an ordinary per-rank aten graph with functional collectives. A few
 rules are added where DTensor's are missing or too eager (see
 :class:`_Rewriter`): fused projections' per-part shards, elementwise ops on
-identically placed operands, attention on head-sharded inputs, and one
+identically placed operands, attention on head-sharded inputs, one
 collective per value and layout (a value read in forward and again in
-backward is reduced once).
+backward is reduced once), and Megatron's layout for a projection's products
+where DTensor's cheapest strategy differs: a weight shard never moves (the
+activation is gathered, so GQA's small K and V projections keep their kv
+heads) and a weight's gradient is computed as its shard, never as a partial
+sum of the whole weight. A vocab-parallel embedding's gradient is computed for
+the rank's rows only.
 
 With ``sequence_parallel`` the residual stream between the tensor-parallel
 regions is sharded on the sequence dimension (norms and dropout run on
@@ -290,10 +295,14 @@ _HEAD_LOCAL_OPS = {
 class _Rewriter(torch.fx.Interpreter):
     """Runs the captured graph on DTensors; the extra rules torch's registry lacks live here."""
 
-    def __init__(self, gm, mesh, *, sequence_parallel: bool, origins: dict, grad_places: dict | None = None):
-        super().__init__(gm)
+    def __init__(self, gm, mesh, *, sequence_parallel: bool, origins: dict, grad_places: dict | None = None,
+                 weights: set | None = None):
+        super().__init__(gm, garbage_collect_values=False)   # (_whole reads a view's input later)
         self.mesh, self.sp, self.origins = mesh, sequence_parallel, origins
         self.grad_places = grad_places or {}
+        self.weights = weights or set()
+        self.vocab_backwards = _vocab_embedding_backwards(gm.graph, self.weights)
+        self.product_places = _weight_gradient_products(self.grad_places)
         self.tp = mesh.size(0)
 
     def run_node(self, n):
@@ -357,7 +366,8 @@ class _Rewriter(torch.fx.Interpreter):
         if self.sp and not (target in (aten.add.Tensor, aten.sub.Tensor) and _all_partial(args)):
             # (a sum of partial sums stays partial: q/k/v's input gradients are reduced once)
             args = tuple(self._sequence_shard(a) for a in args)
-        for rule in (self._fused_split, self._fused_cat, self._fused_contraction, self._same_placement,
+        args = self._megatron_operands(target, args)
+        for rule in (self._vocab_embedding_backward, self._fused_split, self._fused_cat, self._fused_contraction, self._same_placement,
                      self._batch_local, self._head_local, self._legacy_empty_cat):
             out = rule(target, args, kwargs)
             if out is not None:
@@ -392,6 +402,88 @@ class _Rewriter(torch.fx.Interpreter):
                 f"{', '.join(placed) or 'replicated'}" + (f" (split by the rule of parameter '{origin}')"
                                                           if origin else "")
                 + f": {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
+
+    def _megatron_operands(self, target, args):
+        """Megatron's layout for a projection's products: the weight shard never moves; the
+        activation does. DTensor's mm strategy is chosen by the bytes each redistribution moves,
+        so where a weight shard is smaller than a sequence-sharded activation (GQA's K and V
+        projections at 70B scale: 1/8 of the q projection) it would gather the weight and lay
+        out K and V as sequence shards over every kv head, and a weight gradient as a partial
+        sum of the whole weight (one all-reduce of all of it). So:
+
+        - a weight sharded on its output features (column-parallel ``x @ W.T``; a row-parallel
+          weight in its input gradient ``g @ W``) is multiplied by the whole other operand:
+          a sequence shard is all-gathered (Megatron's sequence-parallel all-gather);
+        - a product that is (a view of) a split parameter's gradient is computed as that
+          parameter's shard: each operand is laid out so the product is local
+          (``Shard(0)`` = (S(0), R), ``Shard(1)`` = (R, S(1))), never a partial sum of it.
+        """
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+        if target not in (aten.mm.default, aten.addmm.default):
+            return args
+        off = 1 if target is aten.addmm.default else 0
+        a, b = args[off:off + 2]
+        if not (isinstance(a, DTensor) and isinstance(b, DTensor)):
+            return args
+        na, nb = self.current.args[off:off + 2]
+        want = self.product_places.get(self.current)
+        if want is not None and not _strided(a) and not _strided(b):
+            place = {0: (Shard(0), Replicate()), 1: (Replicate(), Shard(1))}.get(want.dim)
+            if place is None:
+                return args
+            a, b = (v if v.placements[0] == p else self._whole(n, v) if p == Replicate()
+                    else v.redistribute(self.mesh, [p]) for n, v, p in zip((na, nb), (a, b), place))
+        elif nb in self.weights and b.placements[0].is_shard(1) and a.placements[0].is_shard():
+            a = self._whole(na, a)
+        elif na in self.weights and a.placements[0].is_shard(0) and b.placements[0].is_shard():
+            b = self._whole(nb, b)
+        else:
+            return args
+        return (*args[:off], a, b, *args[off + 2:])
+
+    def _vocab_embedding_backward(self, target, args, kwargs):
+        """The gradient of a vocab-parallel embedding, computed for this rank's rows only
+        (Megatron's): the token gradients of ids outside the shard are zeroed and those ids sent
+        to row 0, then the dense backward runs over ``vocab / tp`` rows. DTensor's rule builds the
+        whole-vocabulary gradient on every rank (a partial sum of it under sequence parallelism,
+        all-reduced) and only then cuts it."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+        if target is not aten.embedding_dense_backward.default or self.current not in self.vocab_backwards:
+            return None
+        weight = self.env.get(self.vocab_backwards[self.current])
+        grad, ids, num_weights, padding_idx, by_freq = (list(args) + [kwargs.get(k) for k in (
+            "grad_output", "indices", "num_weights", "padding_idx", "scale_grad_by_freq")][len(args):])[:5]
+        if not (isinstance(weight, DTensor) and type(weight.placements[0]) is Shard and weight.placements[0].dim == 0
+                and weight.shape[0] == num_weights and num_weights % self.tp == 0 and not by_freq
+                and isinstance(grad, DTensor)):
+            return None
+        whole = lambda v: v.redistribute(self.mesh, [Replicate()]).to_local() \
+            if isinstance(v, DTensor) else v  # noqa: E731
+        g, token_ids = whole(grad), whole(ids)
+        rows = num_weights // self.tp
+        start = self.mesh.get_local_rank(0) * rows
+        local = aten.sub.Tensor(token_ids, start)
+        mine = aten.bitwise_and.Tensor(aten.ge.Scalar(local, 0), aten.lt.Scalar(local, rows))
+        local = aten.mul.Tensor(local, mine)
+        g = aten.mul.Tensor(g, aten.unsqueeze.default(aten._to_copy.default(mine, dtype=g.dtype), -1))
+        pad = padding_idx - start if padding_idx is not None and 0 <= padding_idx - start < rows else -1
+        out = aten.embedding_dense_backward.default(g, local, rows, pad, False)
+        return DTensor.from_local(out, self.mesh, [Shard(0)], run_check=False,
+                                  shape=torch.Size([num_weights, out.shape[1]]), stride=(out.shape[1], 1))
+
+    def _whole(self, node, value):
+        """``value`` all-gathered. Through layout-only ops (views, transposes) the input is gathered
+        and the op applied to the whole copy, so each of q/k/v's views of one normed hidden
+        state, and a gradient read transposed by the weight's gradient and as it is by the
+        input's, is gathered once."""
+        from torch.distributed.tensor import DTensor, Replicate
+        if isinstance(node, torch.fx.Node) and node.target in _LAYOUT_OPS and node.args \
+                and isinstance(node.args[0], torch.fx.Node) and not any(
+                    isinstance(a, torch.fx.Node) for a in (*node.args[1:], *node.kwargs.values())):
+            source = self.env.get(node.args[0])
+            if isinstance(source, DTensor) and source.placements[0].is_shard() and not _strided(source):
+                return node.target(self._whole(node.args[0], source), *node.args[1:], **node.kwargs)
+        return value.redistribute(self.mesh, [Replicate()])
 
     # Sequence parallelism: a partial sum of the residual stream ([batch, seq, hidden]) is
     # reduce-scattered onto the sequence rather than all-reduced; the next column-parallel
@@ -531,6 +623,57 @@ def _all_partial(args) -> bool:
                                  for a in tensors)
 
 
+_WEIGHT_VIEWS = (aten.t.default, aten.transpose.int, aten.permute.default, aten._to_copy.default,
+                 aten.clone.default, aten.alias.default, aten.view.default, aten._unsafe_view.default,
+                 aten.reshape.default)
+
+
+_LAYOUT_OPS = (aten.t.default, aten.transpose.int, aten.view.default, aten._unsafe_view.default,
+               aten.reshape.default, aten.alias.default)
+
+
+def _weight_nodes(graph: TrainGraph) -> set:
+    """Parameters and what reads them unchanged but for layout or dtype (transposes, casts, views)."""
+    found = {n for spec, n in zip(graph.signature.inputs, graph.placeholders()) if spec.kind == InputKind.PARAM}
+    for node in graph.graph.nodes:
+        if node.op == "call_function" and node.target in _WEIGHT_VIEWS and node.args and node.args[0] in found:
+            found.add(node)
+    return found
+
+
+def _vocab_embedding_backwards(graph: torch.fx.Graph, weights: set) -> dict:
+    """embedding_dense_backward -> the (view of the) weight its forward embedding read (same ids)."""
+    found = {}
+    for node in graph.nodes:
+        if node.target is aten.embedding_dense_backward.default and len(node.args) > 1 \
+                and isinstance(node.args[1], torch.fx.Node):
+            forward = [u for u in node.args[1].users if u.target is aten.embedding.default and u.args[0] in weights]
+            if len(forward) == 1:
+                found[node] = forward[0].args[0]
+    return found
+
+
+def _weight_gradient_products(grad_places: dict) -> dict:
+    """The matmul each split parameter's gradient is (a transpose, cast or view of), with the
+    placement the gradient must have, carried back through the transposes."""
+    from torch.distributed.tensor import Shard
+    products = {}
+    for node, place in grad_places.items():
+        if not isinstance(place, Shard) or type(place) is not Shard:
+            continue
+        dim, ndim = place.dim, node.meta["val"].ndim
+        while node.target in _WEIGHT_VIEWS and ndim == 2 and node.args[0].meta["val"].ndim == 2:
+            if node.target in (aten.t.default, aten.transpose.int, aten.permute.default):
+                dim = 1 - dim
+            elif node.target in (aten.view.default, aten._unsafe_view.default, aten.reshape.default) \
+                    and tuple(node.meta["val"].shape) != tuple(node.args[0].meta["val"].shape):
+                break
+            node = node.args[0]
+        if node.target in (aten.mm.default, aten.addmm.default) and ndim == 2:
+            products[node] = Shard(dim)
+    return products
+
+
 def _strided(value) -> bool:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -539,12 +682,11 @@ def _strided(value) -> bool:
 
 def _global_meta(target, args, kwargs):
     """``target`` on meta tensors of its operands' global shapes and strides (outside the trace)."""
-    from torch.distributed.tensor import DTensor
     from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
-    def meta(v):
+    def meta(v):   # (a plain tensor too: an attention mask made from factories, not a DTensor)
         return (torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
-                if isinstance(v, DTensor) else v)
+                if isinstance(v, torch.Tensor) else v)
     with disable_proxy_modes_tracing():
         return target(*[meta(a) for a in args], **{k: meta(v) for k, v in kwargs.items()})
 
@@ -608,13 +750,14 @@ def _retrace(graph: TrainGraph, layouts: dict[str, ParamLayout], mesh, *, sequen
         grads = {}
     grad_places = {node: _dtensor_placement(layouts[name]) for name, node in grads.items()
                    if layouts.get(name) is not None and layouts[name].dim is not None and layouts[name].parts == 1}
+    weights = _weight_nodes(graph)
 
     def step(*local):
         wrapped = [DTensor.from_local(t, mesh, [p], run_check=False, shape=v.shape, stride=v.stride())
                    if isinstance(v, torch.Tensor) else t for t, p, v in zip(local, in_place, values)]
         with implicit_replication():
             outs = _Rewriter(graph.gm, mesh, sequence_parallel=sequence_parallel, origins=origins,
-                             grad_places=grad_places).run(*wrapped)
+                             grad_places=grad_places, weights=weights).run(*wrapped)
         return [o.redistribute(mesh, [p]).to_local() if isinstance(o, DTensor) else o
                 for o, p in zip(outs, out_place)]
 

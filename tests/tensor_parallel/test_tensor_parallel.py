@@ -265,3 +265,77 @@ def test_zero_over_tp_state_is_each_rank_s_tp_shard_flat_sharded_over_dp(llama, 
     norm = "model.layers.0.input_layernorm.weight"
     assert placement_of(main, "opt_state", f"{norm}:exp_avg") == Placement.flat_shard((zoo.HIDDEN,), "dp")
 
+
+
+@pytest.mark.parametrize("rows", [1, zoo.BATCH])
+def test_gqa_k_and_v_projections_stay_kv_head_shards_under_sequence_parallelism(rows):
+    # transformers' LLaMA (8 query heads, 4 kv heads: repeat_kv's expand + reshape) at tp=2 with
+    # sequence parallelism. One unmasked row (the planner's shape) is where DTensor's cheapest
+    # strategy would gather the small K/V weights and lay K and V out as sequence shards over
+    # every kv head: the weights must stay put and the activations move (Megatron's layout)
+    entry = zoo.build("llama", layers=LAYERS, num_attention_heads=8, num_key_value_heads=4)
+    optimizer = torch.optim.AdamW(entry.model.parameters(), lr=1e-3)
+    ids = torch.randint(3, zoo.VOCAB, (rows, zoo.SEQ), generator=torch.Generator().manual_seed(0))
+    graph, _ = capture_train_step(entry.model, optimizer, zoo.hf_loss, {"input_ids": ids, "labels": ids})
+    out = _run(graph, sequence_parallel=True, vocab_parallel_loss=True)
+    head_dim = zoo.HIDDEN // 8
+    for layer in range(LAYERS):
+        for proj in ("k_proj", "v_proj"):
+            name = f"model.layers.{layer}.self_attn.{proj}.weight"
+            assert _placeholder_shape(out, "param", name) == (4 // 2 * head_dim, zoo.HIDDEN)
+            assert placement_of(out, "param", name) == Placement.sharded((4 * head_dim, zoo.HIDDEN), 0, "tp")
+    # the local kv heads, repeated for the local query heads, feed the attention kernel
+    kernels = [n for n in out.graph.nodes if n.target in tpp._HEAD_LOCAL_OPS and n.meta["region"] == "forward"]
+    assert len(kernels) == LAYERS
+    for kernel in kernels:
+        q, k, v = (a.meta["val"].shape for a in kernel.args[:3])
+        assert q[1] == k[1] == v[1] == 8 // 2
+    # every collective moves a residual-stream activation (its sequence shard gathered before
+    # a column-parallel projection, a partial sum reduce-scattered after a row-parallel one),
+    # loss statistics, or a norm weight's gradient: never a weight, K or V, or a whole
+    # weight gradient (the vocab-parallel embedding's included)
+    shard = rows * zoo.SEQ * zoo.HIDDEN // 2
+    found = _collectives(out)
+    forward = [c for c in found if c[0] == "forward"]
+    assert [c for c in forward if c[1] == "all_gather_into_tensor"] == \
+        [("forward", "all_gather_into_tensor", shard)] * (2 * LAYERS + 1)
+    assert [c for c in forward if c[1] == "reduce_scatter_tensor"] == \
+        [("forward", "reduce_scatter_tensor", 2 * shard)] * (2 * LAYERS + 1)
+    assert all(c[2] <= rows * zoo.SEQ for c in forward if c[1] == "all_reduce")
+    for region, name, numel in (c for c in found if c[0] == "backward"):
+        assert (name, numel) in {("all_gather_into_tensor", shard), ("reduce_scatter_tensor", 2 * shard),
+                                 ("all_reduce", zoo.HIDDEN)}, (region, name, numel)
+
+
+def test_vocab_parallel_embedding_gradient_is_computed_for_the_rank_s_rows_only(gpt_tp2, llama_tp2):
+    # Megatron's: the dense embedding backward runs over vocab / tp rows (ids of other ranks'
+    # rows masked out), not over the whole vocabulary to be cut after; the recipe GPT's wte
+    # is also its (tied) head, whose gradient adds to it shard to shard
+    for out in (gpt_tp2, llama_tp2):
+        rows = [n.args[2] for n in out.graph.nodes if n.target is torch.ops.aten.embedding_dense_backward.default]
+        # (the recipe's learned positions, replicated, have a backward of their own)
+        assert [r for r in rows if r in (zoo.VOCAB, zoo.VOCAB // 2)] == [zoo.VOCAB // 2], rows
+        assert all(numel < zoo.VOCAB * zoo.HIDDEN for *_, numel in _collectives(out))
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_selective_recompute_keeps_gqa_kv_heads_not_their_repeats(attention):
+    # Megatron's selective recomputation recomputes the core attention, GQA's repeat of K and V
+    # over the query heads included: what stays saved is Q, the kv heads of K and V and the
+    # output (Korthikanti's 2 + 4 kv/a + 2 per s b h, the count bench/planner_megatron_memory.py
+    # compares with), not one copy of K and V per query head
+    from cann_passes.pass_manager import PassManager
+    from graph_ir.analysis.memory import saved_activations
+    entry = zoo.build("llama", layers=1, num_attention_heads=8, num_key_value_heads=2, attn_implementation=attention)
+    optimizer = torch.optim.SGD(entry.model.parameters(), lr=0.1)
+    ids = torch.randint(3, zoo.VOCAB, (1, zoo.SEQ), generator=torch.Generator().manual_seed(0))
+    graph, _ = capture_train_step(entry.model, optimizer, zoo.hf_loss, {"input_ids": ids, "labels": ids})
+    out = PassManager("cleanup,recompute{policy=selective},cleanup", verify_level="deep").run(graph.copy(), PassContext())
+    nodes = {n.name: n for n in out.graph.nodes}
+    head_dim = zoo.HIDDEN // 8
+    kept = sorted(nodes[name].meta["val"].numel() // (zoo.SEQ * head_dim)
+                  for name in saved_activations(out.graph)
+                  if nodes[name].meta.get("module_path") == "model.layers.0.self_attn")
+    # K and V (2 kv heads each), Q and (unless the fused kernel's backward recomputes it) the
+    # output (8 heads each); repeated K / V would be two more of 8
+    assert kept.count(2) == 2 and kept.count(8) in (1, 2) and len(kept) <= 4, kept

@@ -49,8 +49,17 @@ def make(name: str, opt: str):
     return entry, optimizer
 
 
-def batches(entry, pad: bool = True):
+def batches(entry, pad: bool = True, row: bool = False):
+    """``row``: one unpadded row without an attention mask (the planner's shape: the model makes
+    its causal mask itself, and a [1, seq] batch flattens to a plain sequence shard)."""
+    if row:
+        return [{k: v[:1] for k, v in entry.make_batch(1000 + i, pad=False).items() if k != "attention_mask"}
+                for i in range(STEPS)]
     return [entry.make_batch(1000 + i, pad=pad) for i in range(STEPS)]
+
+
+def microbatches_of(options) -> int:
+    return next((int(o.removeprefix("mb")) for o in options if o.startswith("mb")), 1)
 
 
 class Mesh:
@@ -126,7 +135,9 @@ def ckpt_path(out: str, name: str, opt: str) -> str:
 def run_compiled_step(out: str, scenario: str, world):
     """The user's path: compile_for_npu with Plan(tp=N); the runtime binds the shards by placement.
 
-    Options: ``zeroN`` (ZeRO stage N over dp), ``ckpt`` (save a checkpoint after step 5 and go on).
+    Options: ``zeroN`` (ZeRO stage N over dp), ``ckpt`` (save a checkpoint after step 5 and go on),
+    ``mbN`` (N microbatches accumulated per step), ``sp`` (sequence parallelism and the
+    vocab-parallel loss), ``row`` (one-row batches, see ``batches``).
     """
     from cann_passes import Plan, compile_for_npu
     from cann_passes.runtime import checkpoint
@@ -135,9 +146,11 @@ def run_compiled_step(out: str, scenario: str, world):
     entry, optimizer = make(name, opt)
     tp, dp = world.info.size("tp"), world.info.size("dp")
     zero = next((int(o.removeprefix("zero")) for o in options if o.startswith("zero")), 0)
-    plan = Plan(backend="eager", tp=tp, dp=dp, zero_stage=zero, verify="deep")
+    sp = "sp" in options
+    plan = Plan(backend="eager", tp=tp, dp=dp, zero_stage=zero, verify="deep", microbatches=microbatches_of(options),
+                sequence_parallel=sp, vocab_parallel_loss=sp)
     step = compile_for_npu(entry.model, plan, optimizer=optimizer, loss_fn=entry.loss_fn)
-    data = batches(entry, pad=padded(dp, options))
+    data = batches(entry, pad=padded(dp, options), row="row" in options)
     losses = []
     for i, batch in enumerate(data):
         losses.append(float(step(shard_batch(batch, world.dp_rank, dp))))
