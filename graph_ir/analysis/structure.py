@@ -159,7 +159,25 @@ def _softmax_core(sm: torch.fx.Node) -> set[torch.fx.Node]:
             core.add(n)
             if not _is_matmul(n):
                 stack.extend(neighbours(n))
+    for n in [n for n in core if _is_matmul(n)]:
+        for operand in n.all_input_nodes:
+            core |= _head_repeat(operand, core)
     return core
+
+
+def _head_repeat(operand: torch.fx.Node, core: set) -> set[torch.fx.Node]:
+    """GQA's repeat of K / V over the query heads (``expand`` of a broadcast dim, then copies and
+    views) feeding the core's matmul: part of the core, as in Megatron's core attention, so the
+    kv heads are kept rather than their copies per query head. Empty where no broadcast is met."""
+    path, n = [], operand
+    while isinstance(n, torch.fx.Node) and n.op == "call_function" and n not in core and len(path) < 12 \
+            and region_of(n) == Region.FORWARD and len(n.all_input_nodes) == 1 and not _is_matmul(n):
+        path.append(n)
+        source = n.all_input_nodes[0]
+        if n.target is torch.ops.aten.expand.default and n.meta["val"].numel() > source.meta["val"].numel():
+            return set(path)
+        n = source
+    return set()
 
 
 def _parameter_free_mask(mask: torch.fx.Node, limit: int = 64) -> set[torch.fx.Node]:
@@ -181,6 +199,9 @@ def _parameter_free_mask(mask: torch.fx.Node, limit: int = 64) -> set[torch.fx.N
 
 def _fused_core(node: torch.fx.Node) -> set[torch.fx.Node]:
     core = {node} | {u for u in node.users if u.target is operator.getitem}
+    for operand in node.args[:3]:   # q, k, v
+        if isinstance(operand, torch.fx.Node):
+            core |= _head_repeat(operand, core)
     schema = getattr(node.target, "_schema", None)
     names = [a.name for a in schema.arguments] if schema is not None else []
     for key in ("attn_mask", "attn_bias"):
