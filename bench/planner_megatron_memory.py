@@ -15,11 +15,14 @@ under 1F1B; for LLaMA the same count for its block) and the ratio.
 
 Measured (a100 profile; memory does not depend on it): GPT-3 175B within 5% on every term at
 tp 8 x pp 8 and tp 8 x pp 16 (activations 0.95: the model has no dropout, Korthikanti's 34
-counts two dropout masks, 32 without). LLaMA-2-70B: model state within 0.3%, activations about 2x
-the count: tensor_parallel lays LLaMA's GQA attention out as sequence shards over all 64 heads and
-gathers K and V whole (two (64, 4096, 128) bf16 tensors kept per layer, 134 of 336 MB), and
-the norms keep two more s b h / t bf16 tensors per layer than the count; the difference is the
-program's, and this bench shows it.
+counts two dropout masks, 32 without). LLaMA-2-70B (tp 8 x pp 8): model state 0.997, state +
+activations 1.04, activations 1.11 (was 1.98 while tensor_parallel gathered the K and V
+weights and laid K and V out as sequence shards over all kv heads, and selective recompute kept
+K and V repeated per query head). Per layer the program keeps 44.75 s b h / t bytes against the
+count's 40.5: each decomposed RMSNorm keeps its input, its normalized value (the weight's
+gradient reads it) and its output, 3 bf16 tensors where the fused kernel Megatron counts keeps
+2 (+4), and K leaves RoPE in fp32 (+0.25); the difference is the program's, and this bench
+shows it.
 """
 from __future__ import annotations
 
