@@ -147,6 +147,24 @@ def test_stage3_in_bf16_keeps_no_weight_from_forward_to_backward(captured):
     assert any(region_of(n) == Region.BACKWARD for n in _collectives(graph, "all_gather"))
 
 
+def test_sharded_master_composes_with_tensor_parallelism(captured):
+    """dp=2 x tp=2: each rank's tp shard of a weight is flat-sharded over dp, and gathered back over dp only."""
+    from cann_passes import Plan
+    from cann_passes.compile import compile_program
+    from graph_ir.placement import placement_of
+    graph, _ = captured
+    plan = Plan(dp=2, tp=2, zero_stage=2, zero_master="sharded", precision="bf16", backend="eager",
+                verify="deep", bucket_mb=0.02)
+    (tg,) = compile_program(graph, plan, MeshDesc.fake(dp=2, tp=2, rank=3)).graphs.values()
+    assert tg.attrs["zero"]["master"] == "sharded"
+    placements = {s.name: str(placement_of(tg, InputKind.PARAM, s.name)) for s in tg.signature.inputs
+                  if s.kind == InputKind.PARAM}
+    both = [n for n, p in placements.items() if "tp" in p and "dp" in p]
+    assert both and all("dp" in p for p in placements.values()), placements
+    assert {n.meta["val"].dtype for n in _collectives(tg, "all_gather") if region_of(n) == Region.FORWARD} >= \
+        {torch.bfloat16}
+
+
 def test_sharded_master_refuses_what_it_does_not_build(captured):
     with pytest.raises(PassFailure, match="master='fp16' must be one of"):
         _rewrite(captured, "optimizer_shard{stage=1,master=fp16}")
