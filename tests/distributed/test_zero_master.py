@@ -11,7 +11,11 @@
   only as bf16 is gathered whole in bf16 once per step (the cast of the shard), anything else in
   fp32. On 2 gloo ranks it trains exactly like plain data parallelism in bf16 and like one process
   in fp32 (1e-5), and the user's ``model.state_dict()``, evaluation and full optimizer state are the
-  trained ones without calling any project function.
+  trained ones without calling any project function; a DCP checkpoint resumes into either layout;
+  over tensor parallelism the dp x tp program compiles and verifies.
+- stage 3 under bf16 keeps no weight (nor its cast) from forward to backward.
+- fp16 loss scaling: the overflow flag is all-reduced, so one rank's overflow skips the step on every
+  rank (under DP and ZeRO).
 """
 from __future__ import annotations
 
