@@ -165,3 +165,31 @@ def test_cut_prices_are_optimal_against_brute_force_and_the_cheapest_cuts_win_ti
         pytest.approx([0.0, 2 * (3e-6 + 1e-6)])
     with pytest.raises(ValueError, match="cut_seconds"):
         balance([1, 1], 2, cut_seconds=[0.1])
+
+
+def test_the_default_split_of_a_heavy_head_gpt_at_pp4_is_within_1_05_where_residual_cuts_are_not(
+        one_intra_op_thread):
+    # the 910B profile (fixed figures, not measured): 4 blocks and a 2048-word head on 4 stages
+    import torch
+
+    from cann_passes import Plan
+    from cann_passes.compile import compile_program
+    from graph_ir import capture_train_step
+    from graph_ir.mesh import MeshDesc
+    from graph_ir.meta import GraphAttr
+    from recipes.models.gpt import GPT, gpt_loss, gpt_tiny
+    torch.manual_seed(0)
+    model = GPT(gpt_tiny(n_layer=4, vocab_size=2048, tie_weights=False, bias=False))
+    idx = torch.randint(0, 2048, (2, 16), generator=torch.Generator().manual_seed(0))
+    captured, _ = capture_train_step(model, torch.optim.SGD(model.parameters(), lr=0.05), gpt_loss,
+                                     (idx, torch.roll(idx, -1, dims=1)))
+    common = dict(pp=4, microbatches=4, backend="eager", device_profile="ascend_910b", verify="off")
+    residual_only = ("cleanup,grad_accumulation{microbatches=4},"
+                     "pipeline_split{stages=4,pp=4,cut_slack=1.5},cleanup")
+    info = {key: compile_program(captured, plan, MeshDesc.fake(pp=4)).attrs[GraphAttr.PIPELINE_PARALLEL]
+            for key, plan in (("cost", Plan(**common)), ("residual", Plan(**common, pipeline=residual_only)),
+                              ("layers", Plan(**common, pipeline_split=[1, 1, 1, 1])))}
+    assert info["residual"]["imbalance"] > 1.05 and info["layers"]["imbalance"] > 1.05
+    assert info["cost"]["imbalance"] <= 1.05
+    assert info["cost"]["units"] > info["residual"]["units"]          # the finer cuts were admitted
+    assert max(info["cost"]["boundary_tensors"]) <= 3                 # and what crosses stays small
