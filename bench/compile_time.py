@@ -15,7 +15,9 @@ steps after it:
 **warm**: a second fresh process with the same model and plan and the caches the cold one
 left (inductor's FX graph and AOTAutograd caches; for ours also the compile cache, see
 ``cann_passes/compile_cache.py``). Rows are interleaved within each round; medians over
-rounds. On a shared machine absolute seconds move with the load: compare the rows of one run.
+rounds. On a shared machine absolute seconds move with the load: compare the rows of one run;
+the process's CPU time of the first step beside them is what load changes least (compile
+workers inductor forks are not in it).
 """
 from __future__ import annotations
 
@@ -65,13 +67,15 @@ def child(row: str, quick: bool) -> dict:
         from cann_passes import Plan, compile_for_npu
         step = compile_for_npu(model, Plan(backend=row.split()[-1], compile_cache=os.environ["BENCH_COMPILE_CACHE"]),
                                optimizer=opt, loss_fn=gpt_loss)
-    times = []
+    times, cpu = [], []
     for batch in batches:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         step(batch)
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     steady = statistics.median(times[1:])
-    out = {"first_s": times[0], "step_s": steady, "compile_s": times[0] - steady}
+    out = {"first_s": times[0], "step_s": steady, "compile_s": times[0] - steady,
+           "compile_cpu_s": cpu[0] - statistics.median(cpu[1:])}
     if not row.startswith("torch"):
         out["cache_hit"] = step.last.program.attrs.get("compile_cache") == "hit"
     return out
@@ -88,10 +92,10 @@ def _spawn(row: str, quick: bool, inductor_dir: str, cache_dir: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def run(rounds: int, quick: bool) -> dict:
-    results = {row: {"cold": [], "warm": []} for row in ROWS}
+def run(rounds: int, quick: bool, rows=ROWS) -> dict:
+    results = {row: {"cold": [], "warm": []} for row in rows}
     for r in range(rounds):
-        for row in (ROWS if r % 2 == 0 else ROWS[::-1]):
+        for row in (rows if r % 2 == 0 else rows[::-1]):
             work = tempfile.mkdtemp(prefix="compile_time_")
             try:
                 dirs = (os.path.join(work, "inductor"), os.path.join(work, "cache"))
@@ -104,16 +108,22 @@ def run(rounds: int, quick: bool) -> dict:
 
 def report(results: dict) -> list[dict]:
     rows = []
-    base = statistics.median(r["compile_s"] for r in results[ROWS[1]]["cold"])
-    print(f"{'':44} {'cold s':>7} {'warm s':>7} {'cold/torch+opt':>14} {'step s':>7}  cache hit (warm)")
+    base_row = ROWS[1] if ROWS[1] in results else next(iter(results))
+    base = statistics.median(r["compile_s"] for r in results[base_row]["cold"])
+    print(f"{'':44} {'cold s':>7} {'warm s':>7} {'cold/torch+opt':>14} {'step s':>7}  {'CPU s cold':>10} "
+          f"{'warm':>6}  cache hit (warm)")
     for row, phases in results.items():
         cold = statistics.median(r["compile_s"] for r in phases["cold"])
         warm = statistics.median(r["compile_s"] for r in phases["warm"])
+        cpu_cold = statistics.median(r["compile_cpu_s"] for r in phases["cold"])
+        cpu_warm = statistics.median(r["compile_cpu_s"] for r in phases["warm"])
         step = statistics.median(r["step_s"] for r in phases["cold"] + phases["warm"])
         hits = [r.get("cache_hit") for r in phases["warm"]]
         hit = "-" if hits[0] is None else f"{sum(hits)}/{len(hits)}"
-        rows.append({"row": row, "cold_s": cold, "warm_s": warm, "step_s": step, "cache_hits": hit})
-        print(f"{row:44} {cold:>7.2f} {warm:>7.2f} {cold / base:>13.2f}x {step:>7.3f}  {hit}")
+        rows.append({"row": row, "cold_s": cold, "warm_s": warm, "step_s": step, "cache_hits": hit,
+                     "cold_cpu_s": cpu_cold, "warm_cpu_s": cpu_warm})
+        print(f"{row:44} {cold:>7.2f} {warm:>7.2f} {cold / base:>13.2f}x {step:>7.3f}  {cpu_cold:>10.2f} "
+              f"{cpu_warm:>6.2f}  {hit}")
     return rows
 
 
@@ -121,15 +131,20 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="smoke test: a 1-layer d32 model")
+    p.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS,
+                   help="rows to measure (the cold ratio is against the compiled-optimizer row when it runs)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         print(json.dumps(child(args.child, args.quick)))
         return None
     cfg, batch = _config(args.quick)
+    load0 = os.getloadavg()
     print(f"GPT {cfg.n_layer} layers d{cfg.d_model} seq {cfg.seq_len} batch {batch}, AdamW; compile = first step "
           f"- median of the next three; {args.rounds} round(s), medians; each row in fresh processes")
-    return report(run(args.rounds, args.quick))
+    rows = report(run(args.rounds, args.quick, tuple(args.rows)))
+    print(f"load average {load0[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end ({os.cpu_count()} CPUs)")
+    return rows
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ at the same width.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 import warnings
@@ -206,6 +207,7 @@ def main(argv=None):
     cases = [gpt_case(args.batch_size, args.seq_len) if n == "gpt" else zoo_case(n, args.batch_size, args.seq_len)
              for n in args.models]
     tables = []
+    load0 = os.getloadavg()
     for case in cases:
         print(f"{case.name}: compiling {len(args.rows)} rows", flush=True)
         built = run(case, args.rows, args.rounds, args.steps)
@@ -213,7 +215,8 @@ def main(argv=None):
         tables.append(report(case, built, share, shares))
         print(tables[-1], flush=True)
     print(f"threads {torch.get_num_threads()}, torch {torch.__version__}; rounds {args.rounds} x {args.steps} "
-          "steps, interleaved")
+          f"steps, interleaved; load average {load0[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end "
+          f"({os.cpu_count()} CPUs)")
     return tables
 
 

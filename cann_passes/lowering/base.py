@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import importlib.util
 import shutil
+from collections import Counter
 from typing import Any, Callable, Protocol
 
 import torch
+import torch.fx
 
 from graph_ir import TrainGraph
+from graph_ir.meta import GraphKind, graph_kind
+from graph_ir.signature import InputKind
 
 Runner = Callable[..., Any]
 
@@ -33,6 +37,55 @@ class Lowering(Protocol):
 
     def compile(self, graph: TrainGraph, example_inputs: list[torch.Tensor], plan: Any) -> Runner:
         """A callable computing the graph's outputs from its flat inputs."""
+
+
+# Inputs the runtime owns and stores back after the step; the batch and hyperparameters are the user's.
+WRITABLE_INPUTS = (InputKind.PARAM.value, InputKind.BUFFER.value, InputKind.OPT_STATE.value)
+# Graphs whose updated inputs the runtime stores right after the call, with no other graph holding
+# an older view of them in between (pipeline stages pass saved values between calls).
+INPUT_WRITING_GRAPHS = (GraphKind.STEP, GraphKind.APPLY)
+
+
+def writable_inputs(graph: TrainGraph) -> dict[torch.fx.Node, int]:
+    """Inputs of ``graph`` a lowering may update in place: placeholder -> index of the output that is its
+    new value (a parameter, buffer or optimizer state the graph also returns, in a step or apply graph)."""
+    if graph_kind(graph.attrs) not in INPUT_WRITING_GRAPHS:
+        return {}
+    outputs = {(s.kind, s.name): i for i, s in enumerate(graph.signature.outputs)}
+    return {node: outputs[(spec.kind, spec.name)]
+            for node, spec in zip(graph.placeholders(), graph.signature.inputs)
+            if spec.kind in WRITABLE_INPUTS and (spec.kind, spec.name) in outputs}
+
+
+class GuardedRunner:
+    """A lowered graph that writes some of its inputs, guarded: a call whose written inputs share
+    storage with another input (or overlap themselves) runs the functional variant instead, made on
+    first need. ``written_inputs``: what the step updates in place, ``kind:name``."""
+
+    def __init__(self, run: Callable[..., Any], graph: TrainGraph, written: list[int],
+                 functional: Callable[[], Callable[..., Any]]):
+        self.run, self.written = run, written
+        self.written_inputs = [f"{graph.signature.inputs[i].kind}:{graph.signature.inputs[i].name}" for i in written]
+        self._make_functional, self._functional = functional, None
+
+    def safe(self, inputs) -> bool:
+        """Whether the written inputs of this call own their storage alone, without internal overlap."""
+        if not self.written:
+            return True
+        storages = Counter(t.untyped_storage().data_ptr() for t in inputs
+                           if isinstance(t, torch.Tensor) and t.numel())
+        for i in self.written:
+            t = inputs[i]
+            if t.numel() and (not t.is_contiguous() or storages[t.untyped_storage().data_ptr()] != 1):
+                return False
+        return True
+
+    def __call__(self, *inputs):
+        if self.safe(inputs):
+            return self.run(*inputs)
+        if self._functional is None:
+            self._functional = self._make_functional()
+        return self._functional(*inputs)
 
 
 def npu_available() -> tuple[bool, str]:

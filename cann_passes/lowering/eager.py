@@ -32,9 +32,7 @@ functional graph.
 """
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.fx
@@ -43,14 +41,9 @@ from torch.fx.passes.reinplace import _maybe_get_inplace_op
 from graph_ir import TrainGraph
 from graph_ir.analysis.collectives import is_communication_op
 from graph_ir.analysis.memory import storage_roots
-from graph_ir.meta import GraphKind, Region, graph_kind, region_of
-from graph_ir.signature import InputKind
+from graph_ir.meta import Region, region_of
 
-# Inputs the runtime owns and stores back after the step; the batch and hyperparameters are the user's.
-WRITABLE_INPUTS = (InputKind.PARAM.value, InputKind.BUFFER.value, InputKind.OPT_STATE.value)
-# Graphs whose updated inputs the runtime stores right after the call, with no other graph holding
-# an older view of them in between (pipeline stages pass saved values between calls).
-INPUT_WRITING_GRAPHS = (GraphKind.STEP, GraphKind.APPLY)
+from .base import GuardedRunner, writable_inputs
 
 
 def _layout(val) -> tuple | None:
@@ -143,52 +136,6 @@ def reuse_dead_operands(gm: torch.fx.GraphModule, writable: dict[torch.fx.Node, 
     return len(plan.rewrites)
 
 
-def writable_inputs(graph: TrainGraph) -> dict[torch.fx.Node, int]:
-    """Inputs of ``graph`` the eager lowering may update in place: placeholder -> index of its new value."""
-    if graph_kind(graph.attrs) not in INPUT_WRITING_GRAPHS:
-        return {}
-    outputs = {(s.kind, s.name): i for i, s in enumerate(graph.signature.outputs)}
-    return {node: outputs[(spec.kind, spec.name)]
-            for node, spec in zip(graph.placeholders(), graph.signature.inputs)
-            if spec.kind in WRITABLE_INPUTS and (spec.kind, spec.name) in outputs}
-
-
-class EagerRunner:
-    """The lowered graph, guarded: a call whose written inputs share storage with another input (or
-    overlap themselves) runs the functional copy instead."""
-
-    def __init__(self, gm: torch.fx.GraphModule, written: list[int], functional: Callable[[], torch.fx.GraphModule]):
-        self.gm, self.written = gm, written
-        self._make_functional, self._functional = functional, None
-
-    @property
-    def graph(self) -> torch.fx.Graph:
-        return self.gm.graph
-
-    @property
-    def code(self) -> str:
-        return self.gm.code
-
-    def safe(self, inputs) -> bool:
-        """Whether the written inputs of this call own their storage alone, without internal overlap."""
-        if not self.written:
-            return True
-        storages = Counter(t.untyped_storage().data_ptr() for t in inputs
-                           if isinstance(t, torch.Tensor) and t.numel())
-        for i in self.written:
-            t = inputs[i]
-            if t.numel() and (not t.is_contiguous() or storages[t.untyped_storage().data_ptr()] != 1):
-                return False
-        return True
-
-    def __call__(self, *inputs):
-        if self.safe(inputs):
-            return self.gm(*inputs)
-        if self._functional is None:
-            self._functional = self._make_functional()
-        return self._functional(*inputs)
-
-
 class EagerLowering:
     name = "eager"
 
@@ -208,8 +155,4 @@ class EagerLowering:
             reuse_dead_operands(copy.gm)
             return copy.gm
 
-        runner = EagerRunner(lowered.gm, written, functional)
-        # What the step updates in place, ``kind:name`` (for reports and tests).
-        runner.written_inputs = [f"{lowered.signature.inputs[i].kind}:{lowered.signature.inputs[i].name}"
-                                 for i in written]
-        return runner
+        return GuardedRunner(lowered.gm, lowered, written, functional)

@@ -3,6 +3,26 @@
 The graph is already functional aten, so inductor's own AOT step has nothing
 left to trace and goes straight to fusion and code generation.
 
+Parameters, buffers and optimizer state are updated in place through input
+mutation: the lowered copy ends with ``copy_(input, new value)`` for each
+value the step returns as its own new contents (see ``writable_inputs``) and
+returns the input itself. AOTAutograd keeps those mutations in the graph
+(``keep_inference_input_mutations``) and inductor fuses each copy into the
+kernel that computes the value, which then stores straight into the input's
+buffer, after every read of the old value (its scheduler orders the write
+after them): no fresh parameter and state tensors per step and nothing for
+the runtime to store. The kernel order is inductor's, so unlike the eager
+backend nothing fences the writes after the last backward op; the kernels
+that can fail on bad data (index bounds of the embedding and the loss's
+gather) run in the forward, before any gradient exists. A call whose
+written inputs share storage with another input runs a functional
+compilation instead (made on first need).
+
+A second process lowers from inductor's FX graph cache and AOTAutograd's
+cache (``compile_cache.lowering_context`` gives them a ShapeEnv); the lowered
+copy drops the tracer class so that the graph loaded from the compile cache
+and the freshly captured one have one AOTAutograd key.
+
 The pipeline ends with the ``spell_out_alpha`` pass for this backend
 (``required_passes``; the compile driver adds it to a pipeline given as text):
 torch 2.13's post-grad ``addmm`` pattern drops the ``alpha`` of
@@ -10,9 +30,37 @@ torch 2.13's post-grad ``addmm`` pattern drops the ``alpha`` of
 """
 from __future__ import annotations
 
+import torch
+import torch.fx
+
 from graph_ir import TrainGraph
 
-from .base import cxx_compiler_available
+from .base import GuardedRunner, cxx_compiler_available, writable_inputs
+
+aten = torch.ops.aten
+
+
+def mutate_inputs(gm: torch.fx.GraphModule, writable: dict[torch.fx.Node, int]) -> list[torch.fx.Node]:
+    """End ``gm`` with ``copy_(input, new)`` for each writable input whose new value has its shape and
+    dtype, and return the input in that output position. Returns the inputs mutated."""
+    out = gm.graph.output_node()
+    values = list(out.args[0])
+    mutated = []
+    with gm.graph.inserting_before(out):
+        for node, index in writable.items():
+            new, old = values[index], node.meta.get("val")
+            value = new.meta.get("val") if isinstance(new, torch.fx.Node) else None
+            if new is node or not isinstance(value, torch.Tensor) or not isinstance(old, torch.Tensor) \
+                    or value.shape != old.shape or value.dtype != old.dtype:
+                continue
+            copy = gm.graph.call_function(aten.copy_.default, (node, new))
+            copy.meta["val"] = old
+            values[index] = node
+            mutated.append(node)
+    out.args = (values,)
+    gm.graph.lint()
+    gm.recompile()
+    return mutated
 
 
 class InductorLowering:
@@ -24,10 +72,29 @@ class InductorLowering:
 
     def compile(self, graph: TrainGraph, example_inputs, plan):
         from torch._inductor.compile_fx import compile_fx
-        gm = graph.copy().gm
-        for node in gm.graph.nodes:
-            # torch reads node.meta["recompute"] as a CheckpointPolicy (FX's code printer takes
-            # its .name); the recompute pass's mark there is a plain bool, so the copy drops it.
-            if isinstance(node.meta.get("recompute"), bool):
-                del node.meta["recompute"]
-        return compile_fx(gm, list(example_inputs))
+
+        def lowered(mutating: bool):
+            copy = graph.copy()
+            gm = copy.gm
+            # AOTAutograd's cache key pickles the GraphModule, tracer class included: a captured
+            # graph (make_fx's tracer) and the same graph loaded from the compile cache (none)
+            # must key alike, or a second process re-traces and recompiles what the first stored.
+            gm._tracer_cls = gm.graph._tracer_cls = None
+            for node in gm.graph.nodes:
+                # torch reads node.meta["recompute"] as a CheckpointPolicy (FX's code printer takes
+                # its .name); the recompute pass's mark there is a plain bool, so the copy drops it.
+                if isinstance(node.meta.get("recompute"), bool):
+                    del node.meta["recompute"]
+            mutated = mutate_inputs(gm, writable_inputs(copy)) if mutating else []
+            return copy, gm, mutated
+
+        copy, gm, mutated = lowered(True)
+        run = compile_fx(gm, list(example_inputs))
+        if not mutated:
+            return run
+        positions = {n: i for i, n in enumerate(copy.placeholders())}
+
+        def functional():
+            return compile_fx(lowered(False)[1], list(example_inputs))
+
+        return GuardedRunner(run, copy, sorted(positions[n] for n in mutated), functional)

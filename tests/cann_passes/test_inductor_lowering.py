@@ -50,3 +50,50 @@ def test_the_inductor_pipeline_names_the_spell_out_even_for_pipeline_text():
     text = build_pipeline(Plan(pipeline="cleanup"), "inductor")
     assert str(with_required_passes(text, "inductor")) == "cleanup,spell_out_alpha"
     assert str(with_required_passes(text, "eager")) == "cleanup"
+
+
+# -- parameters and optimizer state updated through input mutation -------------------------------
+
+def test_mutate_inputs_ends_the_graph_with_copies_into_inputs_that_it_returns():
+    from cann_passes.lowering.inductor import mutate_inputs
+
+    def update(p, m, g):
+        m2 = m * 0.9 + g
+        return p * 0.5 - m2, m2, (p * m).sum(0)       # output 2 has another shape than m: not a new m
+
+    args = [torch.randn(4, 4) for _ in range(3)]
+    reference = [t.clone() for t in update(*args)]
+    gm = make_fx(update, tracing_mode="fake")(*args)
+    p, m, g = gm.graph.find_nodes(op="placeholder")
+    assert mutate_inputs(gm, {p: 0, m: 1}) == [p, m]
+    assert [n.args[0] for n in gm.graph.nodes if n.target is torch.ops.aten.copy_.default] == [p, m]
+    inputs = [a.clone() for a in args]
+    out = gm(*inputs)
+    assert out[0] is inputs[0] and out[1] is inputs[1]
+    assert all(torch.equal(o, r) for o, r in zip(out, reference))
+    assert torch.equal(inputs[2], args[2])
+    gm = make_fx(update, tracing_mode="fake")(*args)
+    assert mutate_inputs(gm, {gm.graph.find_nodes(op="placeholder")[1]: 2}) == []
+
+
+@pytest.mark.slow
+def test_inductor_step_updates_parameters_and_state_in_place_like_torch_optim():
+    from tests.conftest import eager_losses, mlp_batches, tiny_mlp
+    from cann_passes import compile_for_npu
+    model, loss_fn = tiny_mlp()
+    ref, _ = tiny_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    batches = mlp_batches(3)
+    step = compile_for_npu(model, Plan(backend="inductor", compile_cache="off"), optimizer=opt, loss_fn=loss_fn)
+    losses = [step(batches[0]).item()]
+    storage = [p.data_ptr() for p in model.parameters()]
+    state = {id(t) for s in opt.state.values() for t in s.values()}
+    losses += [step(b).item() for b in batches[1:]]
+    assert len(step.last.runners["step"].written_inputs) == 4 * len(storage)
+    assert [p.data_ptr() for p in model.parameters()] == storage
+    assert {id(t) for s in opt.state.values() for t in s.values()} == state
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses(ref, loss_fn, ref_opt, batches)),
+                               rtol=1e-5, atol=0)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
