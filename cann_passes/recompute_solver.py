@@ -32,7 +32,7 @@ recompute time per byte.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import networkx as nx
 import numpy as np
@@ -320,8 +320,32 @@ def solve_greedy(problem: Problem, budget: float) -> Solution:
 
 
 def min_bytes(problem: Problem) -> Solution:
-    """The fewest bytes any feasible selection saves (ties: the cheapest)."""
-    return evaluate(problem, _cut(problem, relevant(problem), 1e9, 1.0), "floor")
+    """The fewest bytes any feasible selection saves (ties: the fewest recomputed values).
+
+    Only what descends from a value that can be neither recomputed nor is kept anyway (a
+    random mask, a collective's result) can force a save: everything else is rebuilt from
+    the step's inputs for free in bytes. So the min cut is taken over those descendants
+    alone, the rest counted as available (a step without such values saves nothing at its
+    floor, with no cut at all); on a 7B-shaped step the cut over every value took seconds.
+    """
+    values = problem.values
+    idx = relevant(problem)
+    forced = [i for i in idx if not values[i].kept and not values[i].recomputable]
+    if not forced:
+        return evaluate(problem, set(), "floor")
+    users: dict[int, list[int]] = {}
+    for i in idx:
+        for d in values[i].deps:
+            users.setdefault(d, []).append(i)
+    below, stack = set(), list(forced)
+    while stack:
+        i = stack.pop()
+        if i in below:
+            continue
+        below.add(i)
+        stack.extend(users.get(i, ()))
+    restricted = Problem([v if i in below else replace(v, kept=True) for i, v in enumerate(values)])
+    return evaluate(problem, _cut(restricted, relevant(restricted), 1e9, 1.0), "floor")
 
 
 # The auto solver stops the MILP once HiGHS proves it within 0.5% of the optimum's recompute

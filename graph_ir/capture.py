@@ -33,6 +33,7 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 
+from .build import eliminate_dead_code
 from .meta import MODULE_PATH, REGION, Region
 from .optimizers import UpdateRule, rule_for
 from .signature import InputKind, OutputKind, Spec, StepSignature, state_name
@@ -591,7 +592,7 @@ def capture_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     _functionalize_batch_norm(gm)
     _prune_unmutated_buffers(gm, signature)
     _name_placeholders(gm, signature)
-    gm.graph.eliminate_dead_code()
+    eliminate_dead_code(gm.graph)
     gm.recompile()
     tg = TrainGraph(gm, signature, {"name": name, "optimizer": type(optimizer).__name__,
                                     "model": type(model).__name__})

@@ -129,7 +129,11 @@ def region_of(node: torch.fx.Node) -> Region:
     value = node.meta.get(REGION)
     if value is None:
         return Region.IO if node.op in ("placeholder", "output") else Region.FORWARD
-    return Region(value)
+    # A dict lookup, not Enum's constructor: passes ask this of every node, several times.
+    return _REGIONS.get(value) or Region(value)
+
+
+_REGIONS = {r.value: r for r in Region}
 
 
 def module_path_of(node: torch.fx.Node) -> str:

@@ -127,14 +127,18 @@ class TrainGraph:
 
     def fingerprint(self) -> str:
         """A hash of the graph's structure, its region/module tags and its node values' shapes."""
-        h = hashlib.sha1()
+        # Each node as name, op, target and arguments (a node argument reads as its name),
+        # hashed in one update: ``Node.format_node`` says the same for about five times the time.
+        parts, names = [], {}
         for node in self.graph.nodes:
-            h.update(node.format_node().encode())
-            h.update(f"|{node.meta.get(REGION)}|{node.meta.get(MODULE_PATH)}".encode())
             val = node.meta.get("val")
-            if isinstance(val, torch.Tensor):
-                h.update(f"|{val.dtype}{tuple(val.shape)}".encode())
-        return h.hexdigest()
+            shape = f"{val.dtype}{tuple(val.shape)}" if isinstance(val, torch.Tensor) else ""
+            target = names.get(node.target)
+            if target is None:
+                target = names[node.target] = str(node.target)
+            parts.append(f"{node.name}={node.op}:{target}{node.args!r}{node.kwargs!r}"
+                         f"|{node.meta.get(REGION)}|{node.meta.get(MODULE_PATH)}|{shape}")
+        return hashlib.sha1("\n".join(parts).encode()).hexdigest()
 
     def num_nodes(self) -> int:
         return len(self.graph.nodes)

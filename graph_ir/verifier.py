@@ -29,6 +29,7 @@ from .signature import InputKind, OutputKind
 from .train_graph import TrainGraph, lazy_graph_module
 
 _ORDER = {Region.IO: -1, Region.FORWARD: 0, Region.BACKWARD: 1, Region.OPTIMIZER: 2}
+_BY_VALUE = {r.value: r for r in Region}
 
 
 class VerificationError(ValueError):
@@ -87,7 +88,7 @@ def _check_nodes(tg: TrainGraph) -> list[str]:
         if node.op != "call_function":
             continue
         try:
-            region = Region(node.meta.get(REGION))
+            region = _BY_VALUE.get(node.meta.get(REGION)) or Region(node.meta.get(REGION))
         except ValueError:
             problems.append(f"node {node.name} has region {node.meta.get(REGION)!r}; "
                             f"expected one of {[r.value for r in Region]}")
@@ -99,7 +100,8 @@ def _check_nodes(tg: TrainGraph) -> list[str]:
         if not isinstance(node.meta.get(MODULE_PATH, ""), str):
             problems.append(f"node {node.name} has a non-string module path")
         for arg in node.all_input_nodes:
-            arg_region = Region(arg.meta.get(REGION, Region.IO.value))
+            value = arg.meta.get(REGION, Region.IO.value)
+            arg_region = _BY_VALUE.get(value) or Region(value)   # a dict lookup: every edge is read
             if _ORDER[arg_region] > _ORDER[region]:
                 problems.append(f"node {node.name} ({region.value}) reads {arg.name} "
                                 f"({arg_region.value}): regions must flow forward -> backward -> optimizer")

@@ -47,7 +47,7 @@ import torch.fx
 from torch.fx.node import map_arg
 
 from graph_ir import TrainGraph
-from graph_ir.build import add_node, fake_value
+from graph_ir.build import add_node, eliminate_dead_code, fake_value
 from graph_ir.meta import MODULE_PATH, ORIGIN_PASS, REGION, Region, region_of
 
 from ..pass_manager import PassContext, register_pass
@@ -509,7 +509,7 @@ def autocast_pass(graph: TrainGraph, ctx: PassContext, *, dtype: str = "bf16", p
     rewriter.run()
     if narrow_saved:
         rewriter.counts["narrowed_saved"] = rewriter.narrow_saved()
-    graph.graph.eliminate_dead_code()
+    eliminate_dead_code(graph.graph)
     for key, value in rewriter.counts.items():
         ctx.stat(key, value)
     ctx.stat("casts", count_casts(graph.graph) - before)

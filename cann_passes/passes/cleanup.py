@@ -16,13 +16,14 @@ import torch
 import torch.fx
 
 from graph_ir import TrainGraph
+from graph_ir.build import ImpurityCache, eliminate_dead_code
 from graph_ir.meta import RECOMPUTE, REGION
 
 from ..pass_manager import PassContext, register_pass
 
 
-def _mergeable(node: torch.fx.Node) -> bool:
-    if node.op != "call_function" or node.is_impure():
+def _mergeable(node: torch.fx.Node, impure: ImpurityCache) -> bool:
+    if node.op != "call_function" or impure(node):
         return False
     # Functional collectives are not marked impure, but two of them are two
     # communications (ZeRO-3 gathers a parameter again for backward on purpose).
@@ -41,7 +42,7 @@ def _key(node: torch.fx.Node):
         if isinstance(a, (list, tuple)):
             return (type(a).__name__, tuple(freeze(x) for x in a))
         if isinstance(a, torch.fx.Node):
-            return ("node", a.name)
+            return a   # hashed by identity: one node, one name in its graph
         if isinstance(a, dict):
             return tuple(sorted((k, freeze(v)) for k, v in a.items()))
         return (type(a).__name__, a)
@@ -51,8 +52,9 @@ def _key(node: torch.fx.Node):
 def eliminate_common_subexpressions(graph: torch.fx.Graph) -> int:
     seen: dict = {}
     merged = 0
+    impure = ImpurityCache()
     for node in list(graph.nodes):
-        if not _mergeable(node):
+        if not _mergeable(node, impure):
             continue
         try:
             key = _key(node)
@@ -74,7 +76,7 @@ def cleanup_pass(graph: TrainGraph, ctx: PassContext, *, cse: bool = True) -> Tr
     """Dead-code elimination, then (with ``cse``) merging of duplicate pure nodes."""
     before = graph.num_nodes()
     merged = eliminate_common_subexpressions(graph.graph) if cse else 0
-    graph.graph.eliminate_dead_code()
+    eliminate_dead_code(graph.graph)
     ctx.stat("merged", merged)
     ctx.stat("removed", before - graph.num_nodes())
     return graph

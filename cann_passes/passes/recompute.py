@@ -32,15 +32,17 @@ from __future__ import annotations
 
 import math
 import operator
+import time
 import warnings
 
 import torch
 import torch.fx
 
 from graph_ir import TrainGraph
-from graph_ir.analysis.cost import node_cost
+from graph_ir.analysis.cost import layout_key, node_cost
 from graph_ir.analysis.memory import aliases_input, buffer_bytes, memory_profile, saved_activations, storage_roots
 from graph_ir.analysis.structure import Structure, attention_cores, find_blocks
+from graph_ir.build import eliminate_dead_code, fake_value
 from graph_ir.meta import (MODULE_PATH, ORIGIN_PASS, RECOMPUTE, REGION, Region, module_path_of,
                            nbytes, region_of, tensors_of)
 from graph_ir.placement import RANDOM_PIECE
@@ -111,6 +113,7 @@ class _Builder:
         self.index: dict[torch.fx.Node, int] = {}
         self.masks: dict[torch.fx.Node, dict[str, int]] = {}   # bernoulli node -> {"bits","bool","float"}
         self.derived: set[int] = set()   # values computed from masks alone
+        self.priced: dict = {}           # layout_key -> (NodeCost, seconds): once per layer shape
 
     def build(self) -> Problem:
         forward = [n for n in self.graph.graph.nodes
@@ -131,9 +134,14 @@ class _Builder:
 
     def _add_node(self, node: torch.fx.Node) -> None:
         deps = [d for d in (self._dep(a) for a in node.all_input_nodes) if d is not None]
-        cost = node_cost(node)
-        v = Value(node.name, deps, flops=cost.flops, written=cost.bytes_written,
-                  cost=node_time(node, self.profile, world_size=self.world))
+        key = layout_key(node)
+        priced = self.priced.get(key) if key is not None else None
+        if priced is None:
+            priced = (node_cost(node), node_time(node, self.profile, world_size=self.world))
+            if key is not None:
+                self.priced[key] = priced
+        cost, seconds = priced
+        v = Value(node.name, deps, flops=cost.flops, written=cost.bytes_written, cost=seconds)
         is_root = self.root[node] is node
         v.bytes = buffer_bytes(node) if is_root else 0
         v.savable = is_root and not aliases_input(node) and not isinstance(node.meta.get("val"), (tuple, list))
@@ -354,13 +362,11 @@ class _Rewriter:
         self.copies: dict[torch.fx.Node, torch.fx.Node] = {}
         self.forward_masks: dict[torch.fx.Node, torch.fx.Node] = {}
         self.added: list[torch.fx.Node] = []
+        self.source_of: dict[torch.fx.Node, torch.fx.Node] = {}   # recomputed copy -> forward node
 
     def _new(self, target, args, kwargs, *, region: Region, path: str, recompute: bool) -> torch.fx.Node:
         node = self.tg.graph.call_function(target, args, kwargs)
-        vals_args = torch.fx.node.map_arg(args, lambda a: a.meta["val"])
-        vals_kwargs = torch.fx.node.map_arg(kwargs, lambda a: a.meta["val"])
-        with self.mode:
-            node.meta["val"] = target(*vals_args, **vals_kwargs)
+        node.meta["val"] = fake_value(target, args, kwargs, mode=self.mode)
         node.meta.update({REGION: region.value, MODULE_PATH: path, ORIGIN_PASS: "recompute"})
         if recompute:
             node.meta[RECOMPUTE] = True
@@ -394,6 +400,7 @@ class _Rewriter:
             out.meta.update({k: v for k, v in node.meta.items() if k != ORIGIN_PASS})
             out.meta.update({REGION: Region.BACKWARD.value, RECOMPUTE: True, ORIGIN_PASS: "recompute"})
             self.added.append(out)
+            self.source_of[out] = node
         self.copies[key] = out
         return out
 
@@ -538,7 +545,9 @@ def recompute_pass(graph: TrainGraph, ctx: PassContext, *, policy: str = "budget
         # Values alive anyway (the loss) that backward reads count against the budget too.
         kept = {builder.node_of[i].name for i, v in enumerate(problem.values) if v.kept and i in builder.node_of}
         kept_bytes = sum(b for name, b in saved_activations(graph.graph).items() if name in kept)
+        start = time.perf_counter()
         floor = min_bytes(problem).bytes + kept_bytes
+        ctx.stat("floor_seconds", time.perf_counter() - start)
         limit = _budget_bytes(budget, before)
         if limit < floor:
             ctx.stat("budget_raised_to_floor", True)
@@ -546,9 +555,12 @@ def recompute_pass(graph: TrainGraph, ctx: PassContext, *, policy: str = "budget
         ctx.stat("budget_bytes", int(limit))
         ctx.stat("floor_bytes", floor)
         limit -= kept_bytes
+    start = time.perf_counter()
     sol = solve(problem, limit, solver)
-    _Rewriter(graph, builder, sol.saved, structure).run()
-    graph.graph.eliminate_dead_code()
+    ctx.stat("solve_seconds", time.perf_counter() - start)
+    rewriter = _Rewriter(graph, builder, sol.saved, structure)
+    rewriter.run()
+    eliminate_dead_code(graph.graph)
     graph.graph.lint()
     after = memory_profile(graph.graph)
     ctx.explain["recompute"] = _explain(builder, problem, sol, policy)
@@ -558,8 +570,16 @@ def recompute_pass(graph: TrainGraph, ctx: PassContext, *, policy: str = "budget
     ctx.stat("saved_bytes_before", before)
     ctx.stat("saved_bytes_after", after.saved_bytes)
     ctx.stat("recomputed_nodes", len(recomputed))
-    ctx.stat("recompute_flops", sum(node_cost(n).flops for n in recomputed))
-    ctx.stat("recompute_time_s", sum(node_time(n, profile) for n in recomputed))
+    # A value recomputed in several blocks' backward costs the same each time (same op, same
+    # metadata): priced once per forward node, not once per copy.
+    priced: dict[torch.fx.Node, tuple[int, float]] = {}
+    for n in recomputed:
+        source = rewriter.source_of.get(n, n)
+        if source not in priced:
+            priced[source] = (node_cost(n).flops, node_time(n, profile))
+    costs = [priced[rewriter.source_of.get(n, n)] for n in recomputed]
+    ctx.stat("recompute_flops", sum(f for f, _ in costs))
+    ctx.stat("recompute_time_s", sum(t for _, t in costs))
     ctx.stat("estimated_peak_bytes", after.peak_bytes)
     if policy != "none" and after.saved_bytes >= before:
         message = (f"recompute policy {policy!r} saved no activation bytes ({before} before and after): "

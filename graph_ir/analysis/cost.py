@@ -35,11 +35,17 @@ def is_view_op(node: torch.fx.Node) -> bool:
         return False
     if node.target is operator.getitem:
         return True
-    schema = getattr(node.target, "_schema", None)
-    if schema is None or not schema.returns:
-        return False
-    alias = schema.returns[0].alias_info
-    return alias is not None and not alias.is_write
+    known = _VIEW_OPS.get(node.target)
+    if known is None:
+        schema = getattr(node.target, "_schema", None)
+        alias = schema.returns[0].alias_info if schema is not None and schema.returns else None
+        known = alias is not None and not alias.is_write
+        if isinstance(node.target, torch._ops.OpOverload):   # its schema never changes
+            _VIEW_OPS[node.target] = known
+    return known
+
+
+_VIEW_OPS: dict = {}
 
 
 @dataclass(frozen=True)
@@ -79,6 +85,29 @@ def node_cost(node: torch.fx.Node) -> NodeCost:
                    max((t.numel() for a in node.all_input_nodes for t in tensors_of(a.meta.get("val"))),
                        default=0))
     return NodeCost(elements, read, written)
+
+
+def layout_key(node: torch.fx.Node):
+    """What a node's cost depends on, hashable: its op, its arguments with every node replaced by
+    its value's layout (dtype, shape, strides), and its own value's layout; None when some
+    argument has no such description. Nodes of identical layers share it, so whatever is priced
+    from it (FLOPs, bytes, a roofline's time) is priced once per layer shape, not once per node."""
+    def layout(v):
+        if isinstance(v, torch.Tensor):
+            return ("T", v.dtype, tuple(v.shape), v.stride())
+        if isinstance(v, (list, tuple)):
+            return tuple(layout(x) for x in v)
+        if isinstance(v, torch.fx.Node):
+            return layout(v.meta.get("val"))
+        if isinstance(v, dict):
+            return tuple(sorted((k, layout(x)) for k, x in v.items()))
+        return (type(v).__name__, v)
+    try:
+        key = (node.op, node.target, layout(node.args), layout(node.kwargs), layout(node.meta.get("val")))
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 @dataclass

@@ -63,17 +63,34 @@ class Structure:
 
     stacks: dict[str, list[str]] = field(default_factory=dict)   # stack prefix -> block paths
     source: str = "detected"                                      # "detected" or "plan"
+    _block_of: dict[str, str] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _blocks_seen: int = field(default=-1, init=False, repr=False, compare=False)
 
     @property
     def blocks(self) -> list[str]:
         return [b for blocks in self.stacks.values() for b in blocks]
 
     def block_of(self, path: str) -> str:
-        """The block a module path lies in ("" outside every block)."""
-        for block in self.blocks:
-            if path == block or path.startswith(block + "."):
-                return block
-        return ""
+        """The block a module path lies in ("" outside every block).
+
+        Asked once per node by the passes: answered per path from the set of blocks (its
+        prefixes looked up, shortest first, as the stacks are outermost), not by a scan of
+        every block (quadratic in depth).
+        """
+        known = self._block_of.get(path)
+        if known is None:
+            blocks = set(self.blocks)
+            if self._blocks_seen != len(blocks):
+                self._block_of.clear()
+                self._blocks_seen = len(blocks)
+            known, prefix = "", ""
+            for part in path.split(".") if path else []:
+                prefix = f"{prefix}.{part}" if prefix else part
+                if prefix in blocks:
+                    known = prefix
+                    break
+            self._block_of[path] = known
+        return known
 
 
 def _forward_paths(graph: torch.fx.Graph) -> dict[str, list[torch.fx.Node]]:
@@ -106,8 +123,15 @@ def find_blocks(graph: torch.fx.Graph, globs: tuple[str, ...] | list[str] = ()) 
             stacks.setdefault(p.rpartition(".")[0], []).append(p)
         return Structure(stacks, "plan")
 
+    is_matmul: dict[torch.fx.Node, bool] = {}     # a node lies under every prefix of its path
+
     def matmuls(p: str) -> int:
-        return sum(1 for n in paths[p] if _is_matmul(n))
+        count = 0
+        for n in paths[p]:
+            if n not in is_matmul:
+                is_matmul[n] = _is_matmul(n)
+            count += is_matmul[n]
+        return count
 
     def by_position(blocks):
         return sorted(set(blocks), key=lambda b: position[order[b]])

@@ -1,6 +1,7 @@
 """recompute: bitwise numerics for every policy, the budget at run time, solver quality, Megatron."""
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -198,6 +199,29 @@ class TestRecomputeSolvers:
                 assert fast.bytes <= budget
                 assert fast.cost <= exact.cost * 1.05 + 1e-12, (fraction, fast.solver, fast.cost, exact.cost)
 
+
+    def test_floor_over_forced_values_equals_the_cut_over_every_value(self):
+        from cann_passes.recompute_solver import _cut, evaluate, relevant
+        torch.manual_seed(0)
+        model = GPT(gpt_tiny(dropout=0.1, n_layer=2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        tg, _ = capture_train_step(model, opt, gpt_loss, _batches(1)[0])
+        problem = _Builder(tg, get_profile("ascend_910b"), (), 1).build()
+
+        def whole_cut(p):
+            return evaluate(p, _cut(p, relevant(p), 1e9, 1.0)).bytes
+        assert min_bytes(problem).bytes == whole_cut(problem) > 0   # the masks' bits
+        # Values that may not be recomputed (as a ban makes them) anywhere in the graph.
+        savable = [i for i, v in enumerate(problem.values) if v.savable and v.recomputable and not v.kept]
+        for start in range(0, 12, 3):
+            banned = copy.deepcopy(problem)
+            for i in savable[start::7]:
+                banned.values[i].recomputable = False
+            assert min_bytes(banned).bytes == whole_cut(banned)
+        free = copy.deepcopy(problem)
+        for v in free.values:
+            v.recomputable = v.recomputable or not v.kept
+        assert min_bytes(free).bytes == 0
 
     def test_choosing_the_mask_form_is_never_worse_than_compact_masks_and_better_when_loose(self):
         torch.manual_seed(0)
