@@ -13,15 +13,20 @@ shape) on fake tensors, so nothing is computed:
   0.25}, cleanup`` (shallow verifier after each pass, as a plan runs by default).
 
 Depths are interleaved within each round and the raw/ours order alternates between rounds;
-medians over rounds are printed with ms per node and ours/raw, then the pass manager's
-per-pass times (its Timing instrument; verify is the Verify instrument's time). The machine
-may be shared: the ratio within one run is the figure, absolute seconds move between runs.
+medians over rounds are printed with ms per node, capture alone over raw (how far capture is
+from torch's own tracer, its floor) and ours over raw, then where ours spends its time:
+capture, each pass (the pass manager's Timing instrument), inside recompute its floor (the
+fewest bytes any choice saves) and its solver, the shallow verifier after every pass, and
+the pass manager's own work around the passes (the copy of the captured graph the pipeline
+starts from, one fingerprint per pass). The load average is printed before and after: the
+machine may be shared, the ratio within one run is the figure, absolute seconds move.
 scipy (the recompute solver's MILP) is imported before timing, as any second compile finds it.
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import sys
 import time
@@ -78,12 +83,18 @@ def time_ours(cfg) -> dict:
     t1 = time.perf_counter()
     program = compile_program(captured, PLAN)
     t2 = time.perf_counter()
-    passes: dict[str, list[float]] = {}
+    parts: dict[str, float] = {}
     for r in program.records:
-        passes.setdefault(f"{r.index}:{r.name}", []).append(r.seconds)
-        passes.setdefault(f"{r.index}:{r.name} verify", []).append(r.verify_seconds)
+        parts[f"{r.index}:{r.name}"] = parts.get(f"{r.index}:{r.name}", 0.0) + r.seconds
+        for key, label in (("floor_seconds", "of which floor"), ("solve_seconds", "of which solver")):
+            if key in r.stats:
+                parts[label] = parts.get(label, 0.0) + r.stats[key]
+    parts["verify (shallow)"] = sum(r.verify_seconds for r in program.records)
+    # What the pass manager does around the passes: the copy of the captured graph the pipeline
+    # starts from (the captured one stays unchanged) and one fingerprint per pass.
+    parts["copy + fingerprints"] = (t2 - t1) - sum(r.seconds + r.verify_seconds for r in program.records)
     return {"nodes": captured.num_nodes(), "final_nodes": program.num_nodes(), "capture": t1 - t0,
-            "passes": t2 - t1, "seconds": t2 - t0, "per_pass": {k: sum(v) for k, v in passes.items()}}
+            "passes": t2 - t1, "seconds": t2 - t0, "parts": parts}
 
 
 def _median(rows: list[dict], key: str) -> float:
@@ -109,21 +120,22 @@ def run(depths: list[tuple[str, int, bool]], rounds: int, seq: int) -> dict:
 def report(results: dict) -> list[dict]:
     rows = []
     print(f"{'shape':>10} {'nodes':>6} {'raw s':>7} {'ms/node':>7} | {'capture s':>9} {'passes s':>8} "
-          f"{'ours s':>7} {'ms/node':>7} | {'ours/raw':>8}")
+          f"{'ours s':>7} {'ms/node':>7} | {'capture/raw':>11} {'ours/raw':>8}")
     for label, sides in results.items():
         raw, ours = sides["raw"], sides["ours"]
         raw_s, nodes = _median(raw, "seconds"), raw[0]["nodes"]
         cap, passes, total = _median(ours, "capture"), _median(ours, "passes"), _median(ours, "seconds")
         row = {"shape": label, "raw_nodes": nodes, "nodes": ours[0]["nodes"], "raw_s": raw_s, "capture_s": cap,
-               "passes_s": passes, "ours_s": total, "ratio": total / raw_s}
+               "passes_s": passes, "ours_s": total, "ratio": total / raw_s, "capture_ratio": cap / raw_s}
         rows.append(row)
         print(f"{label:>10} {nodes:>6} {raw_s:>7.2f} {raw_s / nodes * 1e3:>7.3f} | {cap:>9.2f} {passes:>8.2f} "
-              f"{total:>7.2f} {total / ours[0]['nodes'] * 1e3:>7.3f} | {total / raw_s:>7.2f}x")
-    print(f"\nper pass, median seconds (pass manager Timing; verify = shallow verifier)")
-    names = list(next(iter(results.values()))["ours"][0]["per_pass"])
-    print(f"{'pass':>22} " + " ".join(f"{label:>10}" for label in results))
+              f"{total:>7.2f} {total / ours[0]['nodes'] * 1e3:>7.3f} | {cap / raw_s:>10.2f}x {total / raw_s:>7.2f}x")
+    print("\nbreakdown of ours, median seconds (pass manager Timing; the recompute rows are inside it)")
+    names = ["capture"] + list(next(iter(results.values()))["ours"][0]["parts"])
+    print(f"{'part':>22} " + " ".join(f"{label:>10}" for label in results))
     for name in names:
-        cells = [statistics.median(o["per_pass"][name] for o in sides["ours"]) for sides in results.values()]
+        key = (lambda o: o["capture"]) if name == "capture" else (lambda o, n=name: o["parts"].get(n, 0.0))
+        cells = [statistics.median(key(o) for o in sides["ours"]) for sides in results.values()]
         print(f"{name:>22} " + " ".join(f"{c:>10.2f}" for c in cells))
     return rows
 
@@ -142,8 +154,14 @@ def main(argv=None):
     if args.quick:
         depths, seq, args.rounds = [("1L", 1, False), ("2L", 2, False)], 64, 1
     print(f"pipeline: capture + {PLAN.precision} autocast + recompute budget {PLAN.recompute_budget}; "
-          f"seq {seq}; {args.rounds} round(s), medians")
-    return report(run(depths, args.rounds, seq))
+          f"seq {seq}; {args.rounds} round(s), medians; load average {_load()}")
+    rows = report(run(depths, args.rounds, seq))
+    print(f"\nload average after: {_load()} ({os.cpu_count()} cores)")
+    return rows
+
+
+def _load() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 if __name__ == "__main__":
