@@ -44,7 +44,7 @@ def evaluate(model, batches, n: int = 8) -> float:
 def main(argv=None) -> float:
     args = parse_args(argv)
     plan = load_plan(args, "train_gpt")
-    return launch(plan, lambda world: train(args, plan, world))
+    return launch(plan, lambda world: train(args, plan, world), threads=args.threads)
 
 
 def train(args, plan: Plan, world) -> float:

@@ -32,8 +32,11 @@ class Recipe:
     lr: float = 3e-3
     weight_decay: float = 0.05
     warmup: int = 20
+    # parameter-name suffix -> multiple of --lr for those parameters (Flamingo's tanh gates)
+    lr_scale: dict[str, float] = field(default_factory=dict)
     headline: str = ""                                  # the metric the summary line leads with
     notes: list[str] = field(default_factory=list)
+    verdict: Callable[[dict[str, float]], str] | None = None   # one line on the held-out metrics
 
     @property
     def default_plan(self) -> Path:
@@ -49,26 +52,40 @@ def parse_args(recipe: Recipe, argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters; no weight decay on gains, biases and scales (1-D)."""
-    decay, no_decay = [], []
-    for param in model.parameters():
-        if param.requires_grad:      # a frozen tower is not the optimizer's
+def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float,
+                   lr_scale: dict[str, float] | None = None) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters; no weight decay on gains, biases and scales (1-D).
+
+    ``lr_scale`` maps a parameter-name suffix to a multiple of ``lr``: those parameters get a
+    group of their own (no weight decay), which a schedule scales like the others."""
+    lr_scale = lr_scale or {}
+    decay, no_decay, scaled = [], [], {suffix: [] for suffix in lr_scale}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:      # a frozen tower is not the optimizer's
+            continue
+        suffix = next((s for s in lr_scale if name.endswith(s)), None)
+        if suffix is not None:
+            scaled[suffix].append(param)
+        else:
             (no_decay if param.ndim < 2 else decay).append(param)
-    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.98))
+    missing = [s for s, params in scaled.items() if not params]
+    if missing:
+        raise ValueError(f"lr_scale: no trainable parameter name ends with {missing}")
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups += [{"params": params, "weight_decay": 0.0, "lr": lr * lr_scale[s]} for s, params in scaled.items()]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98))
 
 
 def main(recipe: Recipe, argv=None) -> dict:
     args = parse_args(recipe, argv)
     plan = load_plan(args, f"python -m recipes.{recipe.name}")
-    return launch(plan, lambda world: train(recipe, args, plan, world))
+    return launch(plan, lambda world: train(recipe, args, plan, world), threads=args.threads)
 
 
 def train(recipe: Recipe, args: argparse.Namespace, plan: Plan, world=None) -> dict:
     torch.manual_seed(args.seed)          # the same initial weights on every rank
     model = recipe.models[args.model]()
-    optimizer = make_optimizer(model, args.lr, recipe.weight_decay)
+    optimizer = make_optimizer(model, args.lr, recipe.weight_decay, recipe.lr_scale)
     step = compile_for_npu(model, plan, optimizer=optimizer, loss_fn=recipe.loss_fns[args.model])
     before = recipe.evaluate(model)
     run = train_loop(step, ImageTextBatches(args.batch_size), steps=args.steps, world=world,
@@ -86,6 +103,8 @@ def train(recipe: Recipe, args: argparse.Namespace, plan: Plan, world=None) -> d
               f"{run.train_seconds:.1f}s; loss {_mean(losses[:10]):.3f} -> {_mean(losses[-10:]):.3f}")
         for key in after:
             print(f"  held-out {key}: {before[key]:.3f} before training -> {after[key]:.3f} after")
+        if recipe.verdict is not None:
+            print(recipe.verdict(after))
         if args.figure:
             save_figure(args.figure, recipe, result)
             print(f"wrote {args.figure}")

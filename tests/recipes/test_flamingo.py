@@ -12,7 +12,9 @@ from graph_ir import InputKind, OutputKind
 from tests.recipes._helpers import (assert_plan_does_what_it_says, bf16_lowers_to_ge, capture,
                                     max_difference_from_eager, plan_files, train_compiled)
 from recipes.data.images import image_text_batch
-from recipes.flamingo import RECIPE, Flamingo, evaluate, flamingo_3b, flamingo_loss, flamingo_tiny
+from recipes.clip.train import make_optimizer
+from recipes.common import warmup_cosine
+from recipes.flamingo import RECIPE, Flamingo, evaluate, flamingo_3b, flamingo_loss, flamingo_tiny, reads_the_image
 
 
 def test_gates_start_closed_so_the_image_changes_nothing_at_initialisation():
@@ -74,6 +76,34 @@ def test_caption_loss_falls_and_the_captions_are_read_from_the_image():
     # likely, so what the LM predicts comes through the resampler and the gated cross-attention.
     assert after["caption_loss"] < after["mismatched_image_loss"] - 0.1, after
     assert after["caption_loss"] < after["blank_image_loss"] - 0.1, after
+    assert after["token_accuracy"] > after["mismatched_image_accuracy"], after
+    assert reads_the_image(after).endswith("the model reads the image")
+    assert reads_the_image(before).endswith("the image does not count yet")
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\(\)` before")
+def test_gates_learn_at_ten_times_the_lr_through_the_schedule_and_the_compiled_step():
+    """The command's optimizer: the tanh gates in a group of their own at 10x the lr (no weight
+    decay), scaled by the warmup/cosine schedule like the rest; the compiled step with that
+    group still equals eager PyTorch."""
+    torch.manual_seed(0)
+    model = Flamingo(flamingo_tiny())
+    opt = make_optimizer(model, 1e-3, 0.05, RECIPE.lr_scale)
+    gates = {id(p) for n, p in model.named_parameters() if n.endswith("_gate")}
+    (group,) = [g for g in opt.param_groups if {id(p) for p in g["params"]} == gates]
+    assert RECIPE.lr_scale == {"_gate": 10.0} and group["lr"] == 1e-2 and group["weight_decay"] == 0.0
+    listed = [id(p) for g in opt.param_groups for p in g["params"]]
+    assert sorted(listed) == sorted(id(p) for p in model.parameters() if p.requires_grad)   # each once
+    schedule = warmup_cosine(opt, 100, warmup=10)
+    for _ in range(30):
+        schedule.step()
+    assert group["lr"] == pytest.approx(10 * opt.param_groups[0]["lr"])
+    with pytest.raises(ValueError, match="_no_such"):
+        make_optimizer(model, 1e-3, 0.05, {"_no_such": 2.0})
+    loss_diff, param_diff = max_difference_from_eager(
+        model, flamingo_loss, [image_text_batch("train", 8 * i, 8) for i in range(3)],
+        optimizer=lambda m: make_optimizer(m, 1e-3, 0.05, RECIPE.lr_scale))
+    assert loss_diff <= 1e-5 and param_diff <= 1e-5, (loss_diff, param_diff)
 
 
 @pytest.mark.parametrize("path", plan_files(RECIPE.plans_dir), ids=lambda p: p.stem)
