@@ -28,8 +28,9 @@ collective lands in the stage that owns its gradient.
 What composes with pp > 1 on the (pp, dp, tp) mesh: static microbatches, dp,
 ZeRO-1/2, tp (the stage graphs keep each rank's tp collectives), weights tied
 across stages and global grad-norm clipping (their parts all-reduced over the
-pp group, see ``pipeline_split``). Refused by field (``_check_pipeline_plan``):
-ZeRO-3, dynamic accumulation, loss scaling.
+pp group, see ``pipeline_split``; clipping with ZeRO-1/2 too). Refused by field
+(``_check_pipeline_plan``): ZeRO-3, dynamic accumulation, loss scaling, clipping
+with tp.
 
 A plan's ``pipeline`` field replaces all of this with its own text.
 """
@@ -102,6 +103,11 @@ def _check_pipeline_plan(plan: Plan) -> None:
         raise PlanError("loss_scale", f"{plan.effective_loss_scale} loss scaling with pp = {plan.pp} is not built (rule: "
                                       "its overflow check combines every stage's gradients inside backward; use "
                                       "precision bf16, or loss_scale: none)", plan.loss_scale)
+    if plan.tp > 1 and plan.grad_clip_norm is not None:
+        raise PlanError("grad_clip_norm", f"gradient clipping with tp = {plan.tp} and pp = {plan.pp} is not built "
+                                          "(rule: the norm must count each tensor-parallel shard of a gradient once, "
+                                          "and grad_clip reads no tensor-parallel placement of the gradients yet)",
+                        plan.grad_clip_norm)
     if plan.accumulate_target is not None:
         raise PlanError("accumulate_target", "dynamic accumulation with pp > 1 is not built (rule: the "
                                              "pipeline's microbatches are fixed per step)", plan.accumulate_target)

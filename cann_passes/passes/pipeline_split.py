@@ -54,9 +54,8 @@ and the boundary values are that rank's pieces.
 Refused, naming the rule: a tied weight whose stages are not every pipeline
 rank (pp > 2: its group would be a subset) or a value combined across stages
 when a rank holds several stages (interleaved, DualPipeV), an optimizer value
-combining stages otherwise than by sum, maximum or 2-norm (ZeRO's sharded
-norms, loss scaling's ``found_inf``, which is in backward), and more stages than
-units.
+combining stages otherwise than by a sum, maximum, 2-norm or sum of squares
+(ZeRO's shard norms are one), and more stages than units.
 
 The stage graphs carry ``attrs['stage']`` (index, rank, first/last) and the
 program ``attrs['pipeline']`` (stages, stage -> rank, units, cuts, costs); which
@@ -635,9 +634,9 @@ def _reduce_over_stages(rw: _Rewriter, homes: dict, n_stages: int) -> tuple[dict
 
     def refuse(node):
         raise PlanError("pp", f"optimizer node {node.name} ({node.target}) combines values of stages "
-                              f"{sorted(up[node])} (rule: a value combining stages must be a sum, a maximum or "
-                              "the 2-norm of values each stage has, such as global gradient-norm clipping's "
-                              "total norm; loss scaling's overflow check and ZeRO's sharded norms are not)")
+                              f"{sorted(up[node])} (rule: a value combining stages must be a sum, a maximum, "
+                              "a 2-norm or a sum of squares of values each stage has, such as global "
+                              "gradient-norm clipping's total norm)")
 
     for node in mixed:
         if node in done:
@@ -646,10 +645,20 @@ def _reduce_over_stages(rw: _Rewriter, homes: dict, n_stages: int) -> tuple[dict
             # Where stages first meet: the combination itself.
             if node.target == aten.stack.default and len(node.users) == 1:
                 (root,) = node.users
-                if not (root.target == aten.linalg_vector_norm.default and list(root.args[1:2]) in ([], [2.0], [2])
-                        and not root.args[2:] and not root.kwargs) and root.target != aten.sum.default:
+                leaves, tree = list(node.args[0]), {node}
+                if root.target == aten.mul.Tensor and root.args == (node, node) and len(root.users) == 1 \
+                        and next(iter(root.users)).target == aten.sum.default:
+                    # Sum of squares (of sharded gradients' norms, all-reduced over their axis next).
+                    tree.add(root)
+                    root = next(iter(root.users))
+                    kind = "sumsq"
+                elif root.target == aten.linalg_vector_norm.default and list(root.args[1:2]) in ([], [2.0], [2]) \
+                        and not root.args[2:] and not root.kwargs:
+                    kind = "norm"
+                elif root.target == aten.sum.default and not root.args[1:] and not root.kwargs:
+                    kind = "stacked_sum"
+                else:
                     refuse(node)
-                kind, leaves, tree = ("norm" if root.target != aten.sum.default else "sum"), list(node.args[0]), {node}
             elif node.target in _REDUCTIONS:
                 root = node
                 while (len(root.users) == 1 and next(iter(root.users)).target == node.target
@@ -669,16 +678,18 @@ def _reduce_over_stages(rw: _Rewriter, homes: dict, n_stages: int) -> tuple[dict
             like = root.meta["val"]
             for s in range(n_stages):
                 terms = by_stage.get(s, [])
-                if kind == "norm":
+                if kind in ("norm", "sumsq", "stacked_sum"):
                     if terms:
                         stacked = rw.emit(anchor, s, Region.OPTIMIZER, aten.stack.default, terms)
-                        part = rw.emit(anchor, s, Region.OPTIMIZER, aten.sum.default,
-                                       rw.emit(anchor, s, Region.OPTIMIZER, aten.mul.Tensor, stacked, stacked))
+                        if kind != "stacked_sum":
+                            stacked = rw.emit(anchor, s, Region.OPTIMIZER, aten.mul.Tensor, stacked, stacked)
+                        part = rw.emit(anchor, s, Region.OPTIMIZER, aten.sum.default, stacked)
                     else:
                         part = rw.emit(anchor, s, Region.OPTIMIZER, aten.zeros.default, [], dtype=like.dtype,
                                        device=like.device)
-                    total = rw.emit(anchor, s, Region.OPTIMIZER, aten.sqrt.default,
-                                    rw.all_reduce(anchor, s, part, "sum"))
+                    total = rw.all_reduce(anchor, s, part, "sum")
+                    if kind == "norm":
+                        total = rw.emit(anchor, s, Region.OPTIMIZER, aten.sqrt.default, total)
                 else:
                     part = terms[0] if terms else None
                     for term in terms[1:]:

@@ -2,7 +2,8 @@
 
 Each CONFIG is ``[model/]schedule:optimizer[:option...]`` (``1f1b:sgd``, ``interleaved_1f1b:adamw:2``,
 ``llama/gpipe:adamw``: another model than MODEL); an option is the number of virtual stages per rank,
-``clip=X`` (``plan.grad_clip_norm``) or ``fp16`` (fp16 autocast with dynamic loss scaling). All configs run in this process one after the other under
+``clip=X`` (``plan.grad_clip_norm``), ``zeroN`` (ZeRO stage N over dp) or ``fp16`` (fp16 autocast with
+dynamic loss scaling). All configs run in this process one after the other under
 one ``(pp, dp, tp)`` mesh, each from the same initial weights.
 Each rank writes OUTDIR/rank<R>.pt: per config the losses, the full parameters of the stages this
 rank holds (gathered over tp by ``model.state_dict()``), and the measured per-action events of the
@@ -83,6 +84,8 @@ def plan_for(config: str, pp: int, dp: int, tp: int) -> Plan:
             fields["grad_clip_norm"] = float(option.removeprefix("clip="))
         elif option == "fp16":
             fields["precision"] = "fp16"
+        elif option.startswith("zero"):
+            fields["zero_stage"] = int(option.removeprefix("zero"))
         else:
             raise ValueError(f"unknown config option {option!r}")
     return Plan(**fields)
