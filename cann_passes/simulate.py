@@ -16,7 +16,9 @@ What is modelled
   graph of accumulation), the maximum over graphs.
 - Time per rank: per graph, two streams in node order. Compute nodes run one
   after another on the compute stream at the device profile's roofline
-  (``cost_model.node_time``); each collective starts on the communication
+  (``cost_model.node_time``: one launch cost per op, a view's cost where the
+  runtime dispatches views, or the op's measured time where a calibrated
+  profile has timed its signature, ``cost_model.calibrate``); each collective starts on the communication
   stream once its inputs are ready and the stream is free, and costs the
   alpha-beta time of the profile's links; a value produced by a collective is
   ready when the collective ends, so compute waits only where it reads it
@@ -32,7 +34,9 @@ Pipeline parallelism: see the section at the end (two paths: the real stage prog
 What is not modelled
 - Communication buffers are not a separate term: they are inside the peak.
 - Allocator fragmentation, workspace memory, framework/runtime reserve,
-  host-device transfer, data loading, kernel fusion by the backend (the
+  host-device transfer, data loading, the runtime's binding of a graph's inputs
+  and write-back of its outputs (about 1 ms per graph run for the small GPT on
+  this CPU, outside the graph), kernel fusion by the backend (the
   roofline is per aten node), contention between overlapping collectives and
   compute for memory bandwidth.
 - Only the simulated rank (rank 0 unless asked): dp/tp ranks are symmetric in
@@ -177,7 +181,7 @@ def graph_step_time(graph: torch.fx.Graph, profile: DeviceProfile, *, world_size
     compute_total = comm_total = 0.0
     for node in graph.nodes:
         start = max((ready[a] for a in node.all_input_nodes), default=0.0)
-        if node.op != "call_function" or aliases_input(node) or _is_sync(node):
+        if node.op != "call_function" or _is_sync(node):
             ready[node] = start
         elif is_collective(node):
             axis = _axis_of_collective(node, mesh) if mesh is not None else None
@@ -189,6 +193,9 @@ def graph_step_time(graph: torch.fx.Graph, profile: DeviceProfile, *, world_size
             ready[node] = comm_free
         else:
             seconds = node_time(node, profile, world_size=world_size)
+            if seconds == 0.0:        # a view where views are free, getitem: no place on the stream
+                ready[node] = start
+                continue
             compute_free = max(compute_free, start) + seconds
             compute_total += seconds
             ready[node] = compute_free
@@ -572,7 +579,7 @@ def segment_figures(program: Program, plan: Plan, profile: DeviceProfile) -> Seg
         times = plan.microbatches if run.every == EVERY_MICROBATCH else 1
         gseg = seg if tg is main else _segment_map(tg)
         for node in tg.graph.nodes:
-            if node.op != "call_function" or aliases_input(node) or _is_sync(node):
+            if node.op != "call_function" or _is_sync(node):
                 continue
             region = region_of(node)
             if is_collective(node):

@@ -10,9 +10,11 @@ once per machine, thread count and torch version, cached on disk. It runs on
 one thread and scales throughputs by the thread count (see ``_measure_cpu``).
 It times one op of each class the roofline tells apart, at the sizes of a
 small transformer's activations (a 512x256x1024 matmul, 256k-element
-elementwise and RNG ops, row reductions, attention-shaped softmax, a 1-element
-op for the fixed per-op cost), so that a recompute choice made with it is
-judged by what the ops cost here, not by a single matmul rate.
+elementwise and RNG ops, row reductions, attention-shaped softmax, chains of
+1-element aten ops and of views for the fixed per-op and per-view costs), so
+that a recompute choice made with it is judged by what the ops cost here, not
+by a single matmul rate. For predicting a given graph, ``calibrate.measure_ops``
+adds the measured time of each of its op signatures (``op_seconds``).
 """
 from __future__ import annotations
 
@@ -43,11 +45,19 @@ class DeviceProfile:
     inter_node_latency: float
     devices_per_node: int = 8
     op_overhead: float = 0.0           # fixed cost per launched op (kernel launch / task dispatch)
+    # Fixed cost of a view node (reshape, transpose, slice: no data moved) where the runtime still
+    # dispatches it: eager PyTorch calls into aten for each. 0 where views are compiled into their
+    # consumers' addressing (GE graph mode, CUDA graphs / inductor), as the fixed profiles assume.
+    view_overhead: float = 0.0
     sources: dict[str, str] = field(default_factory=dict, compare=False)
     # Measured profiles only: effective bytes/s (read + written) per op class that is not a matmul
     # ("elementwise", "reduction", "softmax", "rng"); the roofline uses it in place of the memory
     # bandwidth for that class. Empty for looked-up profiles.
     class_bandwidth: dict[str, float] = field(default_factory=dict)
+    # Measured profiles only: seconds of one op by its signature (``calibrate.op_key``: op, argument
+    # layouts and values), each timed alone by ``calibrate.measure_ops``; used in place of the
+    # roofline for those signatures (the dispatch is inside the measured time).
+    op_seconds: dict[str, float] = field(default_factory=dict, compare=False, repr=False)
 
     def matrix_rate(self, dtype: torch.dtype) -> float:
         return _rate(self.matrix_flops, dtype)
@@ -194,7 +204,7 @@ def _best_of(fn, repeats: int) -> float:
     return max(best, 1e-9)
 
 
-_MEASURED_KEYS = ("matmul_flops", "vector_flops", "bandwidth", "op_overhead", "class_bandwidth")
+_MEASURED_KEYS = ("matmul_flops", "vector_flops", "bandwidth", "op_overhead", "view_overhead", "class_bandwidth")
 
 
 def _measure_cpu() -> dict:
@@ -235,12 +245,40 @@ def _measure_one_thread() -> dict:
     scores = u.view(2 * 4 * 128, 256)
     softmax = 8 * m / _best_of(lambda: torch.softmax(scores, -1), 3)
     rng = 8 * m / _best_of(lambda: torch.ops.aten.bernoulli.p(u, 0.9), 3)   # what dropout draws
-    one = torch.ones(1)
-    overhead = _best_of(lambda: torch.add(one, one), 50)
+    overhead, view = launch_costs()
     return {"matmul_flops": matmul, "vector_flops": max(vec, x.numel() / add),
             "bandwidth": max(12 * x.numel() / add, 8 * x.numel() / copy), "op_overhead": overhead,
+            "view_overhead": view,
             "class_bandwidth": {"elementwise": elementwise, "reduction": reduction, "softmax": softmax,
                                 "rng": rng}}
+
+
+def launch_costs(chain: int = 200, repeats: int = 7) -> tuple[float, float]:
+    """(seconds per launched op, seconds per view op) as the eager backend's generated code pays
+    them: ``torch.ops.aten`` overloads called from Python on a 1-element tensor, the median over
+    ``repeats`` chains of ``chain`` calls (this thread's CPU time)."""
+    one = torch.ones(1)
+    add, view, t = torch.ops.aten.add.Tensor, torch.ops.aten.view.default, torch.ops.aten.t.default
+
+    def adds():
+        x = one
+        for _ in range(chain):
+            x = add(x, one)
+
+    def views():
+        x = one.view(1, 1)
+        for _ in range(chain // 2):
+            x = t(view(x, [1, 1]))
+
+    def per_call(fn):
+        fn()
+        times = []
+        for _ in range(repeats):
+            t0 = time.thread_time()
+            fn()
+            times.append(time.thread_time() - t0)
+        return max(sorted(times)[len(times) // 2] / chain, 1e-9)
+    return per_call(adds), per_call(views)
 
 
 def _cache_path() -> str:
@@ -281,7 +319,8 @@ def cpu_profile() -> DeviceProfile:
         intra_node_bandwidth=measured["bandwidth"] / 4, intra_node_latency=20e-6,
         inter_node_bandwidth=1.25 * GB, inter_node_latency=50e-6,  # ESTIMATE: 10GbE
         devices_per_node=os.cpu_count() or 1,
-        op_overhead=measured["op_overhead"],                          # a 1-element add
+        op_overhead=measured["op_overhead"],            # a 1-element aten.add from Python
+        view_overhead=measured["view_overhead"],        # aten.view / aten.t from Python
         class_bandwidth=dict(measured["class_bandwidth"]),
         sources={"all": f"measured by microbenchmark, cached in {path}"},
     )

@@ -3,8 +3,10 @@
 ``time = overhead + max(flops / rate, bytes / bandwidth)``, where the rate is
 the matrix unit's (Cube, tensor cores) for ops that torch's flop counter
 knows (matmuls, convolutions, attention) and the vector unit's otherwise,
-each at the node's dtype. Views cost nothing. Collectives use the
-alpha-beta model of :mod:`.collectives`.
+each at the node's dtype. Views cost the profile's ``view_overhead`` (0 for
+compiled graphs, an aten dispatch in eager). Collectives use the alpha-beta
+model of :mod:`.collectives`. A measured profile may carry the timed cost of
+the graph's own op signatures (:mod:`.calibrate`), used in their place.
 
 A measured profile (``cpu``) also carries an effective bandwidth per op class
 (elementwise, reduction, softmax, rng): on a CPU these differ several-fold
@@ -20,6 +22,7 @@ from graph_ir.analysis.cost import node_cost
 from graph_ir.analysis.memory import aliases_input
 from graph_ir.meta import tensors_of
 
+from .calibrate import op_key
 from .collectives import collective_node_time, is_collective
 from .profiles import DeviceProfile
 
@@ -57,12 +60,22 @@ def op_class(node: torch.fx.Node) -> str:
 
 def node_time(node: torch.fx.Node, profile: DeviceProfile, *, world_size: int = 1,
               allreduce_algo: str = "ring") -> float:
-    """Estimated seconds to run one node on ``profile``."""
-    if node.op != "call_function" or aliases_input(node):
+    """Estimated seconds to run one node on ``profile``: its measured time where the profile has
+    its signature (``op_seconds``), else the profile's per-view cost for a view and the roofline
+    (one ``op_overhead`` included) for any other op. A Python helper in the graph
+    (``operator.getitem`` of a multi-output op) is priced as an op too: an overestimate on a CPU
+    (a tuple index), kept because the recompute solvers' costs are calibrated on it."""
+    if node.op != "call_function":
         return 0.0
     if is_collective(node):
         return profile.op_overhead + collective_node_time(node, profile, world_size=world_size,
                                                           algorithm=allreduce_algo)
+    if profile.op_seconds:
+        measured = profile.op_seconds.get(op_key(node))
+        if measured is not None:
+            return measured
+    if aliases_input(node):
+        return profile.view_overhead
     cost = node_cost(node)
     dtype = compute_dtype(node)
     rate = profile.matrix_rate(dtype) if cost.matmul else profile.vector_rate(dtype)
