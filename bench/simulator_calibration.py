@@ -9,29 +9,37 @@ simulated for rank 0 on the calibrated ``cpu`` profile (:mod:`cann_passes.simula
 
 Calibration (never fitted to the plans' step times): gloo's all-reduce latency and bandwidth,
 timed between two processes at 4 KiB and 4 MiB (alpha-beta fit), once; and in every launch, by
-rank 0 right before and right after its timed steps (the other ranks doing the same at the same
-time, so ranks that share a core measure the share they get): the matmul rate at the model's
-projection shapes, the bandwidth of an elementwise op on an activation-sized tensor and the cost
-of one launched aten op from Python (what the eager backend's generated code does per node).
-Each launch is predicted with the rates it measured: the machine's load changes from minute to
-minute, and a profile measured once would compare plans run under different loads.
+rank 0 right before and right after its timed steps, after one compiling step (the other ranks
+doing the same at the same time, so ranks that share a core measure the share they get), in this
+thread's CPU time, medians, on the ranks' one thread: the matmul rate at the model's projection
+shapes and the bandwidth of an elementwise op on an activation-sized tensor (the roofline's
+rates), the cost of one launched aten op and of one view op from Python (what the eager
+backend's generated code pays per node), and the op table: every distinct op signature (op,
+argument layouts and values) of the launch's own graphs timed alone on random inputs rotated out
+of the core's caches (``cann_passes.cost_model.calibrate``). Single ops, never a step: the step
+is the simulator's composition of them. Each launch is predicted with what it measured: the
+machine's load changes from minute to minute, and a profile measured once would compare plans
+run under different loads. The ``roof`` column is the same prediction without the op table.
 
 Measured: per step, the process's CPU time (what the step takes on a core of its own: on this
 machine, shared with other work, a process gets a fraction of a core and wall time is mostly
-waiting; wall time is printed beside), the median over ``--steps`` timed steps after 2 warm-up
+waiting; wall time is printed beside), the median over ``--steps`` timed steps after 3 warm-up
 steps, per launch. Time blocked in gloo is not CPU time: the small GPT's all-reduce is a few ms of
 a step of hundreds. The plans are launched in turn, ``--rounds`` times (interleaved, so load from
 other processes falls on every plan alike), and the median over rounds is reported. Peak memory: every tensor
 the rank holds before the step (a walk over live tensors: model, optimizer state, shards, batch)
 plus the peak of the bytes allocated and not yet freed during one more step, tracked op by op
-(a dispatch mode; frees by storage finalizers). The machine is shared with other work: timings
-are noisy, see the spread column.
+(a dispatch mode; frees by storage finalizers; an output on an input's storage, such as the
+runtime's detach of each parameter, allocates nothing). The load average is printed at the start
+and over the run: timings are noisy, see the spread column.
 
-Measured (3 rounds of 5 steps, under load): peak memory -6% for dp, ZeRO-1/2/3 (the process holds
-about one parameter-sized copy more than the program's memory analysis), -11% / -12% for full
-recompute and 4 microbatches; step time -26% to -39% (median -33%): the per-node roofline misses
-a share of what the eager runtime spends per step. Neither goal (25% time, 10% memory) holds for
-every plan.
+Measured (3 rounds of 5 steps, load average 19.5 median, 32.7 max, on 2 cores): step time -4%
+dp1, -8% full recompute, -26% 4 microbatches, +1% dp2, -9% ZeRO-1, -13% ZeRO-3, -18% ZeRO-2 on 4
+ranks (the roofline alone: -24% to -41%); peak memory 0% for every plan but ZeRO-3 (-6%). The
+goals (25% time, 10% memory) hold for 6 of the 7 plans. What the op table still misses: the
+runtime's binding of inputs and write-back of outputs per graph run (about 1 ms, five runs a step
+with 4 microbatches), and what ops lose to each other in a step (cache and memory-bandwidth
+contention, more so the more ranks share the cores).
 """
 from __future__ import annotations
 
@@ -95,7 +103,9 @@ def resident_tensor_bytes() -> int:
 
 
 class LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
-    """Peak of bytes allocated by ops and not yet freed, op by op (frees via tensor finalizers)."""
+    """Peak of bytes allocated by ops and not yet freed, op by op (frees via tensor finalizers).
+    An output on the storage of one of the op's inputs allocates nothing: a view of a tensor that
+    existed before the step (the runtime detaches each parameter to bind it) is not new memory."""
 
     def __init__(self):
         super().__init__()
@@ -114,6 +124,13 @@ class LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        inputs = set()
+        for t in torch.utils._pytree.tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor):
+                try:
+                    inputs.add(t.untyped_storage().data_ptr())
+                except Exception:
+                    pass
         for t in torch.utils._pytree.tree_leaves(out):
             if not isinstance(t, torch.Tensor) or id(t) in self.tracked:
                 continue
@@ -121,7 +138,7 @@ class LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
                 ptr, size = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
             except Exception:
                 continue
-            if not ptr:
+            if not ptr or (ptr in inputs and ptr not in self.refs):
                 continue
             self.tracked.add(id(t))
             if ptr in self.refs:
@@ -154,7 +171,11 @@ def worker(plan_name: str, steps: int, out: str) -> None:
         step = compile_for_npu(model, plan, optimizer=opt, loss_fn=loss_fn)
         if world:
             torch.distributed.barrier()
-        before = machine_rates()
+        step(shard_batch(_batch(0, ROWS * plan.dp), rank, size))   # compiles: the graphs to calibrate on
+        graphs = [g.graph for g in step.graphs]
+        if world:
+            torch.distributed.barrier()
+        before = machine_rates(graphs)
         for i in range(2 + steps):
             batch = shard_batch(_batch(i, ROWS * plan.dp), rank, size)
             if world:
@@ -163,14 +184,15 @@ def worker(plan_name: str, steps: int, out: str) -> None:
             step(batch)
             times.append(time.perf_counter() - t0)
             cpu_times.append(time.process_time() - c0)
-        after = machine_rates()
+        after = machine_rates(graphs)
         batch = shard_batch(_batch(99, ROWS * plan.dp), rank, size)
         gc.collect()
         resident = resident_tensor_bytes()
         with LiveBytes() as live:
             step(batch)
         if rank == 0:
-            rates = {k: (before[k] + after[k]) / 2 for k in before}
+            rates = {k: (before[k] + after[k]) / 2 for k in before if k != "op_seconds"}
+            rates["op_seconds"] = {k: (v + after["op_seconds"].get(k, v)) / 2 for k, v in before["op_seconds"].items()}
             Path(out).write_text(json.dumps({"step_s": statistics.median(cpu_times[2:]),
                                              "wall_s": statistics.median(times[2:]), "resident": resident,
                                              "live_peak": live.peak, "rates": rates}))
@@ -205,52 +227,54 @@ def gloo_worker(out: str) -> None:
 
 # -- calibration -----------------------------------------------------------------------------------
 
-def _best(fn, repeats: int = 5) -> float:
+def _median(fn, repeats: int = 7) -> float:
+    # this thread's CPU time, median: what the timed steps are compared by
     fn()
-    out = float("inf")
+    times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         fn()
-        out = min(out, time.perf_counter() - t0)
-    return out
+        times.append(time.thread_time() - t0)
+    return statistics.median(times)
 
 
-def machine_rates() -> dict[str, float]:
-    """This process's rates now, at the small GPT's shapes (about 0.2 s): matmul FLOP/s over its
-    projection shapes, bytes/s of an elementwise op on an activation-sized tensor, seconds per
-    launched op of the eager backend's kind (a chain of tiny aten calls)."""
+def machine_rates(graphs=()) -> dict:
+    """This process's rates now (about 1 s): matmul FLOP/s over the small GPT's projection shapes
+    and bytes/s of an elementwise op on an activation-sized tensor (the roofline's rates, for what
+    the op table lacks), seconds per launched op and per view op of the eager backend's kind
+    (chains of tiny aten calls), and the op table: every op signature of ``graphs`` timed alone
+    (``cost_model.calibrate.measure_ops``)."""
+    from cann_passes.cost_model.calibrate import measure_ops
+    from cann_passes.cost_model.profiles import launch_costs
     shapes = [(ROWS * SEQ, 128, 384), (ROWS * SEQ, 128, 512), (ROWS * SEQ, 512, 128), (ROWS * SEQ, 128, 128)]
     flops = seconds = 0.0
     for m, k, n in shapes:
         a, b = torch.randn(m, k), torch.randn(k, n)
-        seconds += _best(lambda: torch.mm(a, b))
+        seconds += _median(lambda: torch.mm(a, b))
         flops += 2 * m * k * n
     x = torch.randn(ROWS * SEQ, 512)
     y = torch.empty_like(x)
-    add = _best(lambda: torch.add(x, x, out=y))
-    tiny = torch.ones(8)
-    add_op = torch.ops.aten.add.Tensor
-
-    def chain():
-        t = tiny
-        for _ in range(200):
-            t = add_op(t, tiny)
-    per_op = _best(chain) / 200
-    return {"matmul_flops": flops / seconds, "bandwidth": 12 * x.numel() / add, "op_overhead": per_op}
+    add = _median(lambda: torch.add(x, x, out=y))
+    per_op, per_view = launch_costs()
+    return {"matmul_flops": flops / seconds, "bandwidth": 12 * x.numel() / add, "op_overhead": per_op,
+            "view_overhead": per_view, "op_seconds": measure_ops(graphs)}
 
 
-def profile_from(base, rates: dict[str, float]):
-    """The cpu profile with the rates one worker measured around its timed steps."""
+def profile_from(base, rates: dict, op_table: bool = True):
+    """The cpu profile with the rates one worker measured around its timed steps (and its op table)."""
     mm, bw = rates["matmul_flops"], rates["bandwidth"]
     return dataclasses.replace(base, matrix_flops={k: mm for k in base.matrix_flops},
                                vector_flops={k: bw / 12 for k in base.vector_flops},
-                               memory_bandwidth=bw, op_overhead=rates["op_overhead"])
+                               memory_bandwidth=bw, op_overhead=rates["op_overhead"],
+                               view_overhead=rates["view_overhead"],
+                               op_seconds=dict(rates["op_seconds"]) if op_table else {})
 
 def _launch(args: list[str], n: int, tries: int = 3) -> None:
     """Run the ranks; a launch that fails is retried (the working tree is shared and edited meanwhile)."""
     from cann_passes.runtime.distributed import launch_local
     for attempt in range(tries):
-        results = launch_local([__file__, *args], n, env={"PYTHONPATH": str(REPO)}, timeout_s=900, cwd=str(REPO))
+        results = launch_local([__file__, *args], n, env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+                               timeout_s=900, cwd=str(REPO))
         bad = [(rank, r) for rank, r in enumerate(results) if r.returncode != 0]
         if not bad:
             return
@@ -309,10 +333,13 @@ def main() -> None:
         return gloo_worker(args.gloo)
     names = args.plans.split(",")
     predict = Predictor()
+    loads = [os.getloadavg()[0]]
+    print(f"load average (1 min) at start {loads[0]:.1f} on {os.cpu_count()} cores")
     with tempfile.TemporaryDirectory() as tmp:
         profile, cal = calibrated_profile(tmp)
         print("calibrated: " + ", ".join(f"{k} {v:.3g}" for k, v in cal.items())
-              + "; matmul, bandwidth and per-op cost measured by each launch around its timed steps")
+              + "; per launch, around its timed steps: matmul and elementwise rates, per-op and per-view "
+                "cost, and every op signature of its graphs timed alone")
         rows: dict[str, list[dict]] = {n: [] for n in names}
         for r in range(args.rounds):
             for name in names:
@@ -320,16 +347,21 @@ def main() -> None:
                 _launch(["--worker", name, str(args.steps), out], PLANS[name].get("dp", 1))
                 got = json.loads(Path(out).read_text())
                 sim = predict(name, profile_from(profile, got["rates"]))
-                got.update(pred_s=sim.step_seconds, pred_peak=sim.peak_bytes)
+                roof = predict(name, profile_from(profile, got["rates"], op_table=False))
+                got.update(pred_s=sim.step_seconds, pred_peak=sim.peak_bytes, roof_s=roof.step_seconds,
+                           signatures=len(got["rates"]["op_seconds"]))
                 rows[name].append(got)
+                loads.append(os.getloadavg()[0])
             print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
-    print(f"{'plan':<20}{'ranks':>6}{'GFLOP/s':>8}{'pred ms':>9}{'cpu ms':>9}{'spread':>8}{'time err':>9}"
-          f"{'wall ms':>9}{'pred MB':>9}{'meas MB':>9}{'mem err':>8}")
+    print(f"{'plan':<20}{'ranks':>6}{'GFLOP/s':>8}{'ops':>5}{'roof ms':>9}{'err':>6}{'pred ms':>9}{'cpu ms':>9}"
+          f"{'spread':>8}{'time err':>9}{'wall ms':>9}{'pred MB':>9}{'meas MB':>9}{'mem err':>8}")
     terr, merr = [], []
     for name in names:
         got = rows[name]
         step = statistics.median(x["step_s"] for x in got)
         pred = statistics.median(x["pred_s"] for x in got)
+        roof = statistics.median(x["roof_s"] for x in got)
+        re = statistics.median(x["roof_s"] / x["step_s"] - 1 for x in got)
         spread = (max(x["step_s"] for x in got) - min(x["step_s"] for x in got)) / step
         te = statistics.median(x["pred_s"] / x["step_s"] - 1 for x in got)
         peak = statistics.median(x["resident"] + x["live_peak"] for x in got)
@@ -339,12 +371,17 @@ def main() -> None:
         merr.append(abs(me))
         gflops = statistics.median(x["rates"]["matmul_flops"] for x in got) / 1e9
         wall = statistics.median(x["wall_s"] for x in got)
-        print(f"{name:<20}{PLANS[name].get('dp', 1):>6}{gflops:>8.1f}{pred * 1e3:>9.1f}{step * 1e3:>9.1f}"
-              f"{spread:>8.0%}{te:>+9.0%}{wall * 1e3:>9.1f}{pred_peak / 1e6:>9.2f}{peak / 1e6:>9.2f}{me:>+8.0%}")
+        ops = statistics.median(x["signatures"] for x in got)
+        print(f"{name:<20}{PLANS[name].get('dp', 1):>6}{gflops:>8.1f}{ops:>5.0f}{roof * 1e3:>9.1f}{re:>+6.0%}"
+              f"{pred * 1e3:>9.1f}{step * 1e3:>9.1f}{spread:>8.0%}{te:>+9.0%}{wall * 1e3:>9.1f}"
+              f"{pred_peak / 1e6:>9.2f}{peak / 1e6:>9.2f}{me:>+8.0%}")
     print(f"step time: median |error| {statistics.median(terr):.0%}, max {max(terr):.0%} (goal 25%); "
           f"peak memory: median |error| {statistics.median(merr):.0%}, max {max(merr):.0%} (goal 10%); "
           f"{args.rounds} interleaved rounds of {args.steps} steps on a machine shared with other work "
           "(time error per launch against the rates that launch measured, median over rounds)")
+    print(f"roof: the roofline alone (class rates, per-op and per-view cost, no op table); pred: with the "
+          f"op table (ops: signatures timed). Load average (1 min) over the run: median "
+          f"{statistics.median(loads):.1f}, max {max(loads):.1f}, on {os.cpu_count()} cores")
 
 
 if __name__ == "__main__":
