@@ -181,7 +181,8 @@ def test_the_default_split_of_a_heavy_head_gpt_at_pp4_is_within_1_05_where_resid
     torch.manual_seed(0)
     model = GPT(gpt_tiny(n_layer=4, vocab_size=2048, tie_weights=False, bias=False))
     idx = torch.randint(0, 2048, (2, 16), generator=torch.Generator().manual_seed(0))
-    captured, _ = capture_train_step(model, torch.optim.SGD(model.parameters(), lr=0.05), gpt_loss,
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    captured, _ = capture_train_step(model, optimizer, gpt_loss,
                                      (idx, torch.roll(idx, -1, dims=1)))
     common = dict(pp=4, microbatches=4, backend="eager", device_profile="ascend_910b", verify="off")
     residual_only = ("cleanup,grad_accumulation{microbatches=4},"
@@ -190,6 +191,6 @@ def test_the_default_split_of_a_heavy_head_gpt_at_pp4_is_within_1_05_where_resid
             for key, plan in (("cost", Plan(**common)), ("residual", Plan(**common, pipeline=residual_only)),
                               ("layers", Plan(**common, pipeline_split=[1, 1, 1, 1])))}
     assert info["residual"]["imbalance"] > 1.05 and info["layers"]["imbalance"] > 1.05
-    assert info["cost"]["imbalance"] <= 1.05
+    assert info["cost"]["imbalance"] <= 1.05, info["cost"]["imbalance"]
     assert info["cost"]["units"] > info["residual"]["units"]          # the finer cuts were admitted
     assert max(info["cost"]["boundary_tensors"]) <= 3                 # and what crosses stays small
