@@ -282,7 +282,7 @@ def bert_tiny(**overrides) -> BertConfig:
 def bert_small_cpu(**overrides) -> BertConfig:
     """The byte-level model ``python -m recipes.bert`` trains on CPU: 2 layers, hidden 128, FFN 256
     (0.32M parameters). Two post-LayerNorm layers leave the unigram plateau (answering the space
-    everywhere) within about 100 steps at lr 2e-3; the 4-layer, FFN 512 shape (``BertConfig()``)
+    everywhere) in the command's 400 steps at lr 2e-3; the 4-layer, FFN 512 shape (``BertConfig()``)
     stayed on it for 600 steps on this CPU."""
     base = BertConfig(num_hidden_layers=2, intermediate_size=256, max_position_embeddings=32)
     return dataclasses.replace(base, **overrides)
