@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -120,3 +121,112 @@ def test_unlegalized_dump_reports_op_and_module_path(tmp_path, capsys):
     found = {(u["target"], u["module_path"]) for u in data["unsupported"]}
     assert ("aten._scaled_dot_product_flash_attention_for_cpu.default", "layers.0.attn") in found
     assert "unsupported: _scaled_dot_product_flash_attention_for_cpu" in capsys.readouterr().out
+
+
+# -- every recipe x every plan of its plans/ directory, in bf16 ---------------------------------
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+FAMILIES = ("gpt", "llama", "bert", "clip", "align", "flamingo")
+
+
+def _recipe_cases():
+    """{recipe: (model builder, loss, one batch)}: the recipes' test-sized models. BERT keeps
+    BERT-large's dropout 0.1, so selective recompute replays dropout from its bit-packed mask
+    (integer shifts and ands, which npu_legalize rewrites for GE)."""
+    from recipes.align import ALIGN, align_loss, align_tiny
+    from recipes.bert import BertForMaskedLM, bert_tiny, mlm_loss
+    from recipes.clip import CLIP, clip_loss, clip_tiny
+    from recipes.data.images import image_text_batch
+    from recipes.data.mlm import MaskedLMBatches
+    from recipes.flamingo import Flamingo, flamingo_loss, flamingo_tiny
+    from recipes.llama import LlamaForCausalLM, llama_loss, llama_tiny
+
+    text = lambda: next(iter(TextBatches(load_corpus(), 4, 16)))
+    images = lambda: image_text_batch("train", 0, 4)
+    return {
+        "gpt": (lambda: GPT(gpt_tiny()), gpt_loss, text),
+        "llama": (lambda: LlamaForCausalLM(llama_tiny()), llama_loss, text),
+        "bert": (lambda: BertForMaskedLM(bert_tiny(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)),
+                 mlm_loss, lambda: next(iter(MaskedLMBatches(load_corpus(), 4, 16)))),
+        "clip": (lambda: CLIP(clip_tiny()), clip_loss, images),
+        "align": (lambda: ALIGN(align_tiny()), align_loss, images),
+        "flamingo": (lambda: Flamingo(flamingo_tiny()), flamingo_loss, images),
+    }
+
+
+def _in_bf16(path: Path) -> Plan:
+    return Plan.load(path).replace(precision="bf16", dump_dir=None, verify="shallow")
+
+
+def _recipe_plans() -> list[tuple[str, list[Path]]]:
+    """Per recipe, its plan files grouped by what they are in bf16 (fp32, fp16 and bf16 files
+    are one bf16 plan); the plain-bf16 group is left to tests/recipes (each recipe's bf16 test)."""
+    cases = []
+    for recipe in FAMILIES:
+        files = sorted((RECIPES / "plans").glob("gpt_*.yaml")) if recipe == "gpt" else \
+            sorted((RECIPES / recipe / "plans").glob("*.yaml"))
+        groups: dict[str, list[Path]] = {}
+        for path in files:
+            groups.setdefault(repr(_in_bf16(path)), []).append(path)
+        cases += [(recipe, paths) for paths in groups.values() if _technique(_in_bf16(paths[0]))]
+    return cases
+
+
+def _technique(plan: Plan) -> bool:
+    """Whether the plan does more than bf16 (recompute, data parallelism, microbatches)."""
+    return plan.recompute != "none" or plan.dp > 1 or plan.microbatches > 1
+
+
+RECIPE_PLANS = _recipe_plans()
+
+
+@pytest.fixture(scope="module")
+def recipe_captures():
+    """One captured step per recipe, shared by its plans."""
+    from tests.recipes._helpers import capture
+    cases, captured = _recipe_cases(), {}
+
+    def get(recipe):
+        if recipe not in captured:
+            build, loss_fn, batch = cases[recipe]
+            torch.manual_seed(0)
+            captured[recipe] = capture(build(), loss_fn, batch())
+        return captured[recipe]
+    return get
+
+
+def test_every_recipe_has_its_technique_plans_here():
+    covered = {(r, p.stem) for r, paths in RECIPE_PLANS for p in paths}
+    for recipe in ("llama", "bert", "clip", "align", "flamingo"):
+        stems = {s for r, s in covered if r == recipe}
+        assert any("recompute" in s for s in stems) and any("zero" in s for s in stems), (recipe, stems)
+        assert any("accum" in s for s in stems), (recipe, stems)
+    assert ("gpt", "gpt_dp2_zero1") in covered
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe,paths", RECIPE_PLANS,
+                         ids=[f"{r}-{'+'.join(p.stem for p in paths)}" for r, paths in RECIPE_PLANS])
+def test_every_recipe_plan_lowers_in_bf16_with_no_unsupported_op(tmp_path, recipe_captures, recipe, paths):
+    """The plan file in bf16, compiled with the torchair pipeline (rank 0 of a fake mesh for
+    dp > 1): every final graph lowers to GE with zero unsupported ops and bf16 tensors."""
+    from cann_passes import compile_program
+    from cann_passes.lowering.ge_offline import lower_graph_to_files
+    from graph_ir.mesh import MeshDesc
+
+    plan = _in_bf16(paths[0])
+    program = compile_program(recipe_captures(recipe), plan, MeshDesc.fake(dp=plan.dp), backend="torchair")
+    assert "npu_legalize" in [r.name for r in program.records]
+    assert set(program.graphs) == ({"grad", "apply"} if plan.microbatches > 1 else {"step"})
+    histogram: dict[str, int] = {}
+    for name, graph in program.graphs.items():
+        report = lower_graph_to_files(graph.gm, name, tmp_path)
+        assert report.unsupported == [] and report.ok, report.summary()
+        for op, n in report.op_histogram.items():
+            histogram[op] = histogram.get(op, 0) + n
+        if name != "apply":          # the apply graph of fp32 master weights may hold no bf16 value
+            assert "DT_BF16" in (tmp_path / f"{name}.ge.txt").read_text(), name
+    if plan.dp > 1:      # ZeRO-1: gradients reduce-scattered, updated parameters all-gathered
+        assert histogram.get("HcomReduceScatter", 0) >= 1 and histogram.get("HcomAllGather", 0) >= 1, histogram
+    if recipe == "bert" and plan.recompute != "none":
+        assert histogram.get("FloorDiv", 0) >= 2 and histogram.get("BitwiseAnd", 0) >= 2, histogram   # masks unpacked

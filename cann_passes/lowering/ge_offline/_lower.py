@@ -77,6 +77,15 @@ def _is_stub(fn) -> bool:
     """True if the converter body (docstring aside) is one unconditional ``raise``."""
     fn = inspect.unwrap(fn)
     try:
+        return _is_stub_source(fn)
+    except TypeError:        # unhashable: read it each time
+        return _is_stub_source.__wrapped__(fn)
+
+
+@functools.lru_cache(maxsize=None)
+def _is_stub_source(fn) -> bool:
+    # cached per converter: reading and parsing its source was 40% of lowering a graph
+    try:
         src = textwrap.dedent(inspect.getsource(fn))
         tree = ast.parse(src).body[0]
     except (OSError, TypeError, SyntaxError, IndexError):

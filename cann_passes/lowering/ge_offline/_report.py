@@ -23,14 +23,27 @@ import torch
 _DUMP = re.compile(r"^(\d{3})_(.+)\.json$")
 
 
+def _last_dump(directory: Path) -> Path | None:
+    dumps = sorted((int(m.group(1)), p) for p in directory.glob("*.json") if (m := _DUMP.match(p.name)))
+    return dumps[-1][1] if dumps else None
+
+
 def final_graph_dumps(dump_dir) -> dict[str, Path]:
-    """``{graph name: last NNN_*.json}`` of the top-level graph ("step") and of each subdirectory."""
+    """``{graph name: last NNN_*.json}`` of the program's graphs: those ``program.json`` names
+    (a grad / apply split leaves the step's pre-split dumps in the top directory: not final), or,
+    without it, the top-level graph ("step") and each subdirectory's."""
     root = Path(dump_dir)
+    program = root / "program.json"
+    if program.is_file():
+        directories = json.loads(program.read_text()).get("directories") or {}
+        found = {name: _last_dump(root / rel) for name, rel in directories.items()}
+        if found and all(found.values()):
+            return found
     found: dict[str, Path] = {}
     for directory in [root, *sorted(p for p in root.iterdir() if p.is_dir() and p.name != "ge")]:
-        dumps = sorted((int(m.group(1)), p) for p in directory.glob("*.json") if (m := _DUMP.match(p.name)))
-        if dumps:
-            found["step" if directory == root else directory.name] = dumps[-1][1]
+        last = _last_dump(directory)
+        if last is not None:
+            found["step" if directory == root else directory.name] = last
     return found
 
 
@@ -41,9 +54,26 @@ def load_dumped_graph(path):
     return from_json(json.loads(Path(path).read_text()))
 
 
+_GROUP_SIZE_ARG = {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 2, "all_to_all_single": None}
+
+
+def _largest_group(gm: torch.fx.GraphModule) -> int:
+    """The largest group size a collective of ``gm`` names (1 when none says)."""
+    size = 1
+    for n in gm.graph.nodes:
+        if getattr(n.target, "namespace", None) != "_c10d_functional":
+            continue
+        i = _GROUP_SIZE_ARG.get(n.target._schema.name.split("::")[-1])
+        if i is not None and len(n.args) > i and isinstance(n.args[i], int):
+            size = max(size, n.args[i])
+    return size
+
+
 @contextlib.contextmanager
 def _process_group_for(gm: torch.fx.GraphModule, notes: list[str]):
-    """torchair's collective converters look the group up: give a dumped graph a 1-rank one."""
+    """torchair's collective converters look the group up: give a dumped graph one of the size its
+    collectives name (a 1-rank gloo group, or torch's in-process "fake" group for more ranks:
+    a ZeRO graph's reduce-scatter over 2 ranks cannot be converted against a 1-rank group)."""
     import torch.distributed as dist
 
     uses_collectives = any(getattr(n.target, "namespace", None) in ("_c10d_functional", "c10d_functional")
@@ -51,8 +81,15 @@ def _process_group_for(gm: torch.fx.GraphModule, notes: list[str]):
     if not uses_collectives or not dist.is_available() or dist.is_initialized():
         yield
         return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    notes.append("collectives lowered against a 1-rank gloo group (rank lists are not the run's)")
+    size = _largest_group(gm)
+    if size == 1:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        notes.append("collectives lowered against a 1-rank gloo group (rank lists are not the run's)")
+    else:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
+        notes.append(f"collectives lowered against an in-process {size}-rank group, as rank 0 "
+                     "(rank lists are not the run's)")
     try:
         yield
     finally:
