@@ -116,5 +116,6 @@ def _check_pipeline_plan(plan: Plan) -> None:
                                       "pp > 1: each stage would gather its parameters per microbatch, "
                                       "which the stage graphs do not do)", plan.zero_stage)
     if plan.pipeline_schedule == "dynamic":
-        raise PlanError("pipeline_schedule", "'dynamic' must be resolved to a schedule before compiling "
-                                             "(cann_passes.schedules.choose_schedule)", plan.pipeline_schedule)
+        raise PlanError("pipeline_schedule", "'dynamic' is resolved to a schedule by compile_program "
+                                             "(cann_passes.compile.choose_pipeline_schedule) before the "
+                                             "pipeline is built", plan.pipeline_schedule)

@@ -16,7 +16,8 @@ the optimizer reads ``scale * acc``) and replaces it with, per stage ``s``:
 
 Everything is decided from the graph: the forward region in node order is cut
 only where few bytes cross (between blocks and between the halves of a block,
-wherever the residual stream alone is live), giving *units*; each unit is
+wherever the residual stream alone is live; where those leave the stages more
+than 5% apart, also inside blocks, each cut priced by its transfer time), giving *units*; each unit is
 priced with the cost model (its forward nodes, the backward nodes that belong
 to it, its optimizer nodes) and weighed by memory (parameters, gradients,
 optimizer state, saved activations); ``cann_passes.stage_balance.balance``
@@ -84,9 +85,16 @@ from ..pass_manager import PassContext, register_pass
 from ..plan import PlanError
 
 # A position in the forward order is a unit boundary when at most this many times the fewest bytes
-# anywhere in the forward cross it (the residual stream, plus small tensors such as a mask). Larger
-# (option cut_slack) admits cuts where two such tensors cross: finer units, better balance, more sent.
-CROSSING_SLACK = 1.5
+# anywhere in the forward cross it (the residual stream, plus small tensors such as a mask). The
+# split first uses the residual-only cuts (RESIDUAL_SLACK: between blocks and between a block's
+# attention and MLP halves); how many stages a step can have is counted there (about two per
+# block). Where those leave the stages unbalanced, CROSSING_SLACK (option cut_slack) admits cuts
+# inside an MLP (its 4x hidden beside the residual) and between attention's projections, not across
+# attention scores (heads x seq^2); the balancer prices each cut by its transfer time (a message
+# per tensor), so a finer cut is taken only where it balances the stages better than it costs.
+CROSSING_SLACK = 6.0
+RESIDUAL_SLACK = 1.5
+REFINE_ABOVE = 1.05   # stage imbalance (max / mean) at residual-only cuts above which finer cuts are tried
 
 
 class PipelineSplitError(ValueError):
@@ -154,15 +162,16 @@ def _classify(graph: TrainGraph) -> _Nodes:
 
 # -- units of the forward -----------------------------------------------------------------------
 
-def _crossing_bytes(nodes: _Nodes) -> list[int]:
-    """crossing[i]: bytes of forward values made before forward position i and read at or after it."""
+def _crossing_bytes(nodes: _Nodes, size=nbytes) -> list[int]:
+    """crossing[i]: bytes of forward values made before forward position i and read at or after it
+    (``size=lambda v: 1``: how many values)."""
     position = {n: i for i, n in enumerate(nodes.forward)}
     diff = [0] * (len(nodes.forward) + 2)
     for i, node in enumerate(nodes.forward):
         last = max((position[u] for u in node.users if u in position), default=i)
         if last > i and not aliases_input(node):
-            diff[i + 1] += nbytes(node.meta.get("val"))
-            diff[last + 1] -= nbytes(node.meta.get("val"))
+            diff[i + 1] += size(node.meta.get("val"))
+            diff[last + 1] -= size(node.meta.get("val"))
     crossing, running = [], 0
     for i in range(len(nodes.forward)):
         running += diff[i]
@@ -327,6 +336,7 @@ class UnitCosts:
     forward_seconds: list[float]
     static_bytes: list[int]       # parameters, gradient accumulators, optimizer state
     activation_bytes: list[int]   # saved for backward, per microbatch in flight
+    cut_seconds: list[float] | None = None   # a cut just before the unit: its transfers (stage_balance)
 
 
 def _unit_costs(nodes: _Nodes, starts: list[int], profile) -> UnitCosts:
@@ -375,7 +385,7 @@ def _balance(costs: UnitCosts, n_stages: int, in_flight: list[int] | None, *, sc
         in_flight = None
     return stage_balance.balance(costs.seconds, n_stages, unit_static_bytes=costs.static_bytes,
                                  unit_activation_bytes=costs.activation_bytes, in_flight=in_flight,
-                                 memory_limit=memory_limit)
+                                 memory_limit=memory_limit, cut_seconds=costs.cut_seconds)
 
 
 def _layer_starts(nodes: _Nodes, units: list[int], layers: list[int]) -> list[int]:
@@ -1004,14 +1014,22 @@ def pipeline_split_pass(program: Program, ctx: PassContext, *, stages: int = 2, 
     if cut_slack < 1.0:
         raise PipelineSplitError(f"pipeline_split option cut_slack={cut_slack} must be >= 1 (a multiple of the "
                                  "fewest bytes crossing anywhere)")
-    units = _unit_starts(nodes, cut_slack)
+    units = _unit_starts(nodes, min(cut_slack, RESIDUAL_SLACK))
     if len(units) < stages:
         raise PlanError("pp", f"the step has {len(units)} cuttable unit(s) (cut points where only the residual "
                               f"stream crosses), fewer than the {stages} stages asked for (rule: at most one "
                               "stage per unit)", stages)
     plan = getattr(ctx, "plan", None)
     profile = get_profile(getattr(plan, "device_profile", "910b") if plan is not None else "910b")
-    costs = _unit_costs(nodes, units, profile)
+    from .. import stage_balance
+    crossing, tensors = _crossing_bytes(nodes), _crossing_bytes(nodes, size=lambda v: 1)
+
+    def priced(starts):
+        unit_costs = _unit_costs(nodes, starts, profile)
+        unit_costs.cut_seconds = stage_balance.cut_transfer_seconds(
+            [crossing[u] for u in starts], profile, pp, tensors=[tensors[u] for u in starts])
+        return unit_costs
+    costs = priced(units)
     flights = [int(x) for x in in_flight.split(";")] if in_flight else None
     if layers:
         unit_of_stage = _layer_starts(nodes, units, parse_layers(layers))
@@ -1022,9 +1040,20 @@ def pipeline_split_pass(program: Program, ctx: PassContext, *, stages: int = 2, 
         stage_bytes = None
     else:
         try:
-            split = _balance(costs, stages, flights, schedule=schedule, pp=pp,
-                             microbatches=graph.attrs[GraphAttr.GRAD_ACCUMULATION]["microbatches"],
-                             memory_limit=getattr(profile, "memory_capacity", None))
+            def balanced(unit_costs):
+                return _balance(unit_costs, stages, flights, schedule=schedule, pp=pp,
+                                microbatches=graph.attrs[GraphAttr.GRAD_ACCUMULATION]["microbatches"],
+                                memory_limit=getattr(profile, "memory_capacity", None))
+            split = balanced(costs)
+            # Residual-only cuts send one tensor and are the simplest; finer ones (more sent) are
+            # admitted only when those leave the stages more than REFINE_ABOVE apart, and kept only
+            # when the largest stage, transfers included, comes out smaller.
+            if split.imbalance > REFINE_ABOVE and cut_slack > RESIDUAL_SLACK:
+                fine = _unit_starts(nodes, cut_slack)
+                fine_costs = priced(fine)
+                fine_split = balanced(fine_costs)
+                if fine_split.largest_seconds < split.largest_seconds:
+                    units, costs, split = fine, fine_costs, fine_split
         except ValueError as exc:
             raise PlanError("pp", f"no split of {len(units)} units into {stages} stages fits: {exc}", stages) from None
         unit_of_stage = list(split.boundaries)

@@ -238,7 +238,7 @@ def step(step, batch: Any) -> torch.Tensor:
     if step.world is None:
         from ..schedules import SPLIT_BACKWARD
         loss = run_local(step, comp.program, comp.runners, microbatches,
-                         split_backward=step.plan.pipeline_schedule in SPLIT_BACKWARD)
+                         split_backward=comp.program.attrs[GraphAttr.PIPELINE_PARALLEL]["schedule"] in SPLIT_BACKWARD)
     else:
         loss = run_schedule(step, comp, microbatches)
     step.steps_run += 1
@@ -310,7 +310,7 @@ class PipelineRuntime:
             else:
                 kw["output_args"] = (_slot_filler(),)
             self.stages[s] = PipelineStage(torch.nn.Module(), s, self.n, torch.device("cpu"), group=self.group, **kw)
-        self.schedule_name = step.plan.pipeline_schedule
+        self.schedule_name = info["schedule"]   # the plan's, or the one pipeline_schedule: dynamic chose
         self.schedule = self._schedule(schedules.torch_schedule_class(self.schedule_name), step.plan.microbatches)
         self.events: list[tuple] = []
         self.batches: list = []
