@@ -41,8 +41,8 @@ from graph_ir import TrainGraph
 from graph_ir.analysis.gradients import GradientNotFound, find_gradients, optimizer_ancestors
 from graph_ir.build import add_node
 from graph_ir.meta import GRADIENT_OF, SHARDING, Region, region_of
-from graph_ir.placement import FlatShard, Partial, Placement, Shard
-from graph_ir.signature import OutputKind, Spec
+from graph_ir.placement import FlatShard, Partial, Placement, Shard, placement_of
+from graph_ir.signature import InputKind, OutputKind, Spec
 
 from ..pass_manager import PassContext, register_pass
 
@@ -56,21 +56,29 @@ class GradClipError(ValueError):
     pass
 
 
-def _sharded_axes(node: torch.fx.Node, name: str) -> tuple[str, ...]:
-    """Mesh axes along which this rank holds only a piece of the gradient ``name``."""
+def _sharded_axes(node: torch.fx.Node, name: str, tg: TrainGraph | None = None) -> tuple[str, ...]:
+    """Mesh axes along which this rank holds only a piece of the gradient ``name``: those of its
+    own placement and, where it is smaller than the whole parameter, those of the parameter
+    (tensor parallelism gives a split weight's gradient as this rank's shard without marking the
+    node, and its squared norm is only this rank's part of the whole)."""
+    pieces = []
     data = node.meta.get(SHARDING)
-    if data is None:
-        return ()
-    placement = Placement.from_json(data)
+    if data is not None:
+        pieces.append(Placement.from_json(data))
+    param = None if tg is None else placement_of(tg, InputKind.PARAM, name)
+    val = node.meta.get("val")
+    if param is not None and isinstance(val, torch.Tensor) and val.numel() < param.numel:
+        pieces.append(param)
     axes = []
-    for axis, how in placement.axes:
-        if isinstance(how, Partial):
-            raise GradClipError(
-                f"grad_clip: the gradient of '{name}' is a partial sum over mesh axis '{axis}' where the "
-                "update reads it (rule: clipping needs synchronized gradients; run grad_clip after "
-                "data_parallel / optimizer_shard)")
-        if isinstance(how, (Shard, FlatShard)):
-            axes.append(axis)
+    for placement in pieces:
+        for axis, how in placement.axes:
+            if isinstance(how, Partial):
+                raise GradClipError(
+                    f"grad_clip: the gradient of '{name}' is a partial sum over mesh axis '{axis}' where "
+                    "the update reads it (rule: clipping needs synchronized gradients; run grad_clip "
+                    "after data_parallel / optimizer_shard)")
+            if isinstance(how, (Shard, FlatShard)) and axis not in axes:
+                axes.append(axis)
     return tuple(axes)
 
 
@@ -98,7 +106,7 @@ def _total_norm(tg: TrainGraph, ctx: PassContext, emit: _Emit, grads: dict[str, 
     norms = {n: emit(aten.linalg_vector_norm.default, g, 2.0) for n, g in grads.items()}
     by_axes: dict[tuple[str, ...], list[str]] = {}
     for name, g in grads.items():
-        by_axes.setdefault(_sharded_axes(g, name), []).append(name)
+        by_axes.setdefault(_sharded_axes(g, name, tg), []).append(name)
     if list(by_axes) == [()]:
         # Whole gradients on every rank: clip_grad_norm_'s own ops, bitwise.
         return emit(aten.linalg_vector_norm.default, emit(aten.stack.default, list(norms.values())), 2.0)
@@ -192,6 +200,6 @@ def grad_clip_pass(graph: TrainGraph, ctx: PassContext, *, max_norm: float = 1.0
     graph.add_output(Spec(OutputKind.METRIC, GRAD_NORM), metric)
     ctx.stat("gradients", len(grads))
     ctx.stat("moved_nodes", moved)
-    ctx.stat("sharded_gradients", sum(bool(_sharded_axes(g, n)) for n, g in grads.items()))
+    ctx.stat("sharded_gradients", sum(bool(_sharded_axes(g, n, graph)) for n, g in grads.items()))
     return graph
 
