@@ -103,11 +103,6 @@ def _check_pipeline_plan(plan: Plan) -> None:
         raise PlanError("loss_scale", f"{plan.effective_loss_scale} loss scaling with pp = {plan.pp} is not built (rule: "
                                       "its overflow check combines every stage's gradients inside backward; use "
                                       "precision bf16, or loss_scale: none)", plan.loss_scale)
-    if plan.tp > 1 and plan.grad_clip_norm is not None:
-        raise PlanError("grad_clip_norm", f"gradient clipping with tp = {plan.tp} and pp = {plan.pp} is not built "
-                                          "(rule: the norm must count each tensor-parallel shard of a gradient once, "
-                                          "and grad_clip reads no tensor-parallel placement of the gradients yet)",
-                        plan.grad_clip_norm)
     if plan.accumulate_target is not None:
         raise PlanError("accumulate_target", "dynamic accumulation with pp > 1 is not built (rule: the "
                                              "pipeline's microbatches are fixed per step)", plan.accumulate_target)

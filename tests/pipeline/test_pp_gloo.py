@@ -136,7 +136,8 @@ def test_dp2_x_pp2_matches_single_process_training(tmp_path_factory, subtests):
 def test_tp2_x_pp2_gpt_and_llama_match_single_process_training(tmp_path_factory, subtests):
     """A (pp=2, tp=2) mesh: every stage graph holds its tensor-parallel collectives, over its
     pipeline rank's tp group; the stages send their tp shards of the boundary values."""
-    configs = ["1f1b:sgd", "llama/zb1p:sgd", "llama/gpipe:adamw"]
+    # The last: global clipping, the squared norms of tp shards summed over tp, then over pp.
+    configs = ["1f1b:sgd", "llama/zb1p:sgd", "llama/gpipe:adamw", "llama/1f1b:sgd:clip=0.5"]
     ranks = _launch(tmp_path_factory, "tp2pp2", 4, "gpt4", 2, 1, configs, tp=2)
     for config in configs:
         with subtests.test(config=config):

@@ -174,11 +174,9 @@ class TestRefusals:
             _program(_gpt(), Plan(pp=2, microbatches=4, backend="eager", grad_clip_norm=1.0,
                                   pipeline_schedule="interleaved_1f1b", pipeline_virtual_stages=2))
 
-    def test_loss_scaling_and_clipping_with_tp_are_refused_by_field(self):
+    def test_loss_scaling_is_refused_by_field(self):
         with pytest.raises(PlanError, match="plan field 'loss_scale'"):
             _program(_gpt(), Plan(pp=2, microbatches=2, backend="eager", precision="fp16"))
-        with pytest.raises(PlanError, match="plan field 'grad_clip_norm'.*tensor-parallel shard"):
-            _program(_gpt(), Plan(pp=2, tp=2, microbatches=2, backend="eager", grad_clip_norm=1.0))
 
 
 class TestAcrossStages:
