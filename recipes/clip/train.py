@@ -48,7 +48,8 @@ def parse_args(recipe: Recipe, argv=None) -> argparse.Namespace:
                                 description=f"Train the {recipe.name.upper()} recipe on procedural images.")
     add_training_args(p, plan=recipe.default_plan, steps=recipe.steps, batch_size=recipe.batch_size, lr=recipe.lr)
     p.add_argument("--model", choices=list(recipe.models), default=next(iter(recipe.models)))
-    p.add_argument("--figure", default=None, help="where to save the loss curve (PNG); default: none")
+    p.add_argument("--figure", default=f"out/{recipe.name}/loss.png",
+                   help="where to save the loss curve (PNG); 'none' for no figure")
     return p.parse_args(argv)
 
 
@@ -105,7 +106,7 @@ def train(recipe: Recipe, args: argparse.Namespace, plan: Plan, world=None) -> d
             print(f"  held-out {key}: {before[key]:.3f} before training -> {after[key]:.3f} after")
         if recipe.verdict is not None:
             print(recipe.verdict(after))
-        if args.figure:
+        if args.figure and args.figure.lower() != "none":
             save_figure(args.figure, recipe, result)
             print(f"wrote {args.figure}")
     return result
