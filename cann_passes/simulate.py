@@ -318,8 +318,7 @@ def simulate(captured: TrainGraph, plan: Plan, *, profile: str | DeviceProfile =
                 raise
             refused = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
     if pp > 1:
-        # one microbatch's program: the pipeline replays microbatches itself (and tp x
-        # accumulation does not compile today)
+        # one microbatch's program: the pipeline replays microbatches itself
         one = flat.replace(dump_dir=None, microbatches=1)
         segments = segment_figures(compile_program(captured, one, mesh_for(one, rank)), one, profile)
         sim = simulate_pipeline(segments, flat, pp=pp, layers=layers or len(segments.blocks), profile=profile,
