@@ -229,13 +229,8 @@ def gloo_worker(out: str) -> None:
 
 def _median(fn, repeats: int = 7) -> float:
     # this thread's CPU time, median: what the timed steps are compared by
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.thread_time()
-        fn()
-        times.append(time.thread_time() - t0)
-    return statistics.median(times)
+    from cann_passes.cost_model.profiles import thread_time_median
+    return thread_time_median(fn, repeats)
 
 
 def machine_rates(graphs=()) -> dict:

@@ -253,6 +253,18 @@ def _measure_one_thread() -> dict:
                                 "rng": rng}}
 
 
+def thread_time_median(fn, repeats: int = 7) -> float:
+    """Median seconds of this thread's CPU time over ``repeats`` calls of ``fn``, after one
+    warm-up call: what the calibration and the timed steps it is compared with are measured by."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.thread_time()
+        fn()
+        times.append(time.thread_time() - t0)
+    return sorted(times)[len(times) // 2]
+
+
 def launch_costs(chain: int = 200, repeats: int = 7) -> tuple[float, float]:
     """(seconds per launched op, seconds per view op) as the eager backend's generated code pays
     them: ``torch.ops.aten`` overloads called from Python on a 1-element tensor, the median over
@@ -271,13 +283,7 @@ def launch_costs(chain: int = 200, repeats: int = 7) -> tuple[float, float]:
             x = t(view(x, [1, 1]))
 
     def per_call(fn):
-        fn()
-        times = []
-        for _ in range(repeats):
-            t0 = time.thread_time()
-            fn()
-            times.append(time.thread_time() - t0)
-        return max(sorted(times)[len(times) // 2] / chain, 1e-9)
+        return max(thread_time_median(fn, repeats) / chain, 1e-9)
     return per_call(adds), per_call(views)
 
 
