@@ -8,6 +8,7 @@ code generator needs one), and eager otherwise.
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 from collections import Counter
 from typing import Any, Callable, Protocol
@@ -44,12 +45,21 @@ WRITABLE_INPUTS = (InputKind.PARAM.value, InputKind.BUFFER.value, InputKind.OPT_
 # Graphs whose updated inputs the runtime stores right after the call, with no other graph holding
 # an older view of them in between (pipeline stages pass saved values between calls).
 INPUT_WRITING_GRAPHS = (GraphKind.STEP, GraphKind.APPLY)
+# "0" lowers every graph functionally (no input written; new parameters and state stored by the
+# runtime): what the in-place updates are measured against (bench/step_time_dp.py).
+INPLACE_UPDATES_ENV = "CANN_PASSES_INPLACE_UPDATES"
+
+
+def inplace_updates_enabled() -> bool:
+    return os.environ.get(INPLACE_UPDATES_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 def writable_inputs(graph: TrainGraph) -> dict[torch.fx.Node, int]:
     """Inputs of ``graph`` a lowering may update in place: placeholder -> index of the output that is its
-    new value (a parameter, buffer or optimizer state the graph also returns, in a step or apply graph)."""
-    if graph_kind(graph.attrs) not in INPUT_WRITING_GRAPHS:
+    new value (a parameter, buffer or optimizer state the graph also returns, in a step or apply graph).
+    Under data parallelism and ZeRO as in one process; the eager lowering decides where the writes may
+    start (after every gradient reduction). None with ``$CANN_PASSES_INPLACE_UPDATES=0``."""
+    if graph_kind(graph.attrs) not in INPUT_WRITING_GRAPHS or not inplace_updates_enabled():
         return {}
     outputs = {(s.kind, s.name): i for i, s in enumerate(graph.signature.outputs)}
     return {node: outputs[(spec.kind, spec.name)]

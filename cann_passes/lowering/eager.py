@@ -15,17 +15,46 @@ operand's buffer dies at that op into its in-place variant (``add`` ->
 - a buffer the graph allocated, when nothing reads it (through any alias)
   later;
 - a parameter, buffer or optimizer-state input of a whole-step or apply
-  graph, when its last reader is that op, the chain of in-place ops that
+  graph, when its last reader is that op and the chain of in-place ops that
   starts there ends in the graph's output for that same value (so the graph
   returns the input itself, holding its new contents, and the runtime has
-  nothing to store), and the op comes after every forward and backward op
-  and every collective: the loss, every gradient and every exchange are done
-  before the first input is written, so a step that fails there (bad labels,
-  an index out of range, a peer gone) leaves the model and the optimizer as
-  they were. At run time the inputs written must not share storage with any
-  other input (a user's optimizer state aliasing a parameter, a flattened
-  parameter buffer) and must not overlap themselves; a call where they do
-  runs the functional copy instead.
+  nothing to store). At run time the inputs written must not share storage
+  with any other input (a user's optimizer state aliasing a parameter, a
+  flattened parameter buffer) and must not overlap themselves; a call where
+  they do runs the functional copy instead.
+
+When an input may be written: nothing is lost. The first write comes after
+everything that can fail on this rank's data or wait on another rank's:
+every forward, loss and backward op (bad labels, an index out of range) and
+every collective except the all-gathers that distribute the update, in
+particular every gradient reduction (all-reduce, reduce-scatter), the
+overflow flag and the clipping norm. Data parallelism waits for each
+bucket's all-reduce just before the optimizer reads it, interleaved with the
+updates; so that the writes can start, the lowered copy first moves the wait
+of every collective issued before the optimizer to the optimizer's start:
+the step waits for all gradients, as DDP's backward does before
+``optimizer.step()`` (the update of an early bucket no longer overlaps the
+reduction of a later one). A step that fails on any rank (bad labels on one)
+then leaves every rank's parameters and state as they were: the failing rank
+raises before its first write, and its peers are blocked in a gradient
+reduction, before theirs, until the fault watchdog stops them.
+
+After the first write only the optimizer's pointwise arithmetic runs, and
+under ZeRO-1/2 the all-gathers of the updated parameter shards (computed by
+the optimizer from the values just written). Nothing there reads the batch
+or another rank's gradients; what can fail is the transport alone (a peer
+killed or gone mid-update, a timeout). Then this rank holds its optimizer
+state shards at the new step and its whole parameters at the old one (no
+gathered value arrives), and the fault watchdog stops every rank: the run
+resumes from its last checkpoint, as after any peer failure. Eager PyTorch
+leaves the same: DeepSpeed's ZeRO-1/2 updates its partitions and their state
+in place and then all-gathers; FSDP2 commits the sharded update in
+``optimizer.step()`` and gathers in the next forward (our ZeRO-3 writes its
+parameter and state shards in place and gathers nothing after them); DDP
+updates in place after its backward. Only a fully functional step, which
+writes nothing until it returns, would keep the old state there, at the cost
+of fresh parameters and state every step; ``CANN_PASSES_INPLACE_UPDATES=0``
+asks for it (``base.writable_inputs``).
 
 The same kernel runs on the same values, so results are bitwise those of the
 functional graph.
@@ -39,7 +68,7 @@ import torch.fx
 from torch.fx.passes.reinplace import _maybe_get_inplace_op
 
 from graph_ir import TrainGraph
-from graph_ir.analysis.collectives import is_communication_op
+from graph_ir.analysis.collectives import collective_kind, is_communication_op
 from graph_ir.analysis.memory import storage_roots
 from graph_ir.meta import Region, region_of
 
@@ -50,6 +79,38 @@ def _layout(val) -> tuple | None:
     if not isinstance(val, torch.Tensor):
         return None
     return (tuple(val.shape), val.dtype, tuple(val.stride()), val.device) if val.is_contiguous() else None
+
+
+def _collective(node: torch.fx.Node) -> torch.fx.Node:
+    """The collective a communication node performs or waits for."""
+    if collective_kind(node) is None and node.args and isinstance(node.args[0], torch.fx.Node):
+        return node.args[0]
+    return node
+
+
+def distributes_update(node: torch.fx.Node) -> bool:
+    """Whether a communication node is an all-gather (or its wait) of values the optimizer computed:
+    the one kind of collective that may follow a write of an input."""
+    c = _collective(node)
+    return collective_kind(c) == "all_gather" and bool(c.all_input_nodes) and all(
+        a.op == "call_function" and region_of(a) == Region.OPTIMIZER and not is_communication_op(a)
+        for a in c.all_input_nodes)
+
+
+def wait_for_reductions_first(graph: torch.fx.Graph) -> int:
+    """Move the wait of every collective issued before the optimizer region to the region's start
+    (a wait moves nothing; only the point where the step blocks changes). Returns how many moved."""
+    nodes = [n for n in graph.nodes if n.op == "call_function"]
+    start = next((i for i, n in enumerate(nodes) if region_of(n) == Region.OPTIMIZER), None)
+    if start is None:
+        return 0
+    issued = {n for n in nodes[:start] if collective_kind(n) is not None}
+    moved = 0
+    for n in nodes[start:]:
+        if is_communication_op(n) and collective_kind(n) is None and _collective(n) in issued:
+            nodes[start].prepend(n)
+            moved += 1
+    return moved
 
 
 @dataclass
@@ -72,12 +133,15 @@ def _plan(graph: torch.fx.Graph, writable: dict[torch.fx.Node, int]) -> ReusePla
 
     never = len(nodes) + 1
     last_use: dict[torch.fx.Node, int] = {}
-    fence = -1   # inputs are written only after this position (the last non-optimizer op or collective)
+    # Inputs are written only after this position: the last op that can fail on data or on a peer
+    # (a forward or backward op, a collective other than the all-gather of the update).
+    fence = -1
     for n in nodes:
         for a in n.all_input_nodes:
             r = roots[a]
             last_use[r] = never if n.op == "output" else max(last_use.get(r, -1), position[n])
-        if n.op == "call_function" and (region_of(n) != Region.OPTIMIZER or is_communication_op(n)):
+        if n.op == "call_function" and (region_of(n) != Region.OPTIMIZER
+                                        or (is_communication_op(n) and not distributes_update(n))):
             fence = position[n]
     plan = ReusePlan()
     for n in nodes:
@@ -145,6 +209,7 @@ class EagerLowering:
     def compile(self, graph: TrainGraph, example_inputs, plan):
         lowered = graph.copy()
         writable = writable_inputs(lowered)
+        lowered.gm.meta["waits_moved"] = wait_for_reductions_first(lowered.gm.graph) if writable else 0
         lowered.attrs["reused_buffers"] = reuse_dead_operands(lowered.gm, writable)
         names = set(lowered.gm.meta["written_inputs"])
         lowered.recompile()
