@@ -2,7 +2,9 @@
 
     cleanup                      dead code, duplicate pure ops
     autocast{dtype,policy}       mixed precision             (plan.precision != fp32)
-    loss_scale{mode,...}         fp16 loss scaling           (plan.effective_loss_scale != none)
+    loss_scale{mode,...}         fp16 loss scaling           (plan.effective_loss_scale != none; when
+                                                              accumulating, after grad_accumulation:
+                                                              it checks the accumulated gradients)
     tensor_parallel{...}         Megatron tensor parallelism (plan.tp > 1)
     recompute{policy,budget}     activation recompute        (plan.recompute != none)
     grad_accumulation{...}       accumulate over microbatches (plan.microbatches > 1 or accumulate_target)
@@ -52,9 +54,12 @@ def build_pipeline(plan: Plan, backend: str) -> Pipeline:
     steps: list[str] = ["cleanup"]
     if plan.precision != "fp32":
         steps.append(f"autocast{{dtype={plan.precision},policy={'npu' if backend == 'torchair' else 'cuda'}}}")
-    if plan.effective_loss_scale != "none":
-        steps.append(f"loss_scale{{mode={plan.effective_loss_scale},init={plan.loss_scale_init},"
-                     f"growth_interval={plan.loss_scale_growth_interval}}}")
+    accumulating = plan.microbatches > 1 or plan.accumulate_target is not None or plan.pp > 1
+    loss_scale = (f"loss_scale{{mode={plan.effective_loss_scale},init={plan.loss_scale_init},"
+                  f"growth_interval={plan.loss_scale_growth_interval}}}"
+                  if plan.effective_loss_scale != "none" else None)
+    if loss_scale and not accumulating:
+        steps.append(loss_scale)
     if plan.tp > 1:
         steps.append(str(spec("tensor_parallel", extra_rules=";".join(f"{k}={v}" for k, v in plan.tp_rules.items()),
                               sequence_parallel=plan.sequence_parallel,
@@ -62,9 +67,11 @@ def build_pipeline(plan: Plan, backend: str) -> Pipeline:
     if plan.recompute != "none":
         budget = "" if plan.recompute_budget is None else f",budget={plan.recompute_budget}"
         steps.append(f"recompute{{policy={plan.recompute},every_n={plan.recompute_every_n}{budget}}}")
-    if plan.microbatches > 1 or plan.accumulate_target is not None or plan.pp > 1:
+    if accumulating:
         steps.append(f"grad_accumulation{{microbatches={plan.microbatches},"
                      f"target={plan.accumulate_target or 0}}}")
+        if loss_scale:   # unscale and check the accumulated gradients, once per optimizer step
+            steps.append(loss_scale)
     bucket_mb = PIPELINE_BUCKET_MB if plan.pp > 1 else plan.bucket_mb
     if plan.dp > 1 and plan.zero_stage == 0:
         steps.append(f"data_parallel{{bucket_mb={bucket_mb},algo={plan.allreduce_algo}}}")
@@ -99,10 +106,6 @@ def pipeline_split_spec(plan: Plan):
 
 def _check_pipeline_plan(plan: Plan) -> None:
     """What pipeline parallelism does not compose with yet, refused by field."""
-    if plan.effective_loss_scale != "none":
-        raise PlanError("loss_scale", f"{plan.effective_loss_scale} loss scaling with pp = {plan.pp} is not built (rule: "
-                                      "its overflow check combines every stage's gradients inside backward; use "
-                                      "precision bf16, or loss_scale: none)", plan.loss_scale)
     if plan.accumulate_target is not None:
         raise PlanError("accumulate_target", "dynamic accumulation with pp > 1 is not built (rule: the "
                                              "pipeline's microbatches are fixed per step)", plan.accumulate_target)

@@ -25,6 +25,20 @@ Modes (``mode``):
   measured. The scale never grows above 2**24. It finds a good scale in a
   few steps where ``dynamic`` needs ``growth_interval`` steps per doubling.
 
+With gradient accumulation (the pass runs after ``grad_accumulation``, which
+left every update reading ``scale * acc``), the loss of every microbatch is
+scaled and the accumulators sum *scaled* gradients, as ``.grad`` does under
+``torch.amp.GradScaler``; the unscale, the overflow check and the scale update
+read the accumulated gradients in the optimizer region, once per optimizer
+step (``unscale_`` before ``step``). A non-finite microbatch gradient stays
+non-finite in the sum, so the step skips exactly when GradScaler's does. These
+nodes being optimizer nodes, ``split_grad_apply`` puts them in the apply graph
+and ``pipeline_split`` gives every stage its part: each stage checks its own
+gradients and an all-reduce over the pipeline ranks combines the flags (a
+logical and of "all finite"), so every stage skips, and updates its copy of the
+scale, alike. ``data_parallel`` / ``optimizer_shard`` (after this pass) combine
+the flag over dp, and with tensor parallelism it is combined over tp here.
+
 State: ``loss_scale:scale`` and ``loss_scale:growth_tracker`` (float32 scalars,
 declared in ``graph.attrs["step_state"]``). Metrics: ``loss_scale:found_inf``
 (bool) and ``loss_scale:scale`` (the scale this step used).
@@ -37,11 +51,13 @@ import torch
 import torch.fx
 
 from graph_ir import TrainGraph
+from graph_ir.analysis.gradients import GradientNotFound, find_gradients
 from graph_ir.build import add_node
-from graph_ir.meta import Region, region_of
+from graph_ir.meta import GRADIENT_OF, GraphAttr, Region, region_of
 from graph_ir.signature import InputKind, OutputKind, Spec
 
 from ..pass_manager import PassContext, register_pass
+from ._collectives import agree_on_overflow, mesh_dim
 
 aten = torch.ops.aten
 MODES = ("static", "dynamic", "adaptive")
@@ -89,6 +105,14 @@ def _gradients(tg: TrainGraph) -> list[torch.fx.Node]:
     return list(grads)
 
 
+def _accumulated_gradients(tg: TrainGraph) -> dict[str, torch.fx.Node]:
+    """Parameter -> the accumulated gradient its update reads (``scale * acc``, marked by grad_accumulation)."""
+    try:
+        return find_gradients(tg)
+    except GradientNotFound as exc:
+        raise LossScaleError(f"loss_scale on an accumulating step: {exc}") from None
+
+
 def _declare_state(tg: TrainGraph, name: str, value: float) -> torch.fx.Node:
     tg.attrs.setdefault("step_state", {})[name] = {"value": float(value), "dtype": "float32", "shape": []}
     return tg.add_input(Spec(InputKind.STEP_STATE, name), torch.tensor(float(value)),
@@ -104,30 +128,36 @@ def _scale_seed(tg: TrainGraph, emit: _Emitter, scale: torch.fx.Node) -> None:
         user.replace_input_with(seed, scaled)
 
 
-def _unscale_and_check(tg: TrainGraph, emit: _Emitter, scale: torch.fx.Node, grads: list[torch.fx.Node]):
-    """Unscaled gradients for the optimizer, the overflow flag and the largest scaled gradient."""
-    first_update = next(tg.compute_nodes(Region.OPTIMIZER))
+def _unscale_and_check(tg: TrainGraph, emit: _Emitter, scale: torch.fx.Node, grads: list[torch.fx.Node],
+                       region: Region = Region.BACKWARD):
+    """Unscaled gradients for the optimizer, the overflow flag and the largest scaled gradient.
+    ``region``: backward for a whole step's gradients; optimizer for accumulated ones (read once
+    per optimizer step, after the last microbatch)."""
     order = {n: i for i, n in enumerate(tg.graph.nodes)}
+    made = set(grads)
+    first_update = min((u for g in grads for u in g.users if region_of(u) == Region.OPTIMIZER and u not in made),
+                       key=order.__getitem__, default=None) if region == Region.OPTIMIZER else None
+    first_update = first_update or next(tg.compute_nodes(Region.OPTIMIZER))
     late = [g.name for g in grads if order[g] > order[first_update]]
     if late:
         raise LossScaleError(f"gradients {late[:3]} are computed after the optimizer starts "
                              f"({first_update.name}); loss_scale needs every gradient first")
     readers = {g: [u for u in g.users if region_of(u) == Region.OPTIMIZER] for g in grads}
     with tg.graph.inserting_before(first_update):
-        inv = emit(aten.reciprocal.default, (scale,), Region.BACKWARD)
+        inv = emit(aten.reciprocal.default, (scale,), region)
         all_finite, amax = None, None
         for g in grads:
-            finite = emit(aten.all.default, (emit(aten.isfinite.default, (g,), Region.BACKWARD),),
-                          Region.BACKWARD)
+            finite = emit(aten.all.default, (emit(aten.isfinite.default, (g,), region),), region)
             all_finite = finite if all_finite is None else emit(
-                aten.logical_and.default, (all_finite, finite), Region.BACKWARD)
-            g_max = emit(aten.amax.default, (emit(aten.abs.default, (g,), Region.BACKWARD), []),
-                         Region.BACKWARD)
-            amax = g_max if amax is None else emit(aten.maximum.default, (amax, g_max), Region.BACKWARD)
-            unscaled = emit(aten.mul.Tensor, (g, inv), Region.BACKWARD)
+                aten.logical_and.default, (all_finite, finite), region)
+            g_max = emit(aten.amax.default, (emit(aten.abs.default, (g,), region), []), region)
+            amax = g_max if amax is None else emit(aten.maximum.default, (amax, g_max), region)
+            unscaled = emit(aten.mul.Tensor, (g, inv), region)
             for reader in readers[g]:
                 reader.replace_input_with(g, unscaled)
-        found_inf = emit(aten.logical_not.default, (all_finite,), Region.BACKWARD)
+            if GRADIENT_OF in g.meta:   # the update reads the unscaled value now: that is its gradient
+                unscaled.meta[GRADIENT_OF] = g.meta.pop(GRADIENT_OF)
+        found_inf = emit(aten.logical_not.default, (all_finite,), region)
     return found_inf, amax
 
 
@@ -190,11 +220,21 @@ def loss_scale_pass(graph: TrainGraph, ctx: PassContext, *, mode: str = "dynamic
     if any(s.name == SCALE for s in graph.signature.inputs):
         raise LossScaleError("loss_scale already ran on this graph (it has a loss_scale:scale input)")
     emit = _Emitter(graph)
-    grads = _gradients(graph)
+    accumulating = GraphAttr.GRAD_ACCUMULATION in graph.attrs
+    if accumulating and any(k in graph.attrs for k in (GraphAttr.DATA_PARALLEL, GraphAttr.ZERO)):
+        raise LossScaleError("loss_scale on an accumulating step must run before data_parallel and "
+                             "optimizer_shard (rule: they combine its overflow flag over dp)")
+    if accumulating:
+        found = _accumulated_gradients(graph)
+        position = {n: i for i, n in enumerate(graph.graph.nodes)}
+        grads = sorted(set(found.values()), key=position.__getitem__)
+    else:
+        grads = _gradients(graph)
     scale = _declare_state(graph, SCALE, init)
     tracker = _declare_state(graph, TRACKER, 0.0) if mode != "static" else None
     _scale_seed(graph, emit, scale)
-    found_inf, amax = _unscale_and_check(graph, emit, scale, grads)
+    found_inf, amax = _unscale_and_check(graph, emit, scale, grads,
+                                         Region.OPTIMIZER if accumulating else Region.BACKWARD)
     ctx.stat("guarded_outputs", _skip_on_overflow(graph, emit, found_inf))
     with graph.graph.inserting_before(graph.output_node()):
         if mode == "static":
@@ -209,6 +249,11 @@ def loss_scale_pass(graph: TrainGraph, ctx: PassContext, *, mode: str = "dynamic
         graph.add_output(Spec(OutputKind.STEP_STATE, TRACKER), new_tracker)
     graph.add_output(Spec(OutputKind.METRIC, FOUND_INF), found_inf)
     graph.add_output(Spec(OutputKind.METRIC, SCALE), used_scale)
+    mesh = getattr(ctx, "mesh", None)
+    if accumulating and mesh is not None and "tp" in mesh.axes and mesh.size("tp") > 1:
+        # After tensor_parallel a split weight's gradient is this rank's shard: one rank's shard may
+        # overflow alone, and every tp rank must skip with it.
+        agree_on_overflow(graph, mesh_dim(ctx, "tp", "loss_scale"), "loss_scale")
     ctx.stat("gradients", len(grads))
     ctx.stat("mode", mode)
     return graph

@@ -44,7 +44,8 @@ mesh's ``pp`` group, a functional collective in the apply graphs) combines them:
   gradient (its own accumulator, ``<acc>@stage<s>`` off its home stage); each
   of those stages' apply graphs sums the parts and runs the same update;
 - an optimizer value combining every stage's (global gradient-norm
-  clipping's total norm, a sum or maximum): each stage reduces its own terms,
+  clipping's total norm, a sum or maximum; loss scaling's all-finite flag, a
+  logical and): each stage reduces its own terms,
   the all-reduce combines the parts, and each stage computes what follows
   (the clip coefficient) itself.
 
@@ -52,11 +53,16 @@ Tensor parallelism inside stages needs nothing of the split: the stage graphs
 keep the rank's tp collectives (never cut between a collective and its wait)
 and the boundary values are that rank's pieces.
 
-Refused, naming the rule: a tied weight whose stages are not every pipeline
-rank (pp > 2: its group would be a subset) or a value combined across stages
-when a rank holds several stages (interleaved, DualPipeV), an optimizer value
-combining stages otherwise than by a sum, maximum, 2-norm or sum of squares
-(ZeRO's shard norms are one), and more stages than units.
+A tied weight whose stages are some of the pipeline ranks (GPT-2 at pp > 2: the
+first and the last) is summed over a process group of just those ranks
+(``pp_subgroup_name``, listed in ``attrs['pipeline_parallel']['pp_subgroups']``,
+created by the runtime on its members); the ranks between take no part.
+
+Refused, naming the rule: a value combined across stages (a tied weight, the
+clip's norm, loss scaling's overflow flag) when a rank holds several stages
+(interleaved, DualPipeV), an optimizer value combining stages otherwise than
+by a sum, maximum, logical and, 2-norm or sum of squares (ZeRO's shard norms
+are one), and more stages than units.
 
 The stage graphs carry ``attrs['stage']`` (index, rank, first/last) and the
 program ``attrs['pipeline']`` (stages, stage -> rank, units, cuts, costs); which
@@ -419,7 +425,8 @@ def _layer_starts(nodes: _Nodes, units: list[int], layers: list[int]) -> list[in
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 TIED_SUFFIX = "@stage"   # accumulator of a tied weight's partial gradient on a stage other than its home
-_REDUCTIONS = {aten.add.Tensor: "sum", aten.maximum.default: "max"}
+# "and": loss_scale's all-finite flag (a bool), all-reduced as 0/1 floats by their minimum.
+_REDUCTIONS = {aten.add.Tensor: "sum", aten.maximum.default: "max", aten.logical_and.default: "and"}
 
 
 class _Rewriter:
@@ -438,8 +445,9 @@ class _Rewriter:
         (self.nodes.backward if region == Region.BACKWARD else self.nodes.optimizer).append(node)
         return node
 
-    def all_reduce(self, before: torch.fx.Node, s: int, value: torch.fx.Node, op: str) -> torch.fx.Node:
-        reduced = self.emit(before, s, Region.OPTIMIZER, c10d.all_reduce.default, value, op, self.group)
+    def all_reduce(self, before: torch.fx.Node, s: int, value: torch.fx.Node, op: str,
+                   group: str | None = None) -> torch.fx.Node:
+        reduced = self.emit(before, s, Region.OPTIMIZER, c10d.all_reduce.default, value, op, group or self.group)
         return self.emit(before, s, Region.OPTIMIZER, c10d.wait_tensor.default, reduced)
 
     def copy(self, node: torch.fx.Node, s: int, env: dict) -> torch.fx.Node:
@@ -494,10 +502,11 @@ def _state_owner(spec: Spec) -> str | None:
     return None
 
 
-def _split_tied_gradients(rw: _Rewriter, homes: dict, shared: dict) -> dict[str, dict]:
+def _split_tied_gradients(rw: _Rewriter, homes: dict, shared: dict, group_of) -> dict[str, dict]:
     """Megatron's tied weights: every stage reading a weight holds it and accumulates its own partial
     gradient (its own accumulator); each apply graph sums the partials with an all-reduce over the
-    stages holding it and runs the same update. Returns parameter -> {holders, per-stage accumulators}."""
+    stages holding it (``group_of(holders)``: the pp group, or the group of just their pipeline
+    ranks) and runs the same update. Returns parameter -> {holders, per-stage accumulators}."""
     nodes, stage = rw.nodes, rw.stage
     values = {(sp.kind, sp.name): v for sp, v in nodes.outputs}
     opt = set(nodes.optimizer)
@@ -563,7 +572,7 @@ def _split_tied_gradients(rw: _Rewriter, homes: dict, shared: dict) -> dict[str,
         if not readers_of_acc:
             raise PipelineSplitError(f"tied parameter '{name}': its update reads no accumulated gradient")
         first = min(readers_of_acc, key=lambda u: nodes.order.get(u, 1 << 60))
-        summed = rw.all_reduce(first, home, acc, "sum")
+        summed = rw.all_reduce(first, home, acc, "sum", group_of(holders))
         for user in readers_of_acc:
             user.replace_input_with(acc, summed)
         tied[name] = {"holders": holders, "acc": accs}
@@ -645,8 +654,8 @@ def _reduce_over_stages(rw: _Rewriter, homes: dict, n_stages: int) -> tuple[dict
     def refuse(node):
         raise PlanError("pp", f"optimizer node {node.name} ({node.target}) combines values of stages "
                               f"{sorted(up[node])} (rule: a value combining stages must be a sum, a maximum, "
-                              "a 2-norm or a sum of squares of values each stage has, such as global "
-                              "gradient-norm clipping's total norm)")
+                              "a logical and, a 2-norm or a sum of squares of values each stage has, such as "
+                              "global gradient-norm clipping's total norm or loss scaling's overflow check)")
 
     for node in mixed:
         if node in done:
@@ -704,6 +713,17 @@ def _reduce_over_stages(rw: _Rewriter, homes: dict, n_stages: int) -> tuple[dict
                     part = terms[0] if terms else None
                     for term in terms[1:]:
                         part = rw.emit(anchor, s, Region.OPTIMIZER, root.target, part, term)
+                    if kind == "and":
+                        if part is None:
+                            part = rw.emit(anchor, s, Region.OPTIMIZER, aten.ones.default, [], dtype=torch.float32,
+                                           device=like.device)
+                        else:
+                            part = rw.emit(anchor, s, Region.OPTIMIZER, aten._to_copy.default, part,
+                                           dtype=torch.float32)
+                        total = rw.emit(anchor, s, Region.OPTIMIZER, aten.gt.Scalar,
+                                        rw.all_reduce(anchor, s, part, "min"), 0.5)
+                        replica[(root, s)] = total
+                        continue
                     if part is None:
                         fill = 0.0 if kind == "sum" else float("-inf")
                         part = rw.emit(anchor, s, Region.OPTIMIZER, aten.full.default, [], fill, dtype=like.dtype,
@@ -746,12 +766,19 @@ def _reduce_over_stages(rw: _Rewriter, homes: dict, n_stages: int) -> tuple[dict
     return replica, reduced
 
 
+def pp_subgroup_name(pp_group: str, pp_ranks) -> str:
+    """The name of the process group of the pipeline ranks ``pp_ranks`` within this rank's pp group
+    (the runtime creates and registers it under this name: ``runtime.pipeline.make_pp_subgroups``)."""
+    return f"{pp_group}.pp{'_'.join(str(r) for r in pp_ranks)}"
+
+
 def _share_across_stages(nodes: _Nodes, stage: dict, homes: dict, shared: dict, mixed: list, ranks: list[int],
-                         n_stages: int, pp: int, schedule: str, ctx, program) -> tuple[dict, list[str]]:
+                         n_stages: int, pp: int, schedule: str, ctx, program) -> tuple[dict, list[str], dict]:
     """Tied weights and values combined over every stage, rewritten into per-stage parts whose
-    all-reduce runs over the pipeline ranks (the mesh's ``pp`` group)."""
+    all-reduce runs over the pipeline ranks (the mesh's ``pp`` group; a tied weight whose stages
+    are some of them, over a group of just those: returned as name -> their pp ranks)."""
     if not shared and not mixed:
-        return {}, []
+        return {}, [], {}
     what = (f"parameter '{next(iter(shared))}' (read by the forward of stages {next(iter(shared.values()))})"
             if shared else f"optimizer node {mixed[0].name}, which combines values of several stages")
     if len(set(ranks)) != n_stages:
@@ -762,16 +789,24 @@ def _share_across_stages(nodes: _Nodes, stage: dict, homes: dict, shared: dict, 
     mesh = getattr(ctx, "mesh", None) or program.mesh
     if mesh is None or "pp" not in mesh.axes or mesh.size("pp") != pp:
         raise PipelineSplitError(f"{what} needs the mesh's pp axis of {pp} ranks to name its all-reduce's group")
-    rw = _Rewriter(nodes, stage, mesh.group_name("pp"))
-    tied = _split_tied_gradients(rw, homes, shared)
-    for name, info in tied.items():
-        if sorted(ranks[s] for s in info["holders"]) != list(range(pp)):
-            raise PlanError("pp", f"parameter '{name}' is tied across stages {info['holders']} of {pp} (rule: a "
-                                  "tied weight's stages are every pipeline rank, whose group sums its gradient: "
-                                  "pp = 2 for an embedding tied to the head, or untie it)", pp)
+    pp_group = mesh.group_name("pp")
+    subgroups: dict[str, list[int]] = {}
+
+    def group_of(holders) -> str:
+        # GPT-2's embedding at pp > 2: the first and last ranks sum their parts; the ranks between
+        # (which do not hold it) take no part, so the group is just the holders' (Megatron's
+        # embedding group), made by the runtime under this name on every member.
+        pp_ranks = sorted(ranks[s] for s in holders)
+        if pp_ranks == list(range(pp)):
+            return pp_group
+        name = pp_subgroup_name(pp_group, pp_ranks)
+        subgroups[name] = pp_ranks
+        return name
+    rw = _Rewriter(nodes, stage, pp_group)
+    tied = _split_tied_gradients(rw, homes, shared, group_of)
     replica, reduced = _reduce_over_stages(rw, homes, n_stages)
     _copy_tied_updates(rw, homes, tied, replica)
-    return tied, reduced
+    return tied, reduced, subgroups
 
 
 # -- building the stage graphs ------------------------------------------------------------------
@@ -1063,8 +1098,8 @@ def pipeline_split_pass(program: Program, ctx: PassContext, *, stages: int = 2, 
     fstage = _forward_stages(nodes, starts)
     stage, homes, shared, mixed = _assign(nodes, fstage, stages)
     ranks = _default_ranks(stages, pp, schedule)
-    tied, reduced = _share_across_stages(nodes, stage, homes, shared, mixed, ranks, stages, pp, schedule,
-                                         ctx, program)
+    tied, reduced, subgroups = _share_across_stages(nodes, stage, homes, shared, mixed, ranks, stages, pp,
+                                                    schedule, ctx, program)
     base = {k: v for k, v in graph.attrs.items() if k != GraphAttr.KIND}
     graphs, flows, built = _build_stages(nodes, stage, homes, stages, ranks, base)
     stage_cost = [0.0] * stages
@@ -1081,7 +1116,8 @@ def pipeline_split_pass(program: Program, ctx: PassContext, *, stages: int = 2, 
         "stage_seconds": stage_cost, "stage_bytes": stage_bytes, "imbalance": max(stage_cost) / mean if mean else 1.0,
         "boundary_tensors": [len(st.acts_in) for st in built],
         "param_stage": homes, "microbatches": graph.attrs[GraphAttr.GRAD_ACCUMULATION]["microbatches"],
-        "shared_params": {n: info["holders"] for n, info in tied.items()}, "stage_reductions": reduced}
+        "shared_params": {n: info["holders"] for n, info in tied.items()}, "stage_reductions": reduced,
+        "pp_subgroups": subgroups}
     ctx.stat("stages", stages)
     ctx.stat("units", len(units))
     ctx.stat("imbalance", round(program.attrs[GraphAttr.PIPELINE_PARALLEL]["imbalance"], 4))

@@ -83,7 +83,10 @@ class StageExecutor:
             else:
                 flat.append(next(bound))
         outputs = self.runners[part](*flat)
-        write_back(graph, outputs, self.step.model, self.step.optimizer, self.step.step_state, self.step.shards)
+        # Metrics (loss scaling's overflow flag and scale, the clip's norm) come from this rank's
+        # apply graphs; a microbatch graph's would be its last microbatch's.
+        self.step.metrics.update(write_back(graph, outputs, self.step.model, self.step.optimizer,
+                                            self.step.step_state, self.step.shards))
         produced = {}
         for spec, value in zip(graph.signature.outputs, outputs):
             if spec.kind in StageValue.KINDS:
@@ -184,6 +187,7 @@ def run_local(step, program: Program, runners: dict[str, Any], microbatches: lis
     stages = [StageExecutor(s, stage_graphs(program, s), {p: runners[f"stage{s}.{p}"] for p in
                                                            stage_graphs(program, s)}, step) for s in range(n)]
     rows = [_rows(mb) for mb in microbatches]
+    step.metrics = {}
     try:
         for mb, batch in enumerate(microbatches):
             set_accumulation_scalars(step, rows[mb], sum(rows))
@@ -285,6 +289,7 @@ class PipelineRuntime:
         self.n, self.ranks = info["stages"], info["stage_to_rank"]
         self.group = step.world.group("pp")
         self.pp_rank = step.mesh.local_rank("pp")
+        make_pp_subgroups(step.mesh, info.get("pp_subgroups", {}))
         self.mine = [s for s in range(self.n) if self.ranks[s] == self.pp_rank]
         self.executors = {s: StageExecutor(s, stage_graphs(self.program, s),
                                            {p: comp.runners[f"stage{s}.{p}"] for p in stage_graphs(self.program, s)},
@@ -406,6 +411,7 @@ class PipelineRuntime:
         for st in self.stages.values():
             st.has_backward = True
             st.clear_runtime_states()
+        self.step.metrics = {}
         try:
             self.schedule._step_microbatches([(_slot_filler(),)] * m, [{}] * m, None, None)
             for s in self.mine:
@@ -429,6 +435,40 @@ class PipelineRuntime:
         """The measured timeline of the last step on this rank (``cann_passes.schedules.Timeline``)."""
         from ..schedules import timeline_from_events
         return timeline_from_events(self.events, name=f"measured {self.schedule_name}")
+
+
+def make_pp_subgroups(mesh, subgroups: dict[str, list[int]]) -> None:
+    """Create the process groups the stage graphs name for some of the pipeline ranks (a weight tied
+    across the first and last stage at pp > 2), each registered under its name for the graphs'
+    functional collectives to resolve.
+
+    ``subgroups``: this rank's name -> the pipeline ranks of its pp group in it. Only members make a
+    group (``use_local_synchronization``: ranks outside it take no part), in the same order on each
+    (sorted by pipeline ranks); one already registered (an earlier compilation of this run) is kept.
+    """
+    if not subgroups:
+        return
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import _register_process_group, _resolve_process_group
+    pp = mesh.axes.index("pp")
+    for name, pp_ranks in sorted(subgroups.items(), key=lambda item: item[1]):
+        if mesh.local_rank("pp") not in pp_ranks:
+            continue
+        try:
+            _resolve_process_group(name)
+            continue
+        except (RuntimeError, ValueError):
+            pass
+        members = [_global_rank(mesh.coords[:pp] + (k,) + mesh.coords[pp + 1:], mesh.shape) for k in pp_ranks]
+        group = dist.new_group(members, use_local_synchronization=True, group_desc=f"pipeline ranks {pp_ranks}")
+        _register_process_group(name, group)
+
+
+def _global_rank(coords: tuple, shape: tuple) -> int:
+    rank = 0
+    for c, size in zip(coords, shape):
+        rank = rank * size + c
+    return rank
 
 
 def _never_called_loss(output, target):

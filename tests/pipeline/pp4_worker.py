@@ -1,9 +1,10 @@
 """One rank of ``test_pp4_gloo``: ``python tests/pipeline/pp4_worker.py OUTDIR MODEL PP CONFIG...``.
 
-``pp_worker``'s models, batches and CONFIG syntax (``[model/]schedule:optimizer[:v]``), on a
-pp-only mesh; besides the losses, this rank's stages' parameters and the last step's events, it
-keeps the schedule the compiled program runs and, for ``dynamic``, the choice with every
-candidate's simulated figures.
+``pp_worker``'s models, batches and CONFIG syntax (``[model/]schedule:optimizer[:option...]``), on a
+pp-only mesh; besides the losses, this rank's stages' parameters (a tied weight on each stage
+holding it), the last step's events and, with loss scaling, the (overflow, scale) of every step, it
+keeps the schedule the compiled program runs, the pipeline subgroups it names and, for ``dynamic``,
+the choice with every candidate's simulated figures.
 """
 from __future__ import annotations
 
@@ -30,16 +31,22 @@ def main(out: str, model_name: str, pp: int, configs: list[str]) -> None:
             plan = pp_worker.plan_for(what, pp, 1, 1)
             model, opt = pp_worker.make_model(name, what.split(":")[1])
             step = compile_for_npu(model, plan, optimizer=opt, loss_fn=pp_worker.loss_fn(name))
-            losses = [float(step(pp_worker.global_batch(name, i))) for i in range(pp_worker.STEPS)]
+            losses, scaling = [], []
+            for i in range(pp_worker.steps_for(plan)):
+                losses.append(float(step(pp_worker.global_batch(name, i))))
+                if plan.effective_loss_scale != "none":
+                    scaling.append((bool(step.metrics["loss_scale:found_inf"]),
+                                    float(step.step_state.values["loss_scale:scale"])))
             info = step.last.program.attrs[GraphAttr.PIPELINE_PARALLEL]
             mine = {s for s, r in enumerate(info["stage_to_rank"]) if r == world.rank}
             params = {n: p.detach().clone() for n, p in model.named_parameters()
-                      if info["param_stage"][n] in mine}
+                      if set(pp_worker._stages_of(info, n)) & mine}
             events = [(e.rank, e.stage, e.microbatch, e.kind, e.start_s, e.end_s)
                       for e in step.pipeline_timeline().events]
             results[config] = {"losses": losses, "params": params, "events": events, "stages": info["stages"],
                                "schedule": info["schedule"], "dynamic": info.get("dynamic"),
-                               "stage_seconds": info["stage_seconds"], "shared": {}}
+                               "stage_seconds": info["stage_seconds"], "shared": info.get("shared_params", {}),
+                               "subgroups": info.get("pp_subgroups", {}), "scaling": scaling}
     torch.save(results, Path(out) / f"rank{world.rank}.pt")
 
 

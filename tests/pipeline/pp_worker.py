@@ -3,11 +3,12 @@
 Each CONFIG is ``[model/]schedule:optimizer[:option...]`` (``1f1b:sgd``, ``interleaved_1f1b:adamw:2``,
 ``llama/gpipe:adamw``: another model than MODEL); an option is the number of virtual stages per rank,
 ``clip=X`` (``plan.grad_clip_norm``), ``zeroN`` (ZeRO stage N over dp) or ``fp16`` (fp16 autocast with
-dynamic loss scaling). All configs run in this process one after the other under
+dynamic loss scaling; ``scale=X`` its initial scale, ``grow=N`` its growth interval; such a config
+runs ``FP16_STEPS`` steps). All configs run in this process one after the other under
 one ``(pp, dp, tp)`` mesh, each from the same initial weights.
 Each rank writes OUTDIR/rank<R>.pt: per config the losses, the full parameters of the stages this
-rank holds (gathered over tp by ``model.state_dict()``), and the measured per-action events of the
-last step.
+rank holds (gathered over tp by ``model.state_dict()``), the measured per-action events of the
+last step and, with loss scaling, per step the overflow flag and the scale this rank holds after it.
 
 MODEL is a recipe GPT (``gpt4``, ``heavy_head``) or a ``tests.zoo`` model built from its
 ``transformers`` config (``llama``, ``gpt2``: GPT2LMHeadModel with its embedding tied to the head).
@@ -27,6 +28,7 @@ from graph_ir.meta import GraphAttr  # noqa: E402
 from recipes.models.gpt import GPT, gpt_loss, gpt_tiny  # noqa: E402
 
 STEPS, GLOBAL_BATCH, SEQ = 10, 8, 16
+FP16_STEPS = 4
 MODELS = {"gpt4": dict(n_layer=4), "heavy_head": dict(n_layer=4, vocab_size=2048)}
 ZOO = {"llama": dict(layers=2), "gpt2": dict(layers=2)}
 
@@ -63,6 +65,10 @@ def make_model(name: str, optimizer: str):
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
 
 
+def steps_for(plan: Plan) -> int:
+    return FP16_STEPS if plan.precision == "fp16" else STEPS
+
+
 def microbatches_for(schedule: str, pp: int) -> int:
     return 2 * pp if schedule == "dualpipev" else max(4, pp)
 
@@ -84,6 +90,10 @@ def plan_for(config: str, pp: int, dp: int, tp: int) -> Plan:
             fields["grad_clip_norm"] = float(option.removeprefix("clip="))
         elif option == "fp16":
             fields["precision"] = "fp16"
+        elif option.startswith("scale="):
+            fields["loss_scale_init"] = float(option.removeprefix("scale="))
+        elif option.startswith("grow="):
+            fields["loss_scale_growth_interval"] = int(option.removeprefix("grow="))
         elif option.startswith("zero"):
             fields["zero_stage"] = int(option.removeprefix("zero"))
         else:
@@ -99,8 +109,12 @@ def main(out: str, model_name: str, pp: int, dp: int, tp: int, configs: list[str
             plan = plan_for(what, pp, dp, tp)
             model, opt = make_model(name, what.split(":")[1])
             step = compile_for_npu(model, plan, optimizer=opt, loss_fn=loss_fn(name))
-            losses = [float(step(shard_batch(global_batch(name, i), world.dp_rank, world.dp_size)))
-                      for i in range(STEPS)]
+            losses, scaling = [], []
+            for i in range(steps_for(plan)):
+                losses.append(float(step(shard_batch(global_batch(name, i), world.dp_rank, world.dp_size))))
+                if plan.effective_loss_scale != "none":
+                    scaling.append((bool(step.metrics["loss_scale:found_inf"]),
+                                    float(step.step_state.values["loss_scale:scale"])))
             info = step.last.program.attrs[GraphAttr.PIPELINE_PARALLEL]
             pp_rank = step.mesh.local_rank("pp")
             mine = {s for s, r in enumerate(info["stage_to_rank"]) if r == pp_rank}
@@ -111,7 +125,7 @@ def main(out: str, model_name: str, pp: int, dp: int, tp: int, configs: list[str
                       for e in step.pipeline_timeline().events]
             results[config] = {"losses": losses, "params": params, "events": events,
                                "stage_seconds": info["stage_seconds"], "stages": info["stages"],
-                               "shared": info.get("shared_params", {})}
+                               "shared": info.get("shared_params", {}), "scaling": scaling}
     torch.save(results, Path(out) / f"rank{world.rank}.pt")
 
 

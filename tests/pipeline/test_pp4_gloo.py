@@ -4,7 +4,9 @@ Complements ``test_pp_gloo`` (pp = 2 for every schedule, pp = 4 for 1F1B and ZB1
 check against plain eager PyTorch trained on the same global batches from the same weights (SGD
 with momentum: every parameter to 1e-5; AdamW: the losses to 1e-5; 10 steps), on the 4-layer
 GPT and the heavy-head one (vocab 2048: its last stage holds most of the work), with 4 ranks of
-one intra-op thread each launched once for all plans.
+one intra-op thread each launched once for all plans; and GPT2LMHeadModel with its embedding tied
+across the first and the last of four stages, in fp16 with loss scaling (against the same plan
+compiled at pp = 1, ``test_pp_gloo._check_fp16``).
 """
 from __future__ import annotations
 
@@ -20,16 +22,19 @@ from cann_passes.schedules import timeline_from_events
 
 sys.path.insert(0, str(Path(__file__).parent))
 import pp_worker  # noqa: E402
-from test_pp_gloo import _check  # noqa: E402
+from test_pp_gloo import FP16, _check, _check_fp16  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = str(Path(__file__).parent / "pp4_worker.py")
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_intra_op_thread")]
 
-# every schedule with SGD and with AdamW, on both models
+# every schedule with SGD and with AdamW, on both models; the last: GPT2LMHeadModel, its embedding tied
+# to the head across stages 0 and 3 (summed over a group of just those two pipeline ranks; stages 1
+# and 2 do not hold it), trained in fp16 with loss scaling (the overflow flag combined over all four)
+TIED_FP16 = f"gpt2/1f1b:sgd:{FP16}"
 PP4 = ["gpipe:sgd", "interleaved_1f1b:sgd:2", "dualpipev:adamw",
-       "heavy_head/gpipe:adamw", "heavy_head/interleaved_1f1b:adamw:2", "heavy_head/dualpipev:sgd"]
+       "heavy_head/gpipe:adamw", "heavy_head/interleaved_1f1b:adamw:2", "heavy_head/dualpipev:sgd", TIED_FP16]
 
 
 def _launch(tmp_path_factory, name: str, pp: int, configs: list[str]):
@@ -45,7 +50,15 @@ def test_pp4_gpipe_interleaved_and_dualpipev_match_single_process_training(tmp_p
     ranks = _launch(tmp_path_factory, "pp4", 4, PP4)
     for config in PP4:
         with subtests.test(config=config):
-            _check(ranks, config, "gpt4")
+            if config == TIED_FP16:
+                _check_fp16(ranks, config, pp=4)
+                assert ranks[0][config]["shared"] == {"transformer.wte.weight": [0, 3]}
+                assert [list(r[config]["subgroups"].values()) for r in ranks] == [[[0, 3]]] * 4
+                assert torch.equal(ranks[0][config]["params"]["transformer.wte.weight"],
+                                   ranks[3][config]["params"]["transformer.wte.weight"])
+                assert "transformer.wte.weight" not in ranks[1][config]["params"]
+            else:
+                _check(ranks, config, "gpt4")
             schedule, _, *options = pp_worker.parse_config(config, "gpt4")[1].split(":")
             v = S.stages_per_rank(schedule, int(options[0]) if options and options[0].isdigit() else 1)
             assert ranks[0][config]["stages"] == 4 * v

@@ -7,6 +7,8 @@ parameters to 1e-5, AdamW losses to 1e-5, over ``pp_worker.STEPS`` (10) steps; e
 and checks only its own stages' parameters. The eager reference is trained once per model and
 optimizer. Ranks run one intra-op thread each, as torchrun starts them: several ranks share
 the machine's cores, and more threads than cores only make the tiny ops wait on each other.
+fp16 plans (loss scaling) are compared with the same plan compiled at pp = 1 in this process
+(``_fp16_reference``), over ``pp_worker.FP16_STEPS`` (4) steps.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cann_passes import compile_for_npu
 from cann_passes.runtime.distributed import launch_local
 from cann_passes.schedules import timeline_from_events
 
@@ -55,6 +58,40 @@ def _reference(model_name: str, optimizer: str, clip: float | None = None):
         losses.append(loss.item())
     assert clip is None or clipped >= pp_worker.STEPS // 2, "the clip norm must bind for the test to mean anything"
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@functools.cache
+def _fp16_reference(config: str, dp: int, pp: int):
+    """Single-process fp16 training with the loss-scale pass: the same plan at pp = 1, with the
+    microbatches of every (dp, pipeline) rank, so that each microbatch's backward (where fp16
+    overflows) sees the rows it sees in the pipeline. Losses, parameters, (overflow, scale) per step."""
+    model_name, what = pp_worker.parse_config(config, "")
+    plan = pp_worker.plan_for(what, pp, dp, 1)
+    plan = plan.replace(pp=1, dp=1, microbatches=plan.microbatches * dp, pipeline_schedule="1f1b", verify="deep")
+    model, opt = pp_worker.make_model(model_name, what.split(":")[1])
+    step = compile_for_npu(model, plan, optimizer=opt, loss_fn=pp_worker.loss_fn(model_name))
+    losses, scaling = [], []
+    for i in range(pp_worker.steps_for(plan)):
+        losses.append(float(step(pp_worker.global_batch(model_name, i))))
+        scaling.append((bool(step.metrics["loss_scale:found_inf"]), float(step.step_state.values["loss_scale:scale"])))
+    assert {skip for skip, _ in scaling} == {True, False}, f"{config}: the test needs skipped and applied steps"
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, scaling
+
+
+def _check_fp16(ranks: list[dict], config: str, dp: int = 1, pp: int = 2):
+    """Every rank: the reference's losses and (overflow, scale) trajectory; the parameters of its
+    stages within 1e-5 (fp32 master weights, SGD or AdamW)."""
+    ref_losses, ref_params, ref_scaling = _fp16_reference(config, dp, pp)
+    for rank, result in enumerate(ranks):
+        got = result[config]
+        assert got["scaling"] == ref_scaling, f"{config} rank {rank}: (overflow, scale) per step"
+        for i, (loss, want) in enumerate(zip(got["losses"], ref_losses, strict=True)):
+            assert abs(loss - want) <= 1e-5 * abs(want), f"{config} rank {rank} step {i}: loss {loss} vs {want}"
+        for name, value in got["params"].items():
+            err = (value - ref_params[name]).abs().max().item()
+            assert err <= 1e-5, f"{config} rank {rank}: parameter {name} differs by {err:.2e}"
+    held = {name for result in ranks for name in result[config]["params"]}
+    assert held == set(ref_params)
 
 
 def _clip_of(config: str) -> float | None:
@@ -124,13 +161,22 @@ def test_pp4_heavy_head_matches_single_process_training(tmp_path_factory, subtes
             _check(pp4, config, "heavy_head")
 
 
+# fp16 with dynamic loss scaling: the initial scale makes some steps overflow (skipped by every rank,
+# the scale halved) and the growth interval of 2 makes the scale grow between them.
+FP16 = "fp16:scale=524288:grow=2"
+
+
 def test_dp2_x_pp2_matches_single_process_training(tmp_path_factory, subtests):
-    # The last: global clipping over ZeRO-1 shards, the squared shard norms all-reduced over dp and pp.
-    configs = ["1f1b:sgd", "1f1b:adamw", "1f1b:sgd:clip=0.5:zero1"]
+    # Global clipping over ZeRO-1 shards (the squared shard norms all-reduced over dp and pp); fp16 loss
+    # scaling, the overflow flag combined over the stages and over dp.
+    configs = ["1f1b:sgd", "1f1b:adamw", "1f1b:sgd:clip=0.5:zero1", f"llama/1f1b:sgd:{FP16}"]
     ranks = _launch(tmp_path_factory, "dp2pp2", 4, "gpt4", 2, 2, configs)
     for config in configs:
         with subtests.test(config=config):
-            _check(ranks, config, "gpt4", dp=2)
+            if "fp16" in config:
+                _check_fp16(ranks, config, dp=2)
+            else:
+                _check(ranks, config, "gpt4", dp=2)
 
 
 def test_tp2_x_pp2_gpt_and_llama_match_single_process_training(tmp_path_factory, subtests):
@@ -159,10 +205,16 @@ def test_tied_weights_and_global_grad_clipping_across_stages_match_single_proces
     each accumulates its part of the gradient, an all-reduce over the pipeline ranks sums the parts and
     both apply the same update. Global grad-norm clipping: each stage's squared norms are summed over
     the pipeline ranks, so every stage clips by the same coefficient (``clip_grad_norm_``'s)."""
-    configs = ["gpt2/1f1b:sgd", "gpt2/gpipe:adamw", "1f1b:sgd:clip=0.5", "gpt2/zb1p:sgd:clip=0.5"]
+    configs = ["gpt2/1f1b:sgd", "gpt2/gpipe:adamw", "1f1b:sgd:clip=0.5", "gpt2/zb1p:sgd:clip=0.5",
+               f"llama/gpipe:sgd:{FP16}", f"gpt2/1f1b:adamw:{FP16}"]
     ranks = _launch(tmp_path_factory, "tied_clip", 2, "gpt4", 2, 1, configs)
     for config in configs:
         with subtests.test(config=config):
-            _check(ranks, config, "gpt4")
+            if "fp16" in config:
+                # fp16 loss scaling: each stage checks its gradients, the flags are combined over the
+                # pipeline ranks, and every rank skips and updates its scale alike (GPT-2: tied too)
+                _check_fp16(ranks, config)
+            else:
+                _check(ranks, config, "gpt4")
             if config.startswith("gpt2/"):
                 assert ranks[0][config]["shared"] == {"transformer.wte.weight": [0, 1]}

@@ -15,7 +15,6 @@ import torch
 from cann_passes import Plan, compile_for_npu
 from cann_passes.compile import compile_program
 from cann_passes.pass_manager import PassFailure
-from cann_passes.plan import PlanError
 from graph_ir import capture_train_step
 from graph_ir.mesh import MeshDesc
 from graph_ir.meta import GraphAttr, GraphKind, StageValue
@@ -165,18 +164,19 @@ class TestRefusals:
             _program(_gpt(layers=1), Plan(pp=8, microbatches=8, backend="eager", pipeline_schedule="gpipe"))
 
 
-    def test_tied_weights_need_every_pipeline_rank_and_one_stage_per_rank(self):
+    def test_values_combined_across_stages_need_one_stage_per_rank(self):
         torch.manual_seed(0)
         tied = GPT(gpt_tiny(n_layer=2, tie_weights=True, bias=False))
-        with pytest.raises(PassFailure, match=r"plan field 'pp'.*wte.weight.*tied across stages \[0, 3\]"):
-            _program(tied, Plan(pp=4, microbatches=4, backend="eager"))
+        with pytest.raises(PassFailure, match=r"plan field 'pipeline_schedule'.*wte.weight.*one stage per pipeline"):
+            _program(tied, Plan(pp=2, microbatches=4, backend="eager", pipeline_schedule="dualpipev"))
         with pytest.raises(PassFailure, match=r"plan field 'pipeline_virtual_stages'.*one stage per pipeline rank"):
             _program(_gpt(), Plan(pp=2, microbatches=4, backend="eager", grad_clip_norm=1.0,
                                   pipeline_schedule="interleaved_1f1b", pipeline_virtual_stages=2))
 
-    def test_loss_scaling_is_refused_by_field(self):
-        with pytest.raises(PlanError, match="plan field 'loss_scale'"):
-            _program(_gpt(), Plan(pp=2, microbatches=2, backend="eager", precision="fp16"))
+    def test_loss_scaling_with_several_stages_per_rank_is_refused_by_field(self):
+        with pytest.raises(PassFailure, match=r"plan field 'pipeline_virtual_stages'.*one stage per pipeline rank"):
+            _program(_gpt(), Plan(pp=2, microbatches=4, backend="eager", precision="fp16",
+                                  pipeline_schedule="interleaved_1f1b", pipeline_virtual_stages=2))
 
 
 class TestAcrossStages:
@@ -207,6 +207,21 @@ class TestAcrossStages:
         with pytest.raises(Exception, match=r"tied across stages.*init_distributed"):
             _train(model, Plan(pp=2, microbatches=2, backend="eager"), steps=1)
 
+    def test_tied_embedding_at_pp4_is_summed_over_a_group_of_just_the_first_and_last_pipeline_ranks(self):
+        torch.manual_seed(0)
+        model = GPT(gpt_tiny(n_layer=2, tie_weights=True, bias=False))
+        program = _program(model, Plan(pp=4, microbatches=4, backend="eager"), rank=1)
+        verify_program(program, deep=True)
+        info = program.attrs[PP]
+        assert info["shared_params"] == {"wte.weight": [0, 3]}
+        (name,) = info["pp_subgroups"]
+        assert info["pp_subgroups"][name] == [0, 3] and name != program.mesh.group_name("pp")
+        for s in range(4):
+            reduces = self._reduces(program[f"stage{s}.apply"])
+            holds = "wte.weight" in [o.name for o in program[f"stage{s}.apply"].signature.outputs]
+            assert holds == (s in (0, 3))
+            assert [r.args[1:] for r in reduces] == ([("sum", name)] if holds else [])
+
     def test_global_grad_clipping_sums_each_stages_squared_norms_over_the_pipeline_ranks(self):
         program = _program(_gpt(), Plan(pp=2, microbatches=2, backend="eager", grad_clip_norm=1.0))
         verify_program(program, deep=True)
@@ -218,6 +233,24 @@ class TestAcrossStages:
             assert "grad_clip:grad_norm" in [o.name for o in apply.signature.outputs]
             # Nothing else than the parts of the norm crosses: no stage reads another's gradients.
             assert not [i for i in apply.signature.inputs if i.kind in StageValue.KINDS]
+
+
+    def test_fp16_loss_scaling_checks_each_stages_gradients_and_combines_the_flags_over_the_pipeline_ranks(self):
+        program = _program(_gpt(), Plan(pp=2, microbatches=2, backend="eager", precision="fp16"))
+        verify_program(program, deep=True)
+        assert [r.endswith("(and)") for r in program.attrs[PP]["stage_reductions"]] == [True]
+        state = {"loss_scale:scale", "loss_scale:growth_tracker"}
+        for s in range(2):
+            apply = program[f"stage{s}.apply"]
+            (reduce,) = self._reduces(apply)
+            assert reduce.args[1:] == ("min", program.mesh.group_name("pp"))
+            outputs = {o.name for o in apply.signature.outputs}
+            assert state | {"loss_scale:found_inf"} <= outputs   # every stage skips and rescales alike
+            assert not [i for i in apply.signature.inputs if i.kind in StageValue.KINDS]
+        # The loss is scaled where it is: the last stage's backward seed.
+        readers = [g for g, graph in program.graphs.items()
+                   if "loss_scale:scale" in {i.name for i in graph.signature.inputs} and not g.endswith(".apply")]
+        assert readers and all(g.startswith("stage1.backward") for g in readers)
 
 
 class TestAllStagesInOneProcess:
