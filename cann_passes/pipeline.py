@@ -29,10 +29,12 @@ collective lands in the stage that owns its gradient.
 
 What composes with pp > 1 on the (pp, dp, tp) mesh: static microbatches, dp,
 ZeRO-1/2, tp (the stage graphs keep each rank's tp collectives), weights tied
-across stages and global grad-norm clipping (their parts all-reduced over the
-pp group, see ``pipeline_split``; clipping with ZeRO-1/2 too). Refused by field
-(``_check_pipeline_plan``): ZeRO-3, dynamic accumulation, loss scaling, clipping
-with tp.
+across stages (their parts all-reduced over the pp group, or over a group of
+just the pipeline ranks holding them), global grad-norm clipping (also with
+ZeRO-1/2 and tp) and fp16 loss scaling (each stage checks its own gradients,
+the flags combined over the pp group; see ``pipeline_split``). Refused by field
+(``_check_pipeline_plan``): ZeRO-3, dynamic accumulation; by ``pipeline_split``:
+any of those combinations with several stages per rank.
 
 A plan's ``pipeline`` field replaces all of this with its own text.
 """
