@@ -45,8 +45,9 @@ WRITABLE_INPUTS = (InputKind.PARAM.value, InputKind.BUFFER.value, InputKind.OPT_
 # Graphs whose updated inputs the runtime stores right after the call, with no other graph holding
 # an older view of them in between (pipeline stages pass saved values between calls).
 INPUT_WRITING_GRAPHS = (GraphKind.STEP, GraphKind.APPLY)
-# "0" lowers every graph functionally (no input written; new parameters and state stored by the
-# runtime): what the in-place updates are measured against (bench/step_time_dp.py).
+# "0" lowers every graph functionally (no input written, new parameters and state stored by the
+# runtime; the eager backend's collectives functional too): what the in-place updates are measured
+# against (bench/step_time_dp.py).
 INPLACE_UPDATES_ENV = "CANN_PASSES_INPLACE_UPDATES"
 
 

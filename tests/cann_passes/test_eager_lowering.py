@@ -233,6 +233,11 @@ def test_dp_and_zero_steps_write_their_inputs_only_after_every_reduction_and_bac
             and collective_kind(n.args[0]) != "all_gather"]
     assert late and gm.meta["waits_moved"] >= len(late)
     assert len(nodes) == len(graph.gm.graph.nodes)
+    # Data parallelism's gradient buckets die at their all-reduce: reduced in place, not cloned first.
+    buckets = [n for n in original if collective_kind(n) == "all_reduce" and region_of(n) == Region.BACKWARD]
+    if stage == 0:
+        assert buckets and gm.meta["buckets_reduced_in_place"] >= len(buckets)
+        assert sum(n.target is torch.ops._c10d_functional.all_reduce_.default for n in nodes) >= len(buckets)
 
 
 def test_in_place_updates_can_be_switched_off_for_a_functional_step(gpt2_capture, monkeypatch):
@@ -241,3 +246,4 @@ def test_in_place_updates_can_be_switched_off_for_a_functional_step(gpt2_capture
     _, runner = _lowered(gpt2_capture, 0)
     assert runner.written_inputs == []
     assert runner.run.meta["waits_moved"] == 0 and runner.run.meta["written_inputs"] == []
+    assert runner.run.meta["buckets_reduced_in_place"] == 0
