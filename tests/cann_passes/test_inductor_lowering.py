@@ -44,12 +44,28 @@ def test_inductor_keeps_alpha_of_an_add_after_a_matmul():
     torch.testing.assert_close(runner(*args)[0], expected, rtol=1e-5, atol=1e-5)
 
 
-def test_the_inductor_pipeline_names_the_spell_out_even_for_pipeline_text():
-    assert str(build_pipeline(Plan(), "inductor")).endswith("cleanup,spell_out_alpha")
+INDUCTOR_TAIL = "spell_out_alpha,tanh_gelu_as_sigmoid,linear_on_onednn"
+
+
+def test_the_inductor_pipeline_names_its_rewrites_even_for_pipeline_text():
+    assert str(with_required_passes(build_pipeline(Plan(), "inductor"), "inductor")).endswith(
+        "cleanup," + INDUCTOR_TAIL)
     assert "spell_out_alpha" not in str(build_pipeline(Plan(), "eager"))
     text = build_pipeline(Plan(pipeline="cleanup"), "inductor")
-    assert str(with_required_passes(text, "inductor")) == "cleanup,spell_out_alpha"
+    assert str(with_required_passes(text, "inductor")) == "cleanup," + INDUCTOR_TAIL
     assert str(with_required_passes(text, "eager")) == "cleanup"
+
+
+@pytest.mark.slow
+def test_inductor_step_of_transformers_gpt2_with_its_rewrites_matches_eager_pytorch():
+    from tests.zoo import compare
+    # GPT-2's hand-written tanh GELU (sigmoid form) and Conv1D matmuls (oneDNN): not bitwise, to 1e-5
+    run = compare("gpt2", Plan(backend="inductor", compile_cache="off"), steps=2, layers=1)
+    stats = {r.name: r.stats.get("rewritten") for r in run.step.records}
+    assert stats["tanh_gelu_as_sigmoid"] == 1 and stats["linear_on_onednn"] > 0
+    torch.testing.assert_close(torch.tensor(run.compiled_losses), torch.tensor(run.eager_losses),
+                               rtol=1e-6, atol=0)
+    assert run.max_param_diff() < 1e-5
 
 
 # -- parameters and optimizer state updated through input mutation -------------------------------

@@ -1,0 +1,70 @@
+"""The linear_on_onednn pass: float32 CPU matmuls through oneDNN, within BLAS rounding of MKL's."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from cann_passes import Plan
+from cann_passes.passes.linear_on_onednn import linear_on_onednn
+from graph_ir import TrainGraph
+from graph_ir.signature import InputKind, OutputKind, Spec, StepSignature
+
+aten = torch.ops.aten
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+def _graph(fn, args, outputs):
+    gm = make_fx(fn, tracing_mode="fake")(*args)
+    for n in gm.graph.nodes:
+        n.meta["region"] = "io" if n.op in ("placeholder", "output") else "forward"
+    sig = StepSignature([Spec(InputKind.BATCH, f"batch[{i}]") for i in range(len(args))],
+                        [Spec(OutputKind.LOSS, f"out{i}") for i in range(outputs)])
+    return TrainGraph(gm, sig)
+
+
+def _linears(graph):
+    return sum(n.target is torch.ops.cann.onednn_linear.default for n in graph.graph.nodes)
+
+
+def test_forward_input_gradient_and_conv1d_layouts_move_and_the_weight_gradient_stays_on_mkl():
+    def f(x, w, b, g, w_in_out):
+        return [aten.addmm(b, x, aten.t(w)),        # nn.Linear forward: x @ W.t() + b
+                aten.mm(g, w),                      # its input gradient: g @ W
+                aten.mm(aten.t(g), x),              # its weight gradient: g.t() @ x (transposed left)
+                aten.addmm(b, x, w_in_out),         # transformers' Conv1D: x @ W + b, W [in, out]
+                aten.addmm(b, x, aten.t(w), beta=0.5)]
+    g_ = torch.Generator().manual_seed(0)
+    args = [torch.randn(64, 48, generator=g_), torch.randn(40, 48, generator=g_), torch.randn(40, generator=g_),
+            torch.randn(64, 40, generator=g_), torch.randn(48, 40, generator=g_)]
+    graph = _graph(f, args, 5)
+    expected = graph.gm(*args)
+    assert linear_on_onednn(graph) == 3
+    kept = [n.target for n in graph.graph.nodes if n.target in (aten.mm.default, aten.addmm.default)]
+    assert kept == [aten.mm.default, aten.addmm.default]     # the weight gradient, and beta != 1
+    got = graph.gm(*args)
+    for e, o in zip(expected, got):
+        # not bitwise in general: oneDNN sums the dot products in its own order (BLAS rounding)
+        torch.testing.assert_close(o, e, rtol=1e-6, atol=1e-5)
+        assert o.shape == e.shape and o.is_contiguous()
+
+
+def test_other_dtypes_and_batched_matmuls_are_left_alone():
+    def f(x, w, a, b):
+        return [aten.mm(x, w), aten.bmm(a, b)]
+    args = [torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64),
+            torch.randn(2, 8, 8), torch.randn(2, 8, 8)]
+    graph = _graph(f, args, 2)
+    assert linear_on_onednn(graph) == 0
+
+
+@pytest.mark.parametrize("model", ["llama", "gpt2"])
+def test_a_step_with_the_pass_stays_within_1e5_of_eager_pytorch(model):
+    from tests.zoo import compare
+    # LLaMA: bias-free nn.Linear (mm); GPT-2: Conv1D (addmm with an [in, out] weight)
+    run = compare(model, Plan(backend="eager", extra_passes=("linear_on_onednn",), verify="deep"), steps=2)
+    record = next(r for r in run.step.records if r.name == "linear_on_onednn")
+    assert record.stats["rewritten"] > 0
+    torch.testing.assert_close(torch.tensor(run.compiled_losses), torch.tensor(run.eager_losses),
+                               rtol=1e-6, atol=0)
+    assert run.max_param_diff() < 1e-5
