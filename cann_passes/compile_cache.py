@@ -376,20 +376,27 @@ class CompileCache:
             total -= size
 
 
+@contextlib.contextmanager
 def lowering_context(backend: str):
     """Around lowering: let inductor's FX graph cache and AOTAutograd cache work.
 
     ``compile_fx`` given real example inputs makes a fake mode without a ShapeEnv, and both
     caches then bypass ("No shape env": their keys carry shape guards). A tracing context whose
     fake mode has one, with static shapes (so nothing becomes symbolic and the kernels are the
-    ones compiled without it), makes the second process's lowering a cache lookup."""
+    ones compiled without it), makes the second process's lowering a cache lookup. A cold
+    lowering also starts each C++ kernel's compile as soon as inductor has generated it
+    (:func:`cann_passes.lowering.inductor_config.overlapped_compile`)."""
     if backend != "inductor":
-        return contextlib.nullcontext()
+        yield
+        return
     from torch._guards import TracingContext, tracing
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
-    return tracing(TracingContext(FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(),
-                                                 static_shapes=True)))
+
+    from .lowering.inductor_config import overlapped_compile
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(), static_shapes=True)
+    with tracing(TracingContext(fake_mode)), overlapped_compile():
+        yield
 
 
 def context_for(entry: Entry, plan, mesh: MeshDesc) -> PassContext:
