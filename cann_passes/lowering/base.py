@@ -17,7 +17,8 @@ import torch
 import torch.fx
 
 from graph_ir import TrainGraph
-from graph_ir.meta import GraphKind, graph_kind
+from graph_ir.analysis.collectives import collective_kind, is_communication_op
+from graph_ir.meta import GraphKind, Region, graph_kind, region_of
 from graph_ir.signature import InputKind
 
 Runner = Callable[..., Any]
@@ -66,6 +67,40 @@ def writable_inputs(graph: TrainGraph) -> dict[torch.fx.Node, int]:
     return {node: outputs[(spec.kind, spec.name)]
             for node, spec in zip(graph.placeholders(), graph.signature.inputs)
             if spec.kind in WRITABLE_INPUTS and (spec.kind, spec.name) in outputs}
+
+
+def _collective(node: torch.fx.Node) -> torch.fx.Node:
+    """The collective a communication node performs or waits for."""
+    if collective_kind(node) is None and node.args and isinstance(node.args[0], torch.fx.Node):
+        return node.args[0]
+    return node
+
+
+def distributes_update(node: torch.fx.Node) -> bool:
+    """Whether a communication node is an all-gather (or its wait) of values the optimizer computed:
+    the one kind of collective that may follow a write of an input."""
+    c = _collective(node)
+    return collective_kind(c) == "all_gather" and bool(c.all_input_nodes) and all(
+        a.op == "call_function" and region_of(a) == Region.OPTIMIZER and not is_communication_op(a)
+        for a in c.all_input_nodes)
+
+
+def wait_for_reductions_first(graph: torch.fx.Graph) -> int:
+    """Move the wait of every collective issued before the optimizer region to the region's start
+    (a wait moves nothing; only the point where the step blocks changes), so that a lowering can
+    write inputs from there on with every gradient reduction done: the eager lowering does, and
+    another lowering that orders its writes after the waits can. Returns how many moved."""
+    nodes = [n for n in graph.nodes if n.op == "call_function"]
+    start = next((i for i, n in enumerate(nodes) if region_of(n) == Region.OPTIMIZER), None)
+    if start is None:
+        return 0
+    issued = {n for n in nodes[:start] if collective_kind(n) is not None}
+    moved = 0
+    for n in nodes[start:]:
+        if is_communication_op(n) and collective_kind(n) is None and _collective(n) in issued:
+            nodes[start].prepend(n)
+            moved += 1
+    return moved
 
 
 class GuardedRunner:

@@ -74,49 +74,18 @@ import torch.fx
 from torch.fx.passes.reinplace import _maybe_get_inplace_op
 
 from graph_ir import TrainGraph
-from graph_ir.analysis.collectives import collective_kind, is_communication_op
+from graph_ir.analysis.collectives import is_communication_op
 from graph_ir.analysis.memory import storage_roots
 from graph_ir.meta import Region, region_of
 
-from .base import GuardedRunner, inplace_updates_enabled, writable_inputs
+from .base import (GuardedRunner, distributes_update, inplace_updates_enabled, wait_for_reductions_first,
+                   writable_inputs)
 
 
 def _layout(val) -> tuple | None:
     if not isinstance(val, torch.Tensor):
         return None
     return (tuple(val.shape), val.dtype, tuple(val.stride()), val.device) if val.is_contiguous() else None
-
-
-def _collective(node: torch.fx.Node) -> torch.fx.Node:
-    """The collective a communication node performs or waits for."""
-    if collective_kind(node) is None and node.args and isinstance(node.args[0], torch.fx.Node):
-        return node.args[0]
-    return node
-
-
-def distributes_update(node: torch.fx.Node) -> bool:
-    """Whether a communication node is an all-gather (or its wait) of values the optimizer computed:
-    the one kind of collective that may follow a write of an input."""
-    c = _collective(node)
-    return collective_kind(c) == "all_gather" and bool(c.all_input_nodes) and all(
-        a.op == "call_function" and region_of(a) == Region.OPTIMIZER and not is_communication_op(a)
-        for a in c.all_input_nodes)
-
-
-def wait_for_reductions_first(graph: torch.fx.Graph) -> int:
-    """Move the wait of every collective issued before the optimizer region to the region's start
-    (a wait moves nothing; only the point where the step blocks changes). Returns how many moved."""
-    nodes = [n for n in graph.nodes if n.op == "call_function"]
-    start = next((i for i, n in enumerate(nodes) if region_of(n) == Region.OPTIMIZER), None)
-    if start is None:
-        return 0
-    issued = {n for n in nodes[:start] if collective_kind(n) is not None}
-    moved = 0
-    for n in nodes[start:]:
-        if is_communication_op(n) and collective_kind(n) is None and _collective(n) in issued:
-            nodes[start].prepend(n)
-            moved += 1
-    return moved
 
 
 def reduce_dead_buckets_in_place(graph: torch.fx.Graph) -> int:
