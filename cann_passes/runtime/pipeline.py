@@ -182,8 +182,9 @@ def run_local(step, program: Program, runners: dict[str, Any], microbatches: lis
     across += [f"{what} reduced over every stage" for what in info.get("stage_reductions", [])]
     if across:
         raise PipelineRuntimeError(f"the stages all-reduce over the pipeline ranks ({'; '.join(across)}), which one "
-                                   "process holding every stage has no group for (rule: run pp > 1 with tied weights "
-                                   "or gradient clipping under init_distributed, one process per pipeline rank)")
+                                   "process holding every stage has no group for (rule: run pp > 1 with tied weights, "
+                                   "gradient clipping or loss scaling under init_distributed, one process per "
+                                   "pipeline rank)")
     stages = [StageExecutor(s, stage_graphs(program, s), {p: runners[f"stage{s}.{p}"] for p in
                                                            stage_graphs(program, s)}, step) for s in range(n)]
     rows = [_rows(mb) for mb in microbatches]
@@ -450,7 +451,6 @@ def make_pp_subgroups(mesh, subgroups: dict[str, list[int]]) -> None:
         return
     import torch.distributed as dist
     from torch._C._distributed_c10d import _register_process_group, _resolve_process_group
-    pp = mesh.axes.index("pp")
     for name, pp_ranks in sorted(subgroups.items(), key=lambda item: item[1]):
         if mesh.local_rank("pp") not in pp_ranks:
             continue
@@ -459,16 +459,22 @@ def make_pp_subgroups(mesh, subgroups: dict[str, list[int]]) -> None:
             continue
         except (RuntimeError, ValueError):
             pass
-        members = [_global_rank(mesh.coords[:pp] + (k,) + mesh.coords[pp + 1:], mesh.shape) for k in pp_ranks]
-        group = dist.new_group(members, use_local_synchronization=True, group_desc=f"pipeline ranks {pp_ranks}")
+        group = dist.new_group(pp_subgroup_members(mesh, pp_ranks), use_local_synchronization=True,
+                               group_desc=f"pipeline ranks {pp_ranks}")
         _register_process_group(name, group)
 
 
-def _global_rank(coords: tuple, shape: tuple) -> int:
-    rank = 0
-    for c, size in zip(coords, shape):
-        rank = rank * size + c
-    return rank
+def pp_subgroup_members(mesh, pp_ranks) -> list[int]:
+    """Global ranks of the pipeline ranks ``pp_ranks`` that share this rank's other coordinates
+    (its dp and tp coordinates: the pp group it belongs to)."""
+    pp = mesh.axes.index("pp")
+    members = []
+    for k in pp_ranks:
+        rank = 0
+        for c, size in zip(mesh.coords[:pp] + (k,) + mesh.coords[pp + 1:], mesh.shape):
+            rank = rank * size + c
+        members.append(rank)
+    return members
 
 
 def _never_called_loss(output, target):

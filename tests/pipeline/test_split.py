@@ -222,6 +222,16 @@ class TestAcrossStages:
             assert holds == (s in (0, 3))
             assert [r.args[1:] for r in reduces] == ([("sum", name)] if holds else [])
 
+    def test_a_pipeline_subgroup_is_the_same_ranks_on_each_of_its_members_at_every_dp_coordinate(self):
+        from cann_passes.runtime.pipeline import pp_subgroup_members
+        groups = {}
+        for rank in range(8):   # (pp=4, dp=2): the pp groups are ranks {0, 2, 4, 6} and {1, 3, 5, 7}
+            mesh = MeshDesc.fake(pp=4, dp=2, rank=rank)
+            members = pp_subgroup_members(mesh, [0, 3])
+            if mesh.local_rank("pp") in (0, 3):
+                groups[rank] = members
+        assert groups == {0: [0, 6], 6: [0, 6], 1: [1, 7], 7: [1, 7]}
+
     def test_global_grad_clipping_sums_each_stages_squared_norms_over_the_pipeline_ranks(self):
         program = _program(_gpt(), Plan(pp=2, microbatches=2, backend="eager", grad_clip_norm=1.0))
         verify_program(program, deep=True)
