@@ -766,6 +766,20 @@ def _reduce_over_stages(rw: _Rewriter, homes: dict, n_stages: int) -> tuple[dict
     return replica, reduced
 
 
+def _metrics_behind(nodes: _Nodes, node: torch.fx.Node) -> str:
+    """' (behind metric 'loss_scale:found_inf')': the metrics computed from ``node``, to name what a
+    user asked for (clipping's norm, loss scaling's overflow flag) rather than a node."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.users)
+    names = sorted({spec.name for spec, value in nodes.outputs
+                    if spec.kind == OutputKind.METRIC and value in seen})
+    return f" (behind metric {', '.join(repr(n) for n in names)})" if names else ""
+
+
 def pp_subgroup_name(pp_group: str, pp_ranks) -> str:
     """The name of the process group of the pipeline ranks ``pp_ranks`` within this rank's pp group
     (the runtime creates and registers it under this name: ``runtime.pipeline.make_pp_subgroups``)."""
@@ -780,12 +794,14 @@ def _share_across_stages(nodes: _Nodes, stage: dict, homes: dict, shared: dict, 
     if not shared and not mixed:
         return {}, [], {}
     what = (f"parameter '{next(iter(shared))}' (read by the forward of stages {next(iter(shared.values()))})"
-            if shared else f"optimizer node {mixed[0].name}, which combines values of several stages")
+            if shared else f"optimizer node {mixed[0].name}{_metrics_behind(nodes, mixed[0])}, which combines "
+                           "values of several stages")
     if len(set(ranks)) != n_stages:
         field = "pipeline_schedule" if schedule in ("dualpipev", "zbv") else "pipeline_virtual_stages"
         raise PlanError(field, f"{what} needs an all-reduce over the stages, and schedule '{schedule}' puts "
-                               f"several stages on one pipeline rank (rule: weights tied across stages and "
-                               "global gradient clipping need one stage per pipeline rank)", schedule)
+                               f"several stages on one pipeline rank (rule: weights tied across stages, "
+                               "global gradient clipping and loss scaling's overflow check need one stage per "
+                               "pipeline rank)", schedule if field == "pipeline_schedule" else n_stages // pp)
     mesh = getattr(ctx, "mesh", None) or program.mesh
     if mesh is None or "pp" not in mesh.axes or mesh.size("pp") != pp:
         raise PipelineSplitError(f"{what} needs the mesh's pp axis of {pp} ranks to name its all-reduce's group")
