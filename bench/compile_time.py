@@ -18,6 +18,11 @@ left (inductor's FX graph and AOTAutograd caches; for ours also the compile cach
 rounds. On a shared machine absolute seconds move with the load: compare the rows of one run;
 the process's CPU time of the first step beside them is what load changes least (compile
 workers inductor forks are not in it).
+
+A second table splits each row's cold compile by phase (torch's own compile timers, and our
+capture and pass times): capture (ours) or Dynamo (torch), passes, AOTAutograd, inductor's
+lowering, fusion + code generation, the wait for the C++ compiles at module load, and the CPU
+time of the g++ processes themselves (they run in inductor's compile pool, beside the rest).
 """
 from __future__ import annotations
 
@@ -68,16 +73,56 @@ def child(row: str, quick: bool) -> dict:
         step = compile_for_npu(model, Plan(backend=row.split()[-1], compile_cache=os.environ["BENCH_COMPILE_CACHE"]),
                                optimizer=opt, loss_fn=gpt_loss)
     times, cpu = [], []
+    children0 = _children_cpu()
     for batch in batches:
         t0, c0 = time.perf_counter(), time.process_time()
         step(batch)
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
+        if len(times) == 1:
+            cxx_cpu = _children_cpu() - children0
     steady = statistics.median(times[1:])
     out = {"first_s": times[0], "step_s": steady, "compile_s": times[0] - steady,
-           "compile_cpu_s": cpu[0] - statistics.median(cpu[1:])}
+           "compile_cpu_s": cpu[0] - statistics.median(cpu[1:]), "cxx_cpu_s": cxx_cpu}
+    ours = None
     if not row.startswith("torch"):
         out["cache_hit"] = step.last.program.attrs.get("compile_cache") == "hit"
+        ours = (step.last.capture_seconds, sum(r.seconds for r in step.last.records))
+    out["phases"] = phases(out["compile_s"], ours)
+    return out
+
+
+def _children_cpu() -> float:
+    """CPU seconds of this process's finished child processes: inductor's g++ runs."""
+    import resource
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def phases(compile_s: float, ours: tuple[float, float] | None) -> dict:
+    """Where the first step's compile went, in wall seconds of the main thread, from torch's own
+    compile timers (``torch._dynamo.utils.compilation_time_metrics``) and, for ours, the step's
+    capture and pass timings. ``front`` is capture for ours and Dynamo's tracing (with whatever no
+    timer covers) for torch.compile; ``cxx_wait`` is the time spent waiting for inductor's C++
+    compiles when the generated module is loaded (the compiles themselves run in its pool)."""
+    from torch._dynamo.utils import compilation_time_metrics as timers
+
+    def total(name: str) -> float:
+        return sum(timers.get(name, ()))
+    inner = total("compile_fx_inner")
+    # AOTAutograd's own work: its dispatcher function less the forward compile inside it (the
+    # backward compiles later, at the first backward, outside it).
+    out = {"passes": ours[1] if ours else 0.0,
+           "aot": max(0.0, total("create_aot_dispatcher_function") - total("compile_fx.<locals>.fw_compiler_base")),
+           "lowering": total("GraphLowering.run") + total("_recursive_post_grad_passes")
+           + total("additional_fake_tensor_prop"),
+           "schedule_codegen": total("GraphLowering.codegen"),
+           "cxx_wait": total("PyCodeCache.load_by_key_path")}
+    out["inductor_other"] = max(0.0, inner - out["lowering"] - out["schedule_codegen"] - out["cxx_wait"])
+    if ours:
+        out["front"] = ours[0]
+    else:
+        out["front"] = max(0.0, compile_s - sum(out.values()))
     return out
 
 
@@ -124,7 +169,26 @@ def report(results: dict) -> list[dict]:
                      "cold_cpu_s": cpu_cold, "warm_cpu_s": cpu_warm})
         print(f"{row:44} {cold:>7.2f} {warm:>7.2f} {cold / base:>13.2f}x {step:>7.3f}  {cpu_cold:>10.2f} "
               f"{cpu_warm:>6.2f}  {hit}")
+    print_breakdown(results)
     return rows
+
+
+PHASES = (("front", "capture / Dynamo"), ("passes", "passes"), ("aot", "AOTAutograd"),
+          ("lowering", "lowering"), ("schedule_codegen", "fusion+codegen"), ("inductor_other", "other"),
+          ("cxx_wait", "C++ wait"))
+
+
+def print_breakdown(results: dict) -> None:
+    """The cold compile of each row by phase (medians over rounds), and the g++ CPU time."""
+    print(f"\ncold compile by phase, s (main thread; {'front'!r} = capture for ours, Dynamo for torch):")
+    print(f"{'':44} " + " ".join(f"{label:>16}" for _, label in PHASES) + f" {'g++ CPU':>8}")
+    for row, phases in results.items():
+        cold = [r for r in phases["cold"] if "phases" in r]
+        if not cold:
+            continue
+        cells = [statistics.median(r["phases"][key] for r in cold) for key, _ in PHASES]
+        cxx = statistics.median(r["cxx_cpu_s"] for r in cold)
+        print(f"{row:44} " + " ".join(f"{c:>16.2f}" for c in cells) + f" {cxx:>8.2f}")
 
 
 def main(argv=None):
