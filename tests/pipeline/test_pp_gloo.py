@@ -183,9 +183,10 @@ def test_tp2_x_pp2_gpt_and_llama_match_single_process_training(tmp_path_factory,
     """A (pp=2, tp=2) mesh: every stage graph holds its tensor-parallel collectives, over its
     pipeline rank's tp group; the stages send their tp shards of the boundary values."""
     # Global clipping, the squared norms of tp shards summed over tp, then over pp; the last also in
-    # fp16 with loss scaling, the overflow flag combined over tp and over pp.
+    # fp16 with loss scaling (ZB1P: the seed is scaled in the last stage's input-gradient part), the
+    # overflow flag combined over tp and over pp.
     configs = ["1f1b:sgd", "llama/zb1p:sgd", "llama/gpipe:adamw", "llama/1f1b:sgd:clip=0.5",
-               f"llama/1f1b:sgd:clip=0.5:{FP16}"]
+               f"llama/zb1p:sgd:clip=0.5:{FP16}"]
     ranks = _launch(tmp_path_factory, "tp2pp2", 4, "gpt4", 2, 1, configs, tp=2)
     for config in configs:
         with subtests.test(config=config):
