@@ -58,9 +58,10 @@ first and the last) is summed over a process group of just those ranks
 (``pp_subgroup_name``, listed in ``attrs['pipeline_parallel']['pp_subgroups']``,
 created by the runtime on its members); the ranks between take no part.
 
-Refused, naming the rule: a value combined across stages (a tied weight, the
-clip's norm, loss scaling's overflow flag) when a rank holds several stages
-(interleaved, DualPipeV), an optimizer value combining stages otherwise than
+Refused, naming the rule: a value combined over every stage (the clip's norm,
+loss scaling's overflow flag) when a rank holds several stages (interleaved,
+DualPipeV), a tied weight two of whose stages are on one rank (DualPipeV's
+first and last), an optimizer value combining stages otherwise than
 by a sum, maximum, logical and, 2-norm or sum of squares (ZeRO's shard norms
 are one), and more stages than units.
 
@@ -505,7 +506,7 @@ def _state_owner(spec: Spec) -> str | None:
 def _split_tied_gradients(rw: _Rewriter, homes: dict, shared: dict, group_of) -> dict[str, dict]:
     """Megatron's tied weights: every stage reading a weight holds it and accumulates its own partial
     gradient (its own accumulator); each apply graph sums the partials with an all-reduce over the
-    stages holding it (``group_of(holders)``: the pp group, or the group of just their pipeline
+    stages holding it (``group_of(name, holders)``: the pp group, or the group of just their pipeline
     ranks) and runs the same update. Returns parameter -> {holders, per-stage accumulators}."""
     nodes, stage = rw.nodes, rw.stage
     values = {(sp.kind, sp.name): v for sp, v in nodes.outputs}
@@ -572,7 +573,7 @@ def _split_tied_gradients(rw: _Rewriter, homes: dict, shared: dict, group_of) ->
         if not readers_of_acc:
             raise PipelineSplitError(f"tied parameter '{name}': its update reads no accumulated gradient")
         first = min(readers_of_acc, key=lambda u: nodes.order.get(u, 1 << 60))
-        summed = rw.all_reduce(first, home, acc, "sum", group_of(holders))
+        summed = rw.all_reduce(first, home, acc, "sum", group_of(name, holders))
         for user in readers_of_acc:
             user.replace_input_with(acc, summed)
         tied[name] = {"holders": holders, "acc": accs}
@@ -796,23 +797,32 @@ def _share_across_stages(nodes: _Nodes, stage: dict, homes: dict, shared: dict, 
     what = (f"parameter '{next(iter(shared))}' (read by the forward of stages {next(iter(shared.values()))})"
             if shared else f"optimizer node {mixed[0].name}{_metrics_behind(nodes, mixed[0])}, which combines "
                            "values of several stages")
-    if len(set(ranks)) != n_stages:
-        field = "pipeline_schedule" if schedule in ("dualpipev", "zbv") else "pipeline_virtual_stages"
+    field = "pipeline_schedule" if schedule in ("dualpipev", "zbv") else "pipeline_virtual_stages"
+    value = schedule if field == "pipeline_schedule" else n_stages // pp
+    if mixed and len(set(ranks)) != n_stages:
+        # Each stage's apply graph would all-reduce its own part: a rank holding two stages would
+        # join two all-reduces, each summing a different set of stages, neither the total.
+        what = f"optimizer node {mixed[0].name}{_metrics_behind(nodes, mixed[0])}, which combines values of every stage,"
         raise PlanError(field, f"{what} needs an all-reduce over the stages, and schedule '{schedule}' puts "
-                               f"several stages on one pipeline rank (rule: weights tied across stages, "
-                               "global gradient clipping and loss scaling's overflow check need one stage per "
-                               "pipeline rank)", schedule if field == "pipeline_schedule" else n_stages // pp)
+                               f"several stages on one pipeline rank (rule: global gradient clipping and loss "
+                               "scaling's overflow check need one stage per pipeline rank)", value)
     mesh = getattr(ctx, "mesh", None) or program.mesh
     if mesh is None or "pp" not in mesh.axes or mesh.size("pp") != pp:
         raise PipelineSplitError(f"{what} needs the mesh's pp axis of {pp} ranks to name its all-reduce's group")
     pp_group = mesh.group_name("pp")
     subgroups: dict[str, list[int]] = {}
 
-    def group_of(holders) -> str:
+    def group_of(name: str, holders) -> str:
         # GPT-2's embedding at pp > 2: the first and last ranks sum their parts; the ranks between
         # (which do not hold it) take no part, so the group is just the holders' (Megatron's
-        # embedding group), made by the runtime under this name on every member.
+        # embedding group), made by the runtime under this name on every member. Interleaved
+        # stages keep the first and the last stage on different ranks; DualPipeV puts both on rank 0.
         pp_ranks = sorted(ranks[s] for s in holders)
+        if len(set(pp_ranks)) != len(pp_ranks):
+            raise PlanError(field, f"parameter '{name}' is tied across stages {holders}, which schedule "
+                                   f"'{schedule}' puts on pipeline ranks {[ranks[s] for s in holders]} (rule: the "
+                                   "stages holding a tied weight are on different pipeline ranks, each summing "
+                                   "its part once)", value)
         if pp_ranks == list(range(pp)):
             return pp_group
         name = pp_subgroup_name(pp_group, pp_ranks)

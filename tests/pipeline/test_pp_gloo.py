@@ -212,7 +212,7 @@ def test_tied_weights_and_global_grad_clipping_across_stages_match_single_proces
     both apply the same update. Global grad-norm clipping: each stage's squared norms are summed over
     the pipeline ranks, so every stage clips by the same coefficient (``clip_grad_norm_``'s)."""
     configs = ["gpt2/1f1b:sgd", "gpt2/gpipe:adamw", "1f1b:sgd:clip=0.5", "gpt2/zb1p:sgd:clip=0.5",
-               f"llama/gpipe:sgd:{FP16}", f"gpt2/1f1b:adamw:{FP16}"]
+               "gpt2/interleaved_1f1b:sgd:2", f"llama/gpipe:sgd:{FP16}", f"gpt2/1f1b:adamw:{FP16}"]
     ranks = _launch(tmp_path_factory, "tied_clip", 2, "gpt4", 2, 1, configs)
     for config in configs:
         with subtests.test(config=config):
@@ -222,5 +222,6 @@ def test_tied_weights_and_global_grad_clipping_across_stages_match_single_proces
                 _check_fp16(ranks, config)
             else:
                 _check(ranks, config, "gpt4")
-            if config.startswith("gpt2/"):
-                assert ranks[0][config]["shared"] == {"transformer.wte.weight": [0, 1]}
+            if config.startswith("gpt2/"):   # interleaved: 4 stages, the first and the last on ranks 0 and 1
+                last = 3 if "interleaved" in config else 1
+                assert ranks[0][config]["shared"] == {"transformer.wte.weight": [0, last]}

@@ -164,11 +164,17 @@ class TestRefusals:
             _program(_gpt(layers=1), Plan(pp=8, microbatches=8, backend="eager", pipeline_schedule="gpipe"))
 
 
-    def test_values_combined_across_stages_need_one_stage_per_rank(self):
+    def test_values_combined_across_stages_need_their_stages_on_different_ranks(self):
         torch.manual_seed(0)
         tied = GPT(gpt_tiny(n_layer=2, tie_weights=True, bias=False))
-        with pytest.raises(PassFailure, match=r"plan field 'pipeline_schedule'.*wte.weight.*one stage per pipeline"):
+        with pytest.raises(PassFailure, match=r"plan field 'pipeline_schedule'.*wte.weight.*tied across stages "
+                                              r"\[0, 3\].*ranks \[0, 0\].*different pipeline ranks"):
             _program(tied, Plan(pp=2, microbatches=4, backend="eager", pipeline_schedule="dualpipev"))
+        # Interleaved stages put the first and the last stage on different ranks: the tie is summed there.
+        program = _program(tied, Plan(pp=2, microbatches=4, backend="eager", pipeline_schedule="interleaved_1f1b",
+                                      pipeline_virtual_stages=2))
+        assert program.attrs[PP]["shared_params"] == {"wte.weight": [0, 3]}
+        assert program.attrs[PP]["stage_to_rank"] == [0, 1, 0, 1]
         with pytest.raises(PassFailure, match=r"plan field 'pipeline_virtual_stages'.*one stage per pipeline rank"):
             _program(_gpt(), Plan(pp=2, microbatches=4, backend="eager", grad_clip_norm=1.0,
                                   pipeline_schedule="interleaved_1f1b", pipeline_virtual_stages=2))
