@@ -34,7 +34,8 @@ just the pipeline ranks holding them), global grad-norm clipping (also with
 ZeRO-1/2 and tp) and fp16 loss scaling (each stage checks its own gradients,
 the flags combined over the pp group; see ``pipeline_split``). Refused by field
 (``_check_pipeline_plan``): ZeRO-3, dynamic accumulation; by ``pipeline_split``:
-any of those combinations with several stages per rank.
+clipping or loss scaling with several stages per rank, a tied weight two of
+whose stages share a rank (DualPipeV).
 
 A plan's ``pipeline`` field replaces all of this with its own text.
 """
