@@ -38,6 +38,11 @@ gradients and an all-reduce over the pipeline ranks combines the flags (a
 logical and of "all finite"), so every stage skips, and updates its copy of the
 scale, alike. ``data_parallel`` / ``optimizer_shard`` (after this pass) combine
 the flag over dp, and with tensor parallelism it is combined over tp here.
+The scale multiplies each microbatch's own (unweighted) loss, whose gradient
+``grad_accumulation`` weighs after the backward; an eager loop that divides
+each loss by the microbatch count before ``scaler.scale`` backpropagates
+values that many times smaller, so its dynamic scale settles that many times
+higher (the applied updates are the same).
 
 State: ``loss_scale:scale`` and ``loss_scale:growth_tracker`` (float32 scalars,
 declared in ``graph.attrs["step_state"]``). Metrics: ``loss_scale:found_inf``
