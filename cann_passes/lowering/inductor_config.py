@@ -20,6 +20,19 @@ the compiles inside it, and nothing in the code inductor generates:
 
 With one compile thread (``TORCHINDUCTOR_COMPILE_THREADS=1``) inductor compiles in
 the main thread anyway and nothing is submitted early.
+
+:data:`SETTINGS` (applied by :func:`step_settings`) are inductor options for a whole-step
+graph, each kept only where it leaves the generated code of the recipe GPT byte-identical
+(so its step time cannot change) and cuts compile time:
+
+- ``max_fusion_buffer_group_pairwise_attempts`` 64 -> 16: inductor pairs up, as fusion
+  candidates, nodes that read a common buffer, each with the next N of that buffer's readers.
+  In a whole step every parameter's update reads the same 0-dim hyperparameter inputs (lr,
+  betas, eps, weight decay), so those groups hold every update and nearly all of the
+  pairs; a shared 0-dim read is below inductor's own fusion threshold
+  (``score_fusion_memory_threshold``), so they are tried and refused, each after a loop
+  reordering attempt. 6-layer d256 GPT + AdamW: 33,716 -> 15,447 ``can_fuse`` calls,
+  fusion 10.6 -> 8.2 s of CPU, the same output code.
 """
 from __future__ import annotations
 
@@ -31,6 +44,8 @@ import time
 log = logging.getLogger("cann_passes")
 
 _PREFIX = "async_compile.cpp_pybinding("
+
+SETTINGS = {"max_fusion_buffer_group_pairwise_attempts": 16}
 
 
 class EarlyKernelCompiles:
@@ -103,3 +118,10 @@ def overlapped_compile():
             PythonWrapperCodegen.define_kernel = original
         if early.submitted:
             log.info("inductor: %d C++ kernels submitted as generated (%.2fs)", early.submitted, early.seconds)
+
+
+def step_settings():
+    """``torch._inductor.config.patch(SETTINGS)``: part of inductor's cache keys, so the warm process
+    applies them too (the compile cache's lowering context does)."""
+    from torch._inductor import config
+    return config.patch(SETTINGS)

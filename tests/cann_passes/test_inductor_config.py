@@ -65,3 +65,12 @@ def test_a_single_compile_thread_submits_nothing_early():
     with config.patch(compile_threads=1), overlapped_compile() as early:
         assert PythonWrapperCodegen.define_kernel is define_kernel
     assert early.submitted == 0
+
+
+def test_the_step_settings_apply_inside_and_are_restored():
+    from torch._inductor import config
+    from cann_passes.lowering.inductor_config import SETTINGS, step_settings
+    before = {k: getattr(config, k) for k in SETTINGS}
+    with step_settings():
+        assert {k: getattr(config, k) for k in SETTINGS} == SETTINGS
+    assert {k: getattr(config, k) for k in SETTINGS} == before
