@@ -86,21 +86,35 @@ def distributes_update(node: torch.fx.Node) -> bool:
 
 
 def wait_for_reductions_first(graph: torch.fx.Graph) -> int:
-    """Move the wait of every collective issued before the optimizer region to the region's start
-    (a wait moves nothing; only the point where the step blocks changes), so that a lowering can
-    write inputs from there on with every gradient reduction done: the eager lowering does, and
-    another lowering that orders its writes after the waits can. Returns how many moved."""
+    """Move to the optimizer region's start what the optimizer must finish before it may write an
+    input: the wait of every collective issued before the region (the gradient reductions), and each
+    collective of the region's own but the all-gathers of the update (the clipping norm's all-reduce,
+    an overflow flag) together with the region's ops it reads. Waits and collectives move nothing
+    by themselves; only where the step blocks changes, so a lowering can write inputs from there on
+    with every reduction done (the eager lowering does; another lowering that orders its writes
+    after the waits can). Returns how many nodes moved."""
     nodes = [n for n in graph.nodes if n.op == "call_function"]
     start = next((i for i, n in enumerate(nodes) if region_of(n) == Region.OPTIMIZER), None)
     if start is None:
         return 0
-    issued = {n for n in nodes[:start] if collective_kind(n) is not None}
-    moved = 0
+    before = set(nodes[:start])
+    first: set[torch.fx.Node] = set()
     for n in nodes[start:]:
-        if is_communication_op(n) and collective_kind(n) is None and _collective(n) in issued:
-            nodes[start].prepend(n)
-            moved += 1
-    return moved
+        if not is_communication_op(n) or distributes_update(n):
+            continue
+        stack = [n]
+        while stack:
+            m = stack.pop()
+            if m not in first and m not in before and m.op == "call_function":
+                first.add(m)
+                stack.extend(m.all_input_nodes)
+    moving = [n for n in nodes[start:] if n in first]
+    anchor = next((n for n in nodes[start:] if n not in first), None)
+    if anchor is None or nodes[start:start + len(moving)] == moving:
+        return 0
+    for n in moving:
+        anchor.prepend(n)
+    return len(moving)
 
 
 class GuardedRunner:

@@ -187,23 +187,24 @@ def gpt2_capture():
     return captured
 
 
-def _lowered(captured, stage):
+def _lowered(captured, stage, clip=None):
     from cann_passes import compile_program
     from cann_passes.lowering.eager import EagerLowering
     from graph_ir.mesh import MeshDesc
-    program = compile_program(captured, Plan(backend="eager", dp=2, zero_stage=stage, bucket_mb=0.005),
-                              MeshDesc.fake(dp=2, rank=0), backend="eager")
+    plan = Plan(backend="eager", dp=2, zero_stage=stage, bucket_mb=0.005, grad_clip_norm=clip)
+    program = compile_program(captured, plan, MeshDesc.fake(dp=2, rank=0), backend="eager")
     graph = program["step"]
     return graph, EagerLowering().compile(graph, None, None)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3], ids=["dp", "zero1", "zero2", "zero3"])
-def test_dp_and_zero_steps_write_their_inputs_only_after_every_reduction_and_backward_op(gpt2_capture, stage):
+@pytest.mark.parametrize("stage,clip", [(0, None), (1, None), (2, None), (3, None), (2, 1.0)],
+                         ids=["dp", "zero1", "zero2", "zero3", "zero2-clipped"])
+def test_dp_and_zero_steps_write_their_inputs_only_after_every_reduction_and_backward_op(gpt2_capture, stage, clip):
     from graph_ir.analysis.collectives import collective_kind, is_communication_op
     from graph_ir.analysis.memory import storage_roots
     from graph_ir.meta import Region, region_of
     from graph_ir.signature import InputKind
-    graph, runner = _lowered(gpt2_capture, stage)
+    graph, runner = _lowered(gpt2_capture, stage, clip)
     gm = runner.run
     nodes = list(gm.graph.nodes)
     roots = storage_roots(gm.graph)
@@ -229,8 +230,9 @@ def test_dp_and_zero_steps_write_their_inputs_only_after_every_reduction_and_bac
     # waits (and nothing else: no node added or dropped) before the optimizer.
     original = [n for n in graph.gm.graph.nodes if n.op == "call_function"]
     start = next(i for i, n in enumerate(original) if region_of(n) == Region.OPTIMIZER)
+    issued = set(original[:start])
     late = [n for n in original[start + 1:] if is_communication_op(n) and collective_kind(n) is None
-            and collective_kind(n.args[0]) != "all_gather"]
+            and n.args[0] in issued]
     assert late and gm.meta["waits_moved"] >= len(late)
     assert len(nodes) == len(graph.gm.graph.nodes)
     # Data parallelism's gradient buckets die at their all-reduce: reduced in place, not cloned first.

@@ -27,6 +27,10 @@ from tests import zoo  # noqa: E402
 
 STEPS = 3
 STAGES = {"dp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
+# Runs: (strategy, optimizer, gradient clipping norm); every strategy with both optimizers, ZeRO-2's
+# AdamW with clipping, which adds a collective of the optimizer's own (the norm's all-reduce).
+RUNS = [(strategy, kind, 0.5 if (strategy, kind) == ("zero2", "adamw") else None)
+        for strategy in STAGES for kind in ("sgd", "adamw")]
 OPTIMIZERS = {
     "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1),
@@ -42,6 +46,10 @@ def global_batch(i: int):
     return zoo.causal_lm_batch(1000 + i, pad=False)
 
 
+def run_name(strategy: str, kind: str, clip) -> str:
+    return f"{strategy}/{kind}" + ("" if clip is None else f"/clip{clip}")
+
+
 def _held(step, graph, spec, params, opt):
     """What the step holds after the call for output ``spec`` (a parameter, its shard or a state entry)."""
     key = f"{spec.kind}:{spec.name}"
@@ -55,41 +63,41 @@ def parity(world_size: int, out: str):
     base = Plan(backend="eager", dp=world_size, bucket_mb=0.005, compile_cache="off")
     result = {}
     with init_distributed(base) as world:
-        for strategy, stage in STAGES.items():
-            for kind in OPTIMIZERS:
-                entry, opt = make(kind)
-                model = entry.model
-                step = compile_for_npu(model, base.replace(zero_stage=stage), optimizer=opt, loss_fn=entry.loss_fn)
-                params = dict(model.named_parameters())
-                losses, mismatches, storage = [], [], None
-                for i in range(STEPS):
-                    batch = shard_batch(global_batch(i), world.dp_rank, world.dp_size)
-                    comp = step.compile(batch)
-                    graph, runner = comp.program["step"], comp.runners["step"]
-                    inputs = bind_inputs(graph, model, opt, batch, step.step_state, step.shards, step._init_state)
-                    if runner._functional is None:
-                        runner._functional = runner._make_functional()
-                    functional = runner._functional(*[t.clone() for t in inputs])
-                    losses.append(float(step(batch)))
-                    for spec, want in zip(graph.signature.outputs, functional):
-                        if spec.kind == OutputKind.LOSS:
-                            got = torch.tensor(losses[-1], dtype=want.dtype)
-                        elif spec.kind in (OutputKind.PARAM, OutputKind.OPT_STATE):
-                            got = _held(step, graph, spec, params, opt)
-                        else:
-                            continue
-                        if not torch.equal(got, want.detach()):
-                            mismatches.append(f"step {i} {spec.kind}:{spec.name}")
-                    held = [_held(step, graph, s, params, opt).data_ptr() for s in graph.signature.outputs
-                            if s.kind in (OutputKind.PARAM, OutputKind.OPT_STATE)]
-                    if i == 1:
-                        storage = held
-                    if i == 2:
-                        kept = sum(a == b for a, b in zip(storage, held))
-                result[f"{strategy}/{kind}"] = {
-                    "losses": losses, "mismatches": mismatches, "written": list(runner.written_inputs),
-                    "storage_kept": kept, "held": len(held),
-                    "params": {n: p.detach().clone() for n, p in model.state_dict().items()}}
+        for strategy, kind, clip in RUNS:
+            entry, opt = make(kind)
+            model = entry.model
+            step = compile_for_npu(model, base.replace(zero_stage=STAGES[strategy], grad_clip_norm=clip),
+                                   optimizer=opt, loss_fn=entry.loss_fn)
+            params = dict(model.named_parameters())
+            losses, mismatches, storage = [], [], None
+            for i in range(STEPS):
+                batch = shard_batch(global_batch(i), world.dp_rank, world.dp_size)
+                comp = step.compile(batch)
+                graph, runner = comp.program["step"], comp.runners["step"]
+                inputs = bind_inputs(graph, model, opt, batch, step.step_state, step.shards, step._init_state)
+                if runner._functional is None:
+                    runner._functional = runner._make_functional()
+                functional = runner._functional(*[t.clone() for t in inputs])
+                losses.append(float(step(batch)))
+                for spec, want in zip(graph.signature.outputs, functional):
+                    if spec.kind == OutputKind.LOSS:
+                        got = torch.tensor(losses[-1], dtype=want.dtype)
+                    elif spec.kind in (OutputKind.PARAM, OutputKind.OPT_STATE):
+                        got = _held(step, graph, spec, params, opt)
+                    else:
+                        continue
+                    if not torch.equal(got, want.detach()):
+                        mismatches.append(f"step {i} {spec.kind}:{spec.name}")
+                held = [_held(step, graph, s, params, opt).data_ptr() for s in graph.signature.outputs
+                        if s.kind in (OutputKind.PARAM, OutputKind.OPT_STATE)]
+                if i == 1:
+                    storage = held
+                if i == 2:
+                    kept = sum(a == b for a, b in zip(storage, held))
+            result[run_name(strategy, kind, clip)] = {
+                "losses": losses, "mismatches": mismatches, "written": list(runner.written_inputs),
+                "storage_kept": kept, "held": len(held),
+                "params": {n: p.detach().clone() for n, p in model.state_dict().items()}}
         torch.save(result, f"{out}/parity.rank{world.rank}.pt")
         failure(world, base.replace(zero_stage=1), out)
 

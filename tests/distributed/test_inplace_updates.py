@@ -1,6 +1,7 @@
 """Parameters and optimizer state updated in place under data parallelism and ZeRO-1/2/3 (eager backend).
 
-Two gloo ranks train a transformers GPT-2 built from a config with SGD (momentum) and AdamW. Every
+Two gloo ranks train a transformers GPT-2 built from a config with SGD (momentum) and AdamW (under
+ZeRO-2 with gradient clipping, a collective of the optimizer's own). Every
 step equals the functional variant of the same graph bitwise, on every rank and for every value the
 step stores (``inplace_worker.parity``), and the run equals plain ``torch.optim`` on the global batches
 in this process (1e-5: ranks sum in another order). The storage of what is written in place stays
@@ -29,13 +30,15 @@ def _launch(*args: str):
     assert_all_ok(launch_local([WORKER, *args], 2, env=RANK_ENV, timeout_s=600, cwd=str(REPO)))
 
 
-def _eager_torch(kind: str):
+def _eager_torch(kind: str, clip):
     entry, opt = inplace_worker.make(kind)
     losses = []
     for i in range(inplace_worker.STEPS):
         opt.zero_grad()
         loss = entry.loss_fn(entry.model, inplace_worker.global_batch(i))
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(entry.model.parameters(), clip)
         opt.step()
         losses.append(loss.item())
     return losses, {n: p.detach().clone() for n, p in entry.model.state_dict().items()}
@@ -49,25 +52,26 @@ def ranks(tmp_path_factory):
 
 
 def test_dp_and_every_zero_stage_update_in_place_bitwise_like_the_functional_step(ranks):
-    reference = {kind: _eager_torch(kind) for kind in inplace_worker.OPTIMIZERS}
+    reference = {(kind, clip): _eager_torch(kind, clip) for _, kind, clip in inplace_worker.RUNS}
     params = len(list(inplace_worker.make("sgd")[0].model.parameters()))
     state_per_param = {"sgd": 1, "adamw": 3}          # momentum_buffer; step, exp_avg, exp_avg_sq
     for rank in range(2):
         result = torch.load(ranks / f"parity.rank{rank}.pt", weights_only=False)
-        for strategy, stage in inplace_worker.STAGES.items():
-            for kind, per_param in state_per_param.items():
-                got, what = result[f"{strategy}/{kind}"], f"{strategy} {kind} rank {rank}"
-                assert got["mismatches"] == [], f"{what}: differs from the functional step: {got['mismatches'][:5]}"
-                # ZeRO-1/2 parameters are all-gathered into a fresh buffer: the state shards alone are written.
-                expected = params * (per_param + (0 if stage in (1, 2) else 1))
-                assert len(got["written"]) == expected, f"{what}: {len(got['written'])} inputs written in place"
-                assert got["storage_kept"] >= expected, f"{what}: a written value moved to new storage"
-                want_losses, want_params = reference[kind]
-                for i, (a, b) in enumerate(zip(got["losses"], want_losses, strict=True)):
-                    assert abs(a - b) <= 1e-5 * abs(b), f"{what}: step {i} loss {a} vs eager torch {b}"
-                for name, want in want_params.items():
-                    err = (got["params"][name] - want).abs().max().item()
-                    assert err <= 1e-5, f"{what}: {name} differs from eager torch by {err:.2e}"
+        for strategy, kind, clip in inplace_worker.RUNS:
+            stage, per_param = inplace_worker.STAGES[strategy], state_per_param[kind]
+            name = inplace_worker.run_name(strategy, kind, clip)
+            got, what = result[name], f"{name} rank {rank}"
+            assert got["mismatches"] == [], f"{what}: differs from the functional step: {got['mismatches'][:5]}"
+            # ZeRO-1/2 parameters are all-gathered into a fresh buffer: the state shards alone are written.
+            expected = params * (per_param + (0 if stage in (1, 2) else 1))
+            assert len(got["written"]) == expected, f"{what}: {len(got['written'])} inputs written in place"
+            assert got["storage_kept"] >= expected, f"{what}: a written value moved to new storage"
+            want_losses, want_params = reference[(kind, clip)]
+            for i, (a, b) in enumerate(zip(got["losses"], want_losses, strict=True)):
+                assert abs(a - b) <= 1e-5 * abs(b), f"{what}: step {i} loss {a} vs eager torch {b}"
+            for param, want in want_params.items():
+                err = (got["params"][param] - want).abs().max().item()
+                assert err <= 1e-5, f"{what}: {param} differs from eager torch by {err:.2e}"
 
 
 def test_a_zero1_step_failing_on_one_ranks_labels_leaves_every_rank_as_it_was(ranks):
