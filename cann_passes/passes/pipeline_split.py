@@ -1034,6 +1034,17 @@ def _placeholder_outputs(nodes: _Nodes, stage: dict, homes: dict, s: int, n: int
 
 # -- the pass -----------------------------------------------------------------------------------
 
+def _check_loss_scale_order(graph: TrainGraph) -> None:
+    """loss_scale run before grad_accumulation checks each microbatch's gradients in backward, which
+    no stage's apply graph can read; after it, the check reads the accumulated gradients."""
+    for spec, value in zip(graph.signature.outputs, graph.output_values()):
+        if spec.kind == OutputKind.METRIC and spec.name == "loss_scale:found_inf" \
+                and isinstance(value, torch.fx.Node) and region_of(value) == Region.BACKWARD:
+            raise PipelineSplitError("the loss-scale overflow check is in the backward region, per microbatch "
+                                     "(rule: with pp > 1 loss_scale runs after grad_accumulation, so that it checks "
+                                     "the accumulated gradients once per step; the plan's own pipeline does)")
+
+
 def _default_ranks(n_stages: int, pp: int, schedule: str) -> list[int]:
     try:
         from .. import schedules
@@ -1069,6 +1080,7 @@ def pipeline_split_pass(program: Program, ctx: PassContext, *, stages: int = 2, 
     pp = pp or stages
     name = targets[0]
     graph = program.graphs[name]
+    _check_loss_scale_order(graph)
     nodes = _classify(graph)
     if not nodes.forward:
         raise PipelineSplitError("pipeline_split: the step has no forward computation to cut")

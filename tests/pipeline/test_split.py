@@ -179,6 +179,12 @@ class TestRefusals:
             _program(_gpt(), Plan(pp=2, microbatches=4, backend="eager", grad_clip_norm=1.0,
                                   pipeline_schedule="interleaved_1f1b", pipeline_virtual_stages=2))
 
+    def test_a_text_pipeline_scaling_the_loss_before_accumulation_is_refused_naming_the_order(self):
+        text = ("cleanup,autocast{dtype=fp16,policy=cuda},loss_scale{mode=dynamic},grad_accumulation{microbatches=2},"
+                "cleanup,pipeline_split{stages=2,pp=2}")
+        with pytest.raises(PassFailure, match=r"loss_scale runs after grad_accumulation"):
+            _program(_gpt(), Plan(pp=2, microbatches=2, backend="eager", precision="fp16", pipeline=text))
+
     def test_loss_scaling_with_several_stages_per_rank_is_refused_by_field(self):
         with pytest.raises(PassFailure, match=r"plan field 'pipeline_virtual_stages'.*loss_scale:found_inf.*"
                                               r"one stage per pipeline rank"):
