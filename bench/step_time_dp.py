@@ -27,8 +27,9 @@ threads included). Minor page faults per step come from ``/proc/self/stat``
 around the timed steps; allocated bytes per step are the allocator's events
 under ``torch.profiler(profile_memory=True)`` in one more step per row (every
 allocation counted, frees not subtracted; "big" ones are >= 1 MiB, those glibc
-serves with fresh mmap'ed pages once they exceed its mmap threshold). Figures
-are rank 0's.
+serves with fresh mmap'ed pages once they exceed its mmap threshold). Every row
+has run as many steps on the same batch by then, so the loss of that step
+agrees across rows (to rounding). Figures are rank 0's.
 """
 from __future__ import annotations
 
@@ -66,6 +67,7 @@ class Row:
     round_cpu: list[float] = field(default_factory=list)
     alloc_bytes: int = 0
     big_allocs: int = 0
+    last_loss: float = float("nan")   # after the same number of steps on every row: they train alike
 
 
 def minor_faults() -> int:
@@ -141,7 +143,14 @@ def make_row(name: str, layers: int, world, batch) -> Row:
 def allocations(row: Row, batch) -> None:
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        row.step(batch)
+        loss = row.step(batch)
+    if not row.name.startswith("ours-"):
+        # torch's rows return this rank's loss; ours the global batch's mean
+        import torch.distributed as dist
+        loss = loss.detach().clone()
+        dist.all_reduce(loss)
+        loss /= dist.get_world_size()
+    row.last_loss = float(loss)
     sizes = [e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.nbytes() > 0]
     row.alloc_bytes, row.big_allocs = sum(sizes), sum(s >= BIG for s in sizes)
 
@@ -193,12 +202,12 @@ def report(rows: list[Row], args) -> str:
              f"row; ratios: median over {args.rounds} interleaved rounds of (row / {rows[0].name} in the same "
              "round), quartiles beside; rank 0",
              f"{'row':<22} {'wall ms':>8} {'vs ddp':>7} {'(quart.)':>10} | {'cpu ms':>7} {'vs ddp':>7} | "
-             f"{'minflt/step':>11} | {'alloc MiB/step':>14} {'>=1MiB allocs':>13} | {'compile s':>9}"]
+             f"{'minflt/step':>11} | {'alloc MiB/step':>14} {'>=1MiB allocs':>13} | {'compile s':>9} | last loss"]
     for r in rows:
         lines.append(f"{r.name:<22} {statistics.median(r.wall) * 1e3:>8.1f} {statistics.median(r.ratios):>6.2f}x "
                      f"{_spread(r.ratios):>10} | {statistics.median(r.cpu) * 1e3:>7.1f} "
                      f"{statistics.median(r.cpu_ratios):>6.2f}x | {statistics.median(r.faults):>11.0f} | "
-                     f"{r.alloc_bytes / 2**20:>14.1f} {r.big_allocs:>13d} | {r.compile_s:>9.1f}")
+                     f"{r.alloc_bytes / 2**20:>14.1f} {r.big_allocs:>13d} | {r.compile_s:>9.1f} | {r.last_loss:.6f}")
     by = {r.name: r for r in rows}
     for row in rows:
         functional = by.get(f"{row.name}-functional")
