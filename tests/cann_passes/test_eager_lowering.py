@@ -249,3 +249,25 @@ def test_in_place_updates_can_be_switched_off_for_a_functional_step(gpt2_capture
     assert runner.written_inputs == []
     assert runner.run.meta["waits_moved"] == 0 and runner.run.meta["written_inputs"] == []
     assert runner.run.meta["buckets_reduced_in_place"] == 0
+
+
+def test_a_bucket_is_all_reduced_in_place_only_where_nothing_reads_it_afterwards():
+    from cann_passes.lowering.eager import reduce_dead_buckets_in_place
+    c10d = torch.ops._c10d_functional
+
+    def dead(x, p):
+        bucket = x * 2
+        return c10d.wait_tensor(c10d.all_reduce(bucket, "sum", "g")) + 1
+
+    def read_again(x, p):
+        bucket = x * 2
+        return c10d.wait_tensor(c10d.all_reduce(bucket, "sum", "g")) + bucket
+
+    def an_input(x, p):                  # a parameter is never the buffer reduced in place
+        return c10d.wait_tensor(c10d.all_reduce(p, "sum", "g")) + 1
+
+    for fn, want in ((dead, 1), (read_again, 0), (an_input, 0)):
+        gm = _traced(fn, torch.randn(4), torch.randn(4))
+        assert reduce_dead_buckets_in_place(gm.graph) == want, fn.__name__
+        inplace = [n for n in gm.graph.nodes if n.target is c10d.all_reduce_.default]
+        assert len(inplace) == want, fn.__name__
