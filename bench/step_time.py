@@ -10,7 +10,8 @@ with AdamW, every row from the same initial weights:
 - ``foreach`` / ``fused``: AdamW with ``foreach=True`` / ``fused=True``;
 - ``compile``: ``torch.compile(model)``, eager AdamW;
 - ``compile+opt``: ``torch.compile(model)`` and ``torch.compile(opt.step)``;
-- ``ours-eager`` / ``ours-inductor``: the compiled whole step on each backend.
+- ``ours-eager`` / ``ours-inductor``: the compiled whole step on each backend;
+- ``ours-inductor+onednn``: inductor with the opt-in ``linear_on_onednn`` pass.
 
 Rows run in interleaved rounds (every row once per round, in a rotating
 order) so that load from other processes on the machine falls on all rows
@@ -22,10 +23,10 @@ processes changes least) and wall time. The matmul floor is eager's step
 time times the matmul share of that step measured by ``torch.profiler``
 (self time of mm / addmm / bmm / baddbmm / SDPA over the profiled window's
 wall time, the profiler's own clock): the time left if everything but the
-matmuls took nothing, with the same BLAS. The inductor row runs its forward
-and input-gradient matmuls on oneDNN (the ``linear_on_onednn`` pass; weight
-gradients and ``bmm`` stay on MKL), so its own matmul time, measured the same
-way on its step and printed beside the floor, can be below eager's.
+matmuls took nothing, with the same BLAS. The ``+onednn`` row runs its forward
+and input-gradient matmuls on oneDNN (weight gradients and ``bmm`` stay on
+MKL), so the inductor rows' own matmul time, measured the same way on their
+steps and printed beside the floor, can be below eager's.
 Compilation happens before the timed rounds and is reported separately. ``--models llama`` (or another name from
 ``tests/zoo.py``) runs the table on a transformers model built from a config
 at the same width.
@@ -47,7 +48,8 @@ from cann_passes import Plan, compile_for_npu
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise",
               "aten::_scaled_dot_product_flash_attention_for_cpu",
               "aten::_scaled_dot_product_flash_attention_for_cpu_backward")
-ROWS = ("eager", "foreach", "fused", "compile", "compile+opt", "ours-eager", "ours-inductor")
+ROWS = ("eager", "foreach", "fused", "compile", "compile+opt", "ours-eager", "ours-inductor",
+        "ours-inductor+onednn")
 
 
 @dataclass
@@ -104,7 +106,9 @@ def make_row(name: str, case: Case) -> Row:
     model.train()
     if name.startswith("ours-"):
         opt = _adamw(model)
-        step = compile_for_npu(model, Plan(backend=name[len("ours-"):]), optimizer=opt, loss_fn=case.loss_fn)
+        backend, _, extra = name[len("ours-"):].partition("+")
+        plan = Plan(backend=backend, extra_passes=("linear_on_onednn",) if extra == "onednn" else ())
+        step = compile_for_npu(model, plan, optimizer=opt, loss_fn=case.loss_fn)
         t0 = time.perf_counter()
         step.compile(case.batch)
         step(case.batch)
@@ -221,7 +225,7 @@ def main(argv=None):
         print(f"{case.name}: compiling {len(args.rows)} rows", flush=True)
         built = run(case, args.rows, args.rounds, args.steps)
         share, shares = matmul_share(built[0].step, case.batch)
-        own = {r.name: matmul_share(r.step, case.batch)[0] for r in built if r.name == "ours-inductor"}
+        own = {r.name: matmul_share(r.step, case.batch)[0] for r in built if r.name.startswith("ours-inductor")}
         tables.append(report(case, built, share, shares, own))
         print(tables[-1], flush=True)
     print(f"threads {torch.get_num_threads()}, torch {torch.__version__}; rounds {args.rounds} x {args.steps} "

@@ -23,17 +23,15 @@ cache (``compile_cache.lowering_context`` gives them a ShapeEnv); the lowered
 copy drops the tracer class so that the graph loaded from the compile cache
 and the freshly captured one have one AOTAutograd key.
 
-The pipeline ends with three passes for this backend (``required_passes``; the
+The pipeline ends with two passes for this backend (``required_passes``; the
 compile driver appends them to any pipeline, one given as text included):
 ``spell_out_alpha`` (torch 2.13's post-grad ``addmm`` pattern drops the
-``alpha`` of ``add(mm(a, b), c, alpha=k)``), ``tanh_gelu_as_sigmoid``
+``alpha`` of ``add(mm(a, b), c, alpha=k)``) and ``tanh_gelu_as_sigmoid``
 (inductor's C++ kernels evaluate ``tanh`` at six times the cost of
-``sigmoid``; tanh-GELU and its gradient are spelled with ``sigmoid``) and
-``linear_on_onednn`` (float32 CPU ``mm``/``addmm`` with a row-major left
-operand run on oneDNN, faster than MKL's ``sgemm`` there; inductor calls them
-as extern kernels, the weight gradients stay on MKL). Both rewrites only
-touch CPU tensors and change rounding, not results beyond it (float32 ulps;
-the tests hold steps to 1e-5 of eager PyTorch).
+``sigmoid``; tanh-GELU and its gradient are spelled with ``sigmoid``, float32
+CPU tensors only, a few ulps of rounding). ``linear_on_onednn`` (float32 CPU
+matmuls on oneDNN instead of MKL) is opt-in, ``Plan(extra_passes=
+("linear_on_onednn",))``: inductor calls its op as an extern kernel.
 """
 from __future__ import annotations
 
@@ -72,7 +70,7 @@ def mutate_inputs(gm: torch.fx.GraphModule, writable: dict[torch.fx.Node, int]) 
 
 class InductorLowering:
     name = "inductor"
-    required_passes = ("spell_out_alpha", "tanh_gelu_as_sigmoid", "linear_on_onednn")
+    required_passes = ("spell_out_alpha", "tanh_gelu_as_sigmoid")
 
     def available(self) -> tuple[bool, str]:
         return cxx_compiler_available()
