@@ -289,6 +289,10 @@ class CompileCache:
         path = self.path(key)
         if not os.path.isdir(path):
             return None
+        # A graph may hold ops a pass defines (``torch.library.custom_op``, e.g. linear_on_onednn's
+        # ``cann.onednn_linear``); they exist once the pass modules are imported, which a process
+        # that loads its step from the cache has not needed yet.
+        from . import passes  # noqa: F401
         try:
             entry = self._read(path, key)
         except Exception as exc:  # stale format, truncated file, a graph that does not verify
