@@ -39,7 +39,8 @@ class GraphAttr:
 
     NAME = "name"                      # the graph's name ("step", "step.grad", ...)
     KIND = "kind"                      # a GraphKind: what the graph computes, how it is verified
-    STEP_STATE = "step_state"          # runtime-carried state a pass declares: name -> {value, dtype, shape}
+    STEP_STATE = "step_state"          # runtime-carried state a pass declares: name -> {value, dtype, shape,
+                                       # persistent}; persistent: carried from step to step (checkpointed)
     PLACEMENTS = "placements"          # "kind:name" of an input/output -> placement JSON (graph_ir.placement)
     SHARDED_STATE = "sharded_state"    # True: state inputs/outputs may be shards of the model's tensors
     DATA_PARALLEL = "data_parallel"    # {dp, buckets, algo}: gradients all-reduced (data_parallel)

@@ -45,7 +45,8 @@ values that many times smaller, so its dynamic scale settles that many times
 higher (the applied updates are the same).
 
 State: ``loss_scale:scale`` and ``loss_scale:growth_tracker`` (float32 scalars,
-declared in ``graph.attrs["step_state"]``). Metrics: ``loss_scale:found_inf``
+declared in ``graph.attrs["step_state"]``, ``persistent`` unless the mode is static: a
+checkpoint carries them, as ``GradScaler.state_dict()`` does). Metrics: ``loss_scale:found_inf``
 (bool) and ``loss_scale:scale`` (the scale this step used).
 """
 from __future__ import annotations
@@ -118,8 +119,11 @@ def _accumulated_gradients(tg: TrainGraph) -> dict[str, torch.fx.Node]:
         raise LossScaleError(f"loss_scale on an accumulating step: {exc}") from None
 
 
-def _declare_state(tg: TrainGraph, name: str, value: float) -> torch.fx.Node:
-    tg.attrs.setdefault("step_state", {})[name] = {"value": float(value), "dtype": "float32", "shape": []}
+def _declare_state(tg: TrainGraph, name: str, value: float, *, persistent: bool) -> torch.fx.Node:
+    # persistent: the value one step leaves is the next step's (a checkpoint carries it); a static
+    # scale is the plan's constant and is not.
+    tg.attrs.setdefault("step_state", {})[name] = {"value": float(value), "dtype": "float32", "shape": [],
+                                                   "persistent": persistent}
     return tg.add_input(Spec(InputKind.STEP_STATE, name), torch.tensor(float(value)),
                         name=name.replace(":", "_"))
 
@@ -235,8 +239,8 @@ def loss_scale_pass(graph: TrainGraph, ctx: PassContext, *, mode: str = "dynamic
         grads = sorted(set(found.values()), key=position.__getitem__)
     else:
         grads = _gradients(graph)
-    scale = _declare_state(graph, SCALE, init)
-    tracker = _declare_state(graph, TRACKER, 0.0) if mode != "static" else None
+    scale = _declare_state(graph, SCALE, init, persistent=mode != "static")
+    tracker = _declare_state(graph, TRACKER, 0.0, persistent=True) if mode != "static" else None
     _scale_seed(graph, emit, scale)
     found_inf, amax = _unscale_and_check(graph, emit, scale, grads,
                                          Region.OPTIMIZER if accumulating else Region.BACKWARD)

@@ -16,24 +16,49 @@ resumes at tp=1, at tp=4, in one process, or with any ZeRO stage.
 
 ``ShardedTensor`` rather than ``DTensor``: a DTensor's piece is one box of
 the value, cut evenly; a flat shard of a row-parallel weight is neither.
+
+The runtime-owned step state that passes declare ``persistent`` in
+``graph.attrs["step_state"]`` (fp16 dynamic loss scaling's ``loss_scale:scale``
+and ``loss_scale:growth_tracker``) is saved as ``step_state/<name>``, as
+``GradScaler.state_dict()`` travels with a torch checkpoint: a resumed run
+scales, skips and grows exactly as the uninterrupted one. Every rank holds the
+same value (the overflow flag is combined over dp, tp and the pipeline ranks),
+so it is a plain tensor, written once and read by every rank. Per-step values
+(accumulation weights, gradient accumulators) are not persistent: the runtime
+sets them for each step. A checkpoint without step state (saved before it was
+stored, or by a step without loss scaling) loads with the declared initial
+values and a warning naming them; step state the checkpoint holds and the step
+does not declare is ignored with a warning naming it. ``load`` returns these
+notes.
+
+With pipeline stages every rank keeps every parameter of the user's model but
+updates only those of its own stages: each rank saves only the values its
+stages hold, and loading fills every rank's copy.
 """
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from graph_ir.meta import DTYPES_BY_NAME, GraphAttr
 from graph_ir.mesh import MeshDesc
 from graph_ir.placement import Placement, flat_runs
 from graph_ir.signature import InputKind
 
 STATE_FILE_META = "meta"
+STEP_STATE_PREFIX = "step_state/"
 
 
 class CheckpointError(RuntimeError):
     pass
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint loaded, but not all of the step's persistent state came from it."""
 
 
 def _writes(placement: Placement, mesh: MeshDesc) -> bool:
@@ -73,12 +98,60 @@ def _flat(step, key: str, tensor: torch.Tensor, *, saving: bool):
         shards, ShardedTensorMetadata(metadata, torch.Size([placement.numel]), properties))
 
 
+def persistent_step_state(step) -> dict[str, dict]:
+    """Name -> declaration of the step state that every compiled graph of ``step`` declares
+    persistent (empty before the step compiled)."""
+    out = {}
+    for comp in step._compiled.values():
+        for graph in comp.program.graphs.values():
+            for name, declared in graph.attrs.get(GraphAttr.STEP_STATE, {}).items():
+                if declared.get("persistent"):
+                    out[name] = declared
+    return out
+
+
+def _step_state_tensors(step, names) -> dict[str, torch.Tensor]:
+    """The live value of each persistent step-state entry (its declared initial value before the
+    first step that wrote it)."""
+    declared = persistent_step_state(step)
+    out = {}
+    for name in names:
+        value = step.step_state.values.get(name)
+        if value is None:
+            d = declared[name]
+            value = step.step_state.values[name] = torch.full(
+                d.get("shape", []), d["value"], dtype=DTYPES_BY_NAME[d.get("dtype", "float32")])
+        out[STEP_STATE_PREFIX + name] = value
+    return out
+
+
+def _pipeline_foreign_params(step) -> set[str]:
+    """With pipeline stages: the parameters no stage of this rank holds (its copy of them is never
+    updated, so it must not be what a checkpoint keeps)."""
+    if not step._compiled:
+        return set()
+    program = step.last.program
+    info = program.attrs.get(GraphAttr.PIPELINE_PARALLEL)
+    if info is None or step.world is None:
+        return set()
+    pp_rank = step.mesh.local_rank("pp")
+    held = set()
+    for name, graph in program.graphs.items():
+        stage = int(name.split(".")[0].removeprefix("stage")) if name.startswith("stage") else None
+        if stage is not None and info["stage_to_rank"][stage] == pp_rank:
+            held |= {s.name for s in graph.signature.inputs if s.kind == InputKind.PARAM}
+    return set(dict(step.model.named_parameters())) - held
+
+
 def state_dict(step, *, saving: bool = True) -> dict:
     """The step's model, optimizer and runtime state as DCP would save or load it (tensors alias the live ones)."""
     out = {}
     params = dict(step.model.named_parameters())
     shards = step.shards.params()
+    foreign = _pipeline_foreign_params(step) if saving else set()
     for name, p in params.items():
+        if name in foreign:
+            continue
         key = f"{InputKind.PARAM.value}:{name}"
         out[f"model/{name}"] = _flat(step, key, shards.get(name, p.data), saving=saving)
         for state_key, value in step.optimizer.state.get(p, {}).items():
@@ -87,6 +160,8 @@ def state_dict(step, *, saving: bool = True) -> dict:
                     step, f"{InputKind.OPT_STATE.value}:{name}:{state_key}", value, saving=saving)
     for name, b in step.model.named_buffers():
         out[f"buffer/{name}"] = b.view(-1) if b.dim() else b
+    if saving:   # loading adds the entries the checkpoint has (one without them still loads)
+        out.update(_step_state_tensors(step, sorted(persistent_step_state(step))))
     out[STATE_FILE_META] = {"steps_run": step.steps_run,
                             "lrs": [float(g["lr"]) for g in step.optimizer.param_groups]}
     return out
@@ -97,11 +172,28 @@ def save(step, path: str | os.PathLike) -> None:
     dcp.save(state_dict(step, saving=True), checkpoint_id=str(path))
 
 
-def load(step, path: str | os.PathLike, example_batch) -> None:
+def _step_state_notes(path, declared: dict[str, dict], saved: set[str]) -> list[str]:
+    notes = []
+    missing = sorted(set(declared) - saved)
+    if missing:
+        initial = ", ".join(f"{n} = {declared[n]['value']!r}" for n in missing)
+        notes.append(f"checkpoint {str(path)!r} holds no step state {missing} (saved before step state was "
+                     f"checkpointed, or by a step that does not declare it): it starts from its initial value "
+                     f"({initial}), so a resumed fp16 run rescales and skips as a fresh one would")
+    ignored = sorted(saved - set(declared))
+    if ignored:
+        notes.append(f"checkpoint {str(path)!r} holds step state {[STEP_STATE_PREFIX + n for n in ignored]}, "
+                     "which this step does not declare (its plan has no pass that keeps it, e.g. no dynamic fp16 "
+                     "loss scaling): ignored")
+    return notes
+
+
+def load(step, path: str | os.PathLike, example_batch) -> list[str]:
     """Load into a step built like the saved one, on any mesh (dp, tp degree) / ZeRO stage (a collective).
 
     ``example_batch`` compiles the step first, so that its (possibly sharded)
-    state exists to be filled.
+    state exists to be filled. Returns the notes on step state the checkpoint
+    and the step do not share (each also a warning); empty when they agree.
     """
     if not os.path.isdir(path) or not os.path.exists(os.path.join(path, ".metadata")):
         raise CheckpointError(f"checkpoint.load: no checkpoint at {str(path)!r} (rule: give the directory "
@@ -114,9 +206,25 @@ def load(step, path: str | os.PathLike, example_batch) -> None:
                      else None)
     target = state_dict(step, saving=False)
     try:
+        keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint.load from {str(path)!r}: its .metadata does not read: "
+                              f"{type(exc).__name__}: {exc}") from exc
+    saved = {k[len(STEP_STATE_PREFIX):] for k in keys if k.startswith(STEP_STATE_PREFIX)}
+    declared = persistent_step_state(step)
+    for name in sorted(saved & set(declared)):
+        d = declared[name]
+        target[STEP_STATE_PREFIX + name] = torch.empty(d.get("shape", []),
+                                                       dtype=DTYPES_BY_NAME[d.get("dtype", "float32")])
+    try:
         dcp.load(target, checkpoint_id=str(path))
     except Exception as exc:
         raise CheckpointError(f"checkpoint.load from {str(path)!r} failed: {type(exc).__name__}: {exc}") from exc
+    for name in sorted(saved & set(declared)):
+        step.step_state.values[name] = target[STEP_STATE_PREFIX + name]
+    notes = _step_state_notes(path, declared, saved)
+    for note in notes:
+        warnings.warn(note, CheckpointWarning, stacklevel=2)
     meta = target[STATE_FILE_META]
     step.steps_run = meta["steps_run"]
     for group, lr in zip(step.optimizer.param_groups, meta["lrs"]):
@@ -124,3 +232,4 @@ def load(step, path: str | os.PathLike, example_batch) -> None:
     if step.shards.params():
         # the loaded parameters are in the shards: the model's own tensors are older now
         step.model_stale = True
+    return notes
