@@ -168,7 +168,15 @@ def state_dict(step, *, saving: bool = True) -> dict:
 
 
 def save(step, path: str | os.PathLike) -> None:
-    """Save on every rank (a collective): each piece is written by one of the ranks holding it."""
+    """Save on every rank (a collective): each piece is written by one of the ranks holding it.
+
+    Gradients accumulated since the last optimizer step (``accumulate_target``) are per-step state
+    and not saved, as ``.grad`` is not in a torch state dict: saving then says so."""
+    pending = getattr(getattr(step, "accumulation", None), "pending_microbatches", 0)
+    if pending:
+        warnings.warn(f"checkpoint.save to {str(path)!r}: the gradients of {pending} microbatch(es) accumulated "
+                      "since the last optimizer step are not saved (rule: save right after an optimizer step, "
+                      "step.metrics['applied'] true, to resume exactly)", CheckpointWarning, stacklevel=2)
     dcp.save(state_dict(step, saving=True), checkpoint_id=str(path))
 
 

@@ -161,6 +161,19 @@ def test_loss_scale_state_loaded_into_a_step_without_loss_scaling_is_named_and_i
     assert_bitwise(params(plain_entry.model), params(entry.model), "fp32 step loaded from an fp16 checkpoint")
 
 
+def test_saving_between_the_microbatches_of_an_optimizer_step_says_what_is_not_saved(tmp_path):
+    entry, step = build(Plan(backend="eager", accumulate_target=8))
+    step(batch(0))
+    assert not bool(step.metrics["applied"])
+    with pytest.warns(checkpoint.CheckpointWarning, match="1 microbatch.*not saved"):
+        checkpoint.save(step, tmp_path / "ckpt")
+    step(batch(1))
+    assert bool(step.metrics["applied"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", checkpoint.CheckpointWarning)
+        checkpoint.save(step, tmp_path / "after")
+
+
 # -- gloo ranks ----------------------------------------------------------------------------------------
 
 def rank_main(out: str, mode: str) -> None:
