@@ -33,11 +33,13 @@ from cann_passes import Plan, compile_for_npu  # noqa: E402
 from cann_passes.runtime import checkpoint  # noqa: E402
 from tests import zoo  # noqa: E402
 
-# From 2**21 with growth every 2 clean steps, steps 0, 1, 4, 5 overflow; after step 2 the scale
-# is 2**19 and the tracker 1 (neither is its initial value). The pipeline's microbatches of one
-# row scale each row's own loss (larger gradients): from 2**15 step 4 overflows, and after step 2
-# the scale is 2**16 and the tracker 1.
-INIT, PP_INIT, GROW, STEPS, SAVE_AFTER = 2.0 ** 21, 2.0 ** 15, 2, 6, 3
+# In one process, from 2**21 with growth every 2 clean steps, steps 0, 1, 4, 5 overflow; after
+# step 2 the scale is 2**19 and the tracker 1 (neither is its initial value). At dp=2 (2 rows a
+# rank), from 2**20, steps 0, 1, 4, 5 overflow and step 2 leaves 2**18 and 1. The pipeline's
+# microbatches of one row scale each row's own loss (larger gradients): from 2**15 step 4
+# overflows, and step 2 leaves 2**16 and 1.
+INIT, GROW, STEPS, SAVE_AFTER = 2.0 ** 21, 2, 6, 3
+RANK_INIT = {"dp": 2.0 ** 20, "pp": 2.0 ** 15}
 SCALE, TRACKER, FOUND_INF = "loss_scale:scale", "loss_scale:growth_tracker", "loss_scale:found_inf"
 
 
@@ -85,7 +87,7 @@ def check_resumed(result: dict, what: str, init: float = INIT) -> None:
     full, resumed = result["uninterrupted"], result["resumed"]
     assert len(full) == STEPS and len(resumed) == STEPS - SAVE_AFTER, what
     saved_at = full[SAVE_AFTER - 1]
-    assert saved_at[2] != init and saved_at[3] != 0.0, f"{what}: the save point's scale state is the initial one"
+    assert (saved_at[2], saved_at[3]) != (init, 0.0), f"{what}: the save point's scale state is the initial one"
     skips = [s[1] for s in full]
     assert any(skips[SAVE_AFTER:]) and not all(skips[:SAVE_AFTER]), f"{what}: skips {skips}"
     assert resumed == full[SAVE_AFTER:], f"{what}: resumed {resumed} != uninterrupted {full[SAVE_AFTER:]}"
@@ -180,7 +182,7 @@ def rank_main(out: str, mode: str) -> None:
     from cann_passes.runtime.distributed import init_distributed
     from graph_ir.meta import GraphAttr
     fields = dict(dp=2, zero_stage=1) if mode == "dp" else dict(pp=2, microbatches=4, pipeline_schedule="gpipe")
-    plan = fp16_plan(INIT if mode == "dp" else PP_INIT, **fields)
+    plan = fp16_plan(RANK_INIT[mode], **fields)
     with init_distributed(plan) as world:
         rank, size = (world.dp_rank, world.dp_size) if mode == "dp" else (0, 1)
         entry, step = build(plan)
@@ -208,7 +210,7 @@ def test_resumed_fp16_training_on_two_gloo_ranks_is_bitwise_the_uninterrupted_ru
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     for rank, result in enumerate(results):
         assert result["notes"] == [], f"{mode} rank {rank}: {result['notes']}"
-        check_resumed(result, f"{mode} rank {rank}", INIT if mode == "dp" else PP_INIT)
+        check_resumed(result, f"{mode} rank {rank}", RANK_INIT[mode])
     # Every rank scales and skips alike.
     assert [s[1:] for s in results[0]["uninterrupted"]] == [s[1:] for s in results[1]["uninterrupted"]]
     if mode == "pp":
