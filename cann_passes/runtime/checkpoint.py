@@ -99,8 +99,8 @@ def _flat(step, key: str, tensor: torch.Tensor, *, saving: bool):
 
 
 def persistent_step_state(step) -> dict[str, dict]:
-    """Name -> declaration of the step state that every compiled graph of ``step`` declares
-    persistent (empty before the step compiled)."""
+    """Name -> declaration of the step state that the graphs ``step`` compiled declare persistent
+    (empty before the step compiled)."""
     out = {}
     for comp in step._compiled.values():
         for graph in comp.program.graphs.values():
@@ -112,15 +112,14 @@ def persistent_step_state(step) -> dict[str, dict]:
 
 def _step_state_tensors(step, names) -> dict[str, torch.Tensor]:
     """The live value of each persistent step-state entry (its declared initial value before the
-    first step that wrote it)."""
+    first step that bound it)."""
     declared = persistent_step_state(step)
     out = {}
     for name in names:
         value = step.step_state.values.get(name)
         if value is None:
             d = declared[name]
-            value = step.step_state.values[name] = torch.full(
-                d.get("shape", []), d["value"], dtype=DTYPES_BY_NAME[d.get("dtype", "float32")])
+            value = torch.full(d.get("shape", []), d["value"], dtype=DTYPES_BY_NAME[d.get("dtype", "float32")])
         out[STEP_STATE_PREFIX + name] = value
     return out
 
@@ -220,9 +219,10 @@ def load(step, path: str | os.PathLike, example_batch) -> list[str]:
                               f"{type(exc).__name__}: {exc}") from exc
     saved = {k[len(STEP_STATE_PREFIX):] for k in keys if k.startswith(STEP_STATE_PREFIX)}
     declared = persistent_step_state(step)
+    device = next(step.model.parameters()).device   # where binding makes step state
     for name in sorted(saved & set(declared)):
         d = declared[name]
-        target[STEP_STATE_PREFIX + name] = torch.empty(d.get("shape", []),
+        target[STEP_STATE_PREFIX + name] = torch.empty(d.get("shape", []), device=device,
                                                        dtype=DTYPES_BY_NAME[d.get("dtype", "float32")])
     try:
         dcp.load(target, checkpoint_id=str(path))
