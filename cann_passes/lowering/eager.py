@@ -57,10 +57,10 @@ of fresh parameters and state every step; ``CANN_PASSES_INPLACE_UPDATES=0``
 asks for it (``base.writable_inputs``; it also keeps the functional
 all-reduce).
 
-Data parallelism's gradient buckets die at their all-reduce; the functional
-``all_reduce`` clones its input and reduces the clone in place, so the
-lowered copy calls ``all_reduce_`` on the bucket itself (one gradient-sized
-buffer and copy less per bucket and step).
+Data parallelism's gradient buckets are reduced by the functional ``all_reduce``
+(a clone of the bucket): reducing the bucket itself (``all_reduce_``) saved one
+bucket copy per step but was seen to corrupt the heap once in a 4-rank gloo run,
+so it is not done.
 
 The same kernel runs on the same values, so results are bitwise those of the
 functional graph.
@@ -78,7 +78,7 @@ from graph_ir.analysis.collectives import is_communication_op
 from graph_ir.analysis.memory import storage_roots
 from graph_ir.meta import Region, region_of
 
-from .base import (GuardedRunner, distributes_update, inplace_updates_enabled, wait_for_reductions_first,
+from .base import (GuardedRunner, distributes_update, wait_for_reductions_first,
                    writable_inputs)
 
 
@@ -86,38 +86,6 @@ def _layout(val) -> tuple | None:
     if not isinstance(val, torch.Tensor):
         return None
     return (tuple(val.shape), val.dtype, tuple(val.stride()), val.device) if val.is_contiguous() else None
-
-
-def reduce_dead_buckets_in_place(graph: torch.fx.Graph) -> int:
-    """Rewrite ``all_reduce(x)`` to ``all_reduce_(x)`` where ``x`` is a contiguous buffer the graph
-    allocated that nothing reads (through any alias) after the collective: a gradient bucket. The
-    functional all-reduce clones its input and reduces the clone in place, so this saves one
-    gradient-sized buffer and copy per bucket and step, the same reduction on the same values.
-    Run last: it makes the collective's result alias its input. Returns how many were rewritten."""
-    nodes = list(graph.nodes)
-    position = {n: i for i, n in enumerate(nodes)}
-    roots = storage_roots(graph)
-    last_use: dict[torch.fx.Node, int] = {}
-    for n in nodes:
-        for a in n.all_input_nodes:
-            last_use[roots[a]] = len(nodes) if n.op == "output" else position[n]
-    rewritten = 0
-    for n in nodes:
-        if n.target is not _ALL_REDUCE or not isinstance(n.args[0], torch.fx.Node):
-            continue
-        x = n.args[0]
-        root = roots[x]
-        if root.op != "call_function" or x.op != "call_function" or last_use.get(root) != position[n]:
-            continue
-        if _layout(x.meta.get("val")) is None:
-            continue
-        n.target = _ALL_REDUCE_INPLACE
-        rewritten += 1
-    return rewritten
-
-
-_ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
-_ALL_REDUCE_INPLACE = torch.ops._c10d_functional.all_reduce_.default
 
 
 @dataclass
@@ -218,8 +186,6 @@ class EagerLowering:
         writable = writable_inputs(lowered)
         lowered.gm.meta["waits_moved"] = wait_for_reductions_first(lowered.gm.graph) if writable else 0
         lowered.attrs["reused_buffers"] = reuse_dead_operands(lowered.gm, writable)
-        lowered.gm.meta["buckets_reduced_in_place"] = (
-            reduce_dead_buckets_in_place(lowered.gm.graph) if inplace_updates_enabled() else 0)
         names = set(lowered.gm.meta["written_inputs"])
         lowered.recompile()
         written = [i for i, p in enumerate(lowered.placeholders()) if p.name in names]

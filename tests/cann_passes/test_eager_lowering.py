@@ -235,11 +235,6 @@ def test_dp_and_zero_steps_write_their_inputs_only_after_every_reduction_and_bac
             and n.args[0] in issued]
     assert late and gm.meta["waits_moved"] >= len(late)
     assert len(nodes) == len(graph.gm.graph.nodes)
-    # Data parallelism's gradient buckets die at their all-reduce: reduced in place, not cloned first.
-    buckets = [n for n in original if collective_kind(n) == "all_reduce" and region_of(n) == Region.BACKWARD]
-    if stage == 0:
-        assert buckets and gm.meta["buckets_reduced_in_place"] >= len(buckets)
-        assert sum(n.target is torch.ops._c10d_functional.all_reduce_.default for n in nodes) >= len(buckets)
 
 
 def test_in_place_updates_can_be_switched_off_for_a_functional_step(gpt2_capture, monkeypatch):
@@ -248,26 +243,3 @@ def test_in_place_updates_can_be_switched_off_for_a_functional_step(gpt2_capture
     _, runner = _lowered(gpt2_capture, 0)
     assert runner.written_inputs == []
     assert runner.run.meta["waits_moved"] == 0 and runner.run.meta["written_inputs"] == []
-    assert runner.run.meta["buckets_reduced_in_place"] == 0
-
-
-def test_a_bucket_is_all_reduced_in_place_only_where_nothing_reads_it_afterwards():
-    from cann_passes.lowering.eager import reduce_dead_buckets_in_place
-    c10d = torch.ops._c10d_functional
-
-    def dead(x, p):
-        bucket = x * 2
-        return c10d.wait_tensor(c10d.all_reduce(bucket, "sum", "g")) + 1
-
-    def read_again(x, p):
-        bucket = x * 2
-        return c10d.wait_tensor(c10d.all_reduce(bucket, "sum", "g")) + bucket
-
-    def an_input(x, p):                  # a parameter is never the buffer reduced in place
-        return c10d.wait_tensor(c10d.all_reduce(p, "sum", "g")) + 1
-
-    for fn, want in ((dead, 1), (read_again, 0), (an_input, 0)):
-        gm = _traced(fn, torch.randn(4), torch.randn(4))
-        assert reduce_dead_buckets_in_place(gm.graph) == want, fn.__name__
-        inplace = [n for n in gm.graph.nodes if n.target is c10d.all_reduce_.default]
-        assert len(inplace) == want, fn.__name__
