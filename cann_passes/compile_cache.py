@@ -388,7 +388,7 @@ def lowering_context(backend: str):
     caches then bypass ("No shape env": their keys carry shape guards). A tracing context whose
     fake mode has one, with static shapes (so nothing becomes symbolic and the kernels are the
     ones compiled without it), makes the second process's lowering a cache lookup. A cold
-    lowering also starts each C++ kernel's compile as soon as inductor has generated it, with
+    lowering applies
     the inductor settings for whole steps (:mod:`cann_passes.lowering.inductor_config`)."""
     if backend != "inductor":
         yield
@@ -399,7 +399,8 @@ def lowering_context(backend: str):
 
     from .lowering.inductor_config import overlapped_compile, step_settings
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(), static_shapes=True)
-    with tracing(TracingContext(fake_mode)), step_settings(), overlapped_compile():
+    early = overlapped_compile() if os.environ.get("CANN_PASSES_EARLY_KERNEL_COMPILES") == "1" else contextlib.nullcontext()
+    with tracing(TracingContext(fake_mode)), step_settings(), early:
         yield
 
 

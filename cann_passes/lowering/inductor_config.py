@@ -1,5 +1,9 @@
 """How inductor compiles a whole step: C++ compiles started while the rest is still lowered.
 
+Opt-in (``CANN_PASSES_EARLY_KERNEL_COMPILES=1``): with it on, two full test-suite runs
+produced inductor steps with NaN losses (cause not found), so the compile cache's
+lowering context applies only :func:`step_settings` by default.
+
 A captured step is one large graph, so inductor's first compile of it is one long
 sequence on one thread: AOTAutograd's trace, lowering, fusion, code generation of
 every kernel, and only then, when the generated module is loaded, the C++ compiles
