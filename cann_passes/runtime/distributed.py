@@ -294,3 +294,17 @@ def launch_local(argv: Sequence[str], nprocs: int, *, env: dict[str, str] | None
             out, err = proc.communicate()
             results.append(subprocess.CompletedProcess(proc.args, None, out, err))
     return results
+
+
+def rank_failures(results: Sequence[subprocess.CompletedProcess], tail: int = 4000) -> str:
+    """What went wrong in a ``launch_local`` run, or ``""`` if every rank exited 0.
+
+    Every failed rank is reported, the likely first failure first: a rank killed by a signal, then
+    one that failed on its own, then ranks that only lost a peer ("Connection reset by peer"), then
+    ranks killed at the timeout.
+    """
+    failed = [(rank, r) for rank, r in enumerate(results) if r.returncode != 0]
+    failed.sort(key=lambda f: (f[1].returncode is None, (f[1].returncode or 0) >= 0,
+                               "Connection reset" in (f[1].stderr or "")))
+    return "\n".join(f"rank {rank} " + ("killed at the timeout" if r.returncode is None else f"exited {r.returncode}")
+                     + f":\n{(r.stderr or '')[-tail:]}" for rank, r in failed)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cann_passes.runtime.distributed import FAULT_EXIT_CODE, launch_local
+from cann_passes.runtime.distributed import FAULT_EXIT_CODE, launch_local, rank_failures
 
 sys.path.insert(0, str(Path(__file__).parent))
 import worker  # noqa: E402
@@ -31,8 +31,8 @@ def run_ranks(n: int, *args: str, timeout_s: float = 600):
 
 
 def assert_all_ok(results):
-    for rank, r in enumerate(results):
-        assert r.returncode == 0, f"rank {rank} exited {r.returncode}:\n{r.stderr[-4000:]}"
+    report = rank_failures(results)
+    assert not report, report
 
 
 def eager_reference(steps=worker.STEPS):

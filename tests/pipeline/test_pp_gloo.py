@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from cann_passes import compile_for_npu
-from cann_passes.runtime.distributed import launch_local
+from cann_passes.runtime.distributed import launch_local, rank_failures
 from cann_passes.schedules import timeline_from_events
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -38,8 +38,8 @@ def _launch(tmp_path_factory, name: str, nprocs: int, model: str, pp: int, dp: i
     out = tmp_path_factory.mktemp(name)
     results = launch_local([WORKER, str(out), model, str(pp), str(dp), str(tp), *configs], nprocs,
                            env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, timeout_s=900, cwd=str(REPO))
-    for rank, r in enumerate(results):
-        assert r.returncode == 0, f"rank {rank} exited {r.returncode}:\n{r.stderr[-4000:]}"
+    report = rank_failures(results)
+    assert not report, report
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nprocs)]
 
 

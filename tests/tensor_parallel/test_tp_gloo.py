@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cann_passes.runtime.distributed import launch_local
+from cann_passes.runtime.distributed import launch_local, rank_failures
 
 sys.path.insert(0, str(Path(__file__).parent))
 import tp_worker  # noqa: E402
@@ -53,8 +53,8 @@ def launch(tmp_path, world: int, scenarios: list[str], tp: int | None = None) ->
     tp = tp or world
     argv = [WORKER, str(tmp_path), *([f"tp={tp}"] if tp != world else []), *scenarios]
     results = launch_local(argv, world, env=RANK_ENV, timeout_s=900, cwd=str(REPO))
-    for rank, r in enumerate(results):
-        assert r.returncode == 0, f"rank {rank} exited {r.returncode}:\n{r.stderr[-4000:]}"
+    report = rank_failures(results)
+    assert not report, report
     dp = world // tp
     return {s: torch.load(tmp_path / f"{s}.tp{tp}{f'.dp{dp}' if dp > 1 and not s.startswith('resume:') else ''}.pt",
                           weights_only=False) for s in scenarios}
