@@ -397,10 +397,9 @@ def lowering_context(backend: str):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    from .lowering.inductor_config import overlapped_compile, step_settings
+    from .lowering.inductor_config import step_settings
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(), static_shapes=True)
-    early = overlapped_compile() if os.environ.get("CANN_PASSES_EARLY_KERNEL_COMPILES") == "1" else contextlib.nullcontext()
-    with tracing(TracingContext(fake_mode)), step_settings(), early:
+    with tracing(TracingContext(fake_mode)), step_settings():
         yield
 
 
