@@ -58,9 +58,11 @@ asks for it (``base.writable_inputs``; it also keeps the functional
 all-reduce).
 
 Data parallelism's gradient buckets are reduced by the functional ``all_reduce``
-(a clone of the bucket): reducing the bucket itself (``all_reduce_``) saved one
-bucket copy per step but was seen to corrupt the heap once in a 4-rank gloo run,
-so it is not done.
+(a clone of the bucket). Reducing the bucket itself (``all_reduce_``) saved one
+bucket copy per step; a heap corruption seen once in a 4-rank gloo DP/ZeRO run
+with it was most likely the gloo all-gather fault below, but that is not
+confirmed, so it is not done. On a gloo group every all-gather runs alone, with
+no other collective in flight (``base.gloo_all_gathers_alone``).
 
 The same kernel runs on the same values, so results are bitwise those of the
 functional graph.
@@ -78,8 +80,8 @@ from graph_ir.analysis.collectives import is_communication_op
 from graph_ir.analysis.memory import storage_roots
 from graph_ir.meta import Region, region_of
 
-from .base import (GuardedRunner, distributes_update, wait_for_reductions_first,
-                   writable_inputs)
+from .base import (GuardedRunner, distributes_update, gloo_all_gathers_alone,
+                   wait_for_reductions_first, writable_inputs)
 
 
 def _layout(val) -> tuple | None:
@@ -185,6 +187,7 @@ class EagerLowering:
         lowered = graph.copy()
         writable = writable_inputs(lowered)
         lowered.gm.meta["waits_moved"] = wait_for_reductions_first(lowered.gm.graph) if writable else 0
+        lowered.gm.meta["gloo_waits_moved"] = gloo_all_gathers_alone(lowered.gm.graph)
         lowered.attrs["reused_buffers"] = reuse_dead_operands(lowered.gm, writable)
         names = set(lowered.gm.meta["written_inputs"])
         lowered.recompile()
@@ -192,6 +195,7 @@ class EagerLowering:
 
         def functional() -> torch.fx.GraphModule:
             copy = graph.copy()
+            gloo_all_gathers_alone(copy.gm.graph)
             reuse_dead_operands(copy.gm)
             return copy.gm
 

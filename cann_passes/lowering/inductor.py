@@ -40,7 +40,7 @@ import torch.fx
 
 from graph_ir import TrainGraph
 
-from .base import GuardedRunner, cxx_compiler_available, writable_inputs
+from .base import GuardedRunner, cxx_compiler_available, gloo_all_gathers_alone, writable_inputs
 
 aten = torch.ops.aten
 
@@ -90,6 +90,8 @@ class InductorLowering:
                 # its .name); the recompute pass's mark there is a plain bool, so the copy drops it.
                 if isinstance(node.meta.get("recompute"), bool):
                     del node.meta["recompute"]
+            if gloo_all_gathers_alone(gm.graph):
+                gm.recompile()
             mutated = mutate_inputs(gm, writable_inputs(copy)) if mutating else []
             return copy, gm, mutated
 
