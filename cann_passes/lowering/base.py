@@ -117,7 +117,7 @@ def wait_for_reductions_first(graph: torch.fx.Graph) -> int:
     return len(moving)
 
 
-def _group_backend(group_name: str | None) -> str | None:
+def group_backend(group_name: str | None) -> str | None:
     """The backend of the live process group a collective names; None when there is none (no
     process group in this process: a step compiled for costing or for the compile cache)."""
     import torch.distributed as dist
@@ -135,7 +135,7 @@ def _waits(collective: torch.fx.Node) -> list[torch.fx.Node]:
 
 
 def gloo_all_gathers_alone(graph: torch.fx.Graph,
-                           backend_of: Callable[[str | None], str | None] = _group_backend) -> int:
+                           backend_of: Callable[[str | None], str | None] = group_backend) -> int:
     """Run every all-gather on a gloo process group alone: first wait for each collective still in
     flight on gloo, then issue the all-gather and wait for it at once.
 

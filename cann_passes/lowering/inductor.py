@@ -35,14 +35,28 @@ matmuls on oneDNN instead of MKL) is opt-in, ``Plan(extra_passes=
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.fx
 
 from graph_ir import TrainGraph
 
-from .base import GuardedRunner, cxx_compiler_available, gloo_all_gathers_alone, writable_inputs
+from .base import (GuardedRunner, cxx_compiler_available, gloo_all_gathers_alone, group_backend,
+                   writable_inputs)
 
 aten = torch.ops.aten
+
+
+def _keep_gloo_order(graph: torch.fx.Graph):
+    """Inductor's node reordering (for peak memory, for locality) off for a graph with collectives
+    on gloo: it issues all-gathers beside other collectives again, which ``gloo_all_gathers_alone``
+    orders out (gloo's all-gather beside other collectives corrupts the heap)."""
+    from torch._inductor import config
+    from graph_ir.analysis.collectives import group_name_of, is_collective
+    on_gloo = any(is_collective(n) and group_backend(group_name_of(n)) == "gloo" for n in graph.nodes)
+    return config.patch(reorder_for_peak_memory=False, reorder_for_locality=False) if on_gloo \
+        else contextlib.nullcontext()
 
 
 def mutate_inputs(gm: torch.fx.GraphModule, writable: dict[torch.fx.Node, int]) -> list[torch.fx.Node]:
@@ -96,12 +110,15 @@ class InductorLowering:
             return copy, gm, mutated
 
         copy, gm, mutated = lowered(True)
-        run = compile_fx(gm, list(example_inputs))
+        with _keep_gloo_order(gm.graph):
+            run = compile_fx(gm, list(example_inputs))
         if not mutated:
             return run
         positions = {n: i for i, n in enumerate(copy.placeholders())}
 
         def functional():
-            return compile_fx(lowered(False)[1], list(example_inputs))
+            gm = lowered(False)[1]
+            with _keep_gloo_order(gm.graph):
+                return compile_fx(gm, list(example_inputs))
 
         return GuardedRunner(run, copy, sorted(positions[n] for n in mutated), functional)

@@ -76,9 +76,9 @@ def train(world, plan, steps=range(STEPS), model=None, opt=None, step=None):
     return step, model, losses
 
 
-def parity(world_size: int, out: str, strategies: str, verify: str):
+def parity(world_size: int, out: str, strategies: str, verify: str, backend: str = "eager"):
     # Small buckets, so that every strategy splits the model into several.
-    base = Plan(backend="eager", verify=verify, dp=world_size, bucket_mb=0.02)
+    base = Plan(backend=backend, verify=verify, dp=world_size, bucket_mb=0.02)
     with init_distributed(base) as world:
         result = {}
         for name in strategies.split(","):
