@@ -387,9 +387,8 @@ def lowering_context(backend: str):
     ``compile_fx`` given real example inputs makes a fake mode without a ShapeEnv, and both
     caches then bypass ("No shape env": their keys carry shape guards). A tracing context whose
     fake mode has one, with static shapes (so nothing becomes symbolic and the kernels are the
-    ones compiled without it), makes the second process's lowering a cache lookup. A cold
-    lowering applies
-    the inductor settings for whole steps (:mod:`cann_passes.lowering.inductor_config`)."""
+    ones compiled without it), makes the second process's lowering a cache lookup. Both apply the
+    inductor settings for whole steps (:mod:`cann_passes.lowering.inductor_config`)."""
     if backend != "inductor":
         yield
         return

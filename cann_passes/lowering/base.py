@@ -150,22 +150,22 @@ def gloo_all_gathers_alone(graph: torch.fx.Graph,
     ``backend_of`` maps a group name to its backend (the live process group's by default). Returns
     how many waits moved."""
     moved = 0
-    in_flight: list[torch.fx.Node] = []
+    in_flight: dict[torch.fx.Node, None] = {}     # gloo collectives issued and not yet waited for
     for node in list(graph.nodes):
         if collective_kind(node) is None:
-            if node in {w for c in in_flight for w in _waits(c)}:
-                in_flight = [c for c in in_flight if node not in _waits(c)]
+            if is_communication_op(node):          # a wait
+                in_flight.pop(_collective(node), None)
             continue
         if backend_of(group_name_of(node)) != "gloo":
             continue
         if collective_kind(node) != "all_gather":
-            in_flight.append(node)
+            in_flight[node] = None
             continue
         for c in in_flight:
             for wait in _waits(c):
                 node.prepend(wait)
                 moved += 1
-        in_flight = []
+        in_flight.clear()
         at = node
         for wait in _waits(node):
             if at.next is not wait:
