@@ -42,6 +42,7 @@ import torch.fx
 
 from graph_ir import TrainGraph
 
+from . import cpp_kernel_batches
 from .base import (GuardedRunner, cxx_compiler_available, gloo_all_gathers_alone, group_backend,
                    writable_inputs)
 
@@ -110,7 +111,7 @@ class InductorLowering:
             return copy, gm, mutated
 
         copy, gm, mutated = lowered(True)
-        with _keep_gloo_order(gm.graph):
+        with _keep_gloo_order(gm.graph), cpp_kernel_batches.batched():
             run = compile_fx(gm, list(example_inputs))
         if not mutated:
             return run
@@ -118,7 +119,7 @@ class InductorLowering:
 
         def functional():
             gm = lowered(False)[1]
-            with _keep_gloo_order(gm.graph):
+            with _keep_gloo_order(gm.graph), cpp_kernel_batches.batched():
                 return compile_fx(gm, list(example_inputs))
 
         return GuardedRunner(run, copy, sorted(positions[n] for n in mutated), functional)

@@ -16,8 +16,9 @@ graph, each kept only where it leaves the generated code of the recipe GPT byte-
 Starting each C++ kernel's compile as soon as inductor generates it (instead of when the
 generated module loads) cut a quiet cold compile from 1.25x to 0.76x torch.compile + compiled
 optimizer, but full test-suite runs with it on produced inductor steps with NaN losses and the
-cause was not found, so it is not done: inductor compiles its kernels' C++ at load, as it does
-for torch.compile.
+cause was not found, so it is not done: the kernels' C++ is compiled when the generated module
+loads, as under torch.compile, but in a few translation units instead of one per kernel
+(:mod:`cann_passes.lowering.cpp_kernel_batches`).
 """
 from __future__ import annotations
 
