@@ -80,7 +80,9 @@ def make_backend(plan: Plan):
             records.append((graph.name, manager.records))
             if lowering_name == "inductor":
                 from torch._inductor.compile_fx import compile_fx_inner
-                return compile_fx_inner(graph.gm, example_inputs)
+                from .lowering.cpp_kernel_batches import batched
+                with batched():
+                    return compile_fx_inner(graph.gm, example_inputs)
             from functorch.compile import make_boxed_func
             return make_boxed_func(get_lowering(lowering_name).compile(graph, example_inputs, plan))
         return compile_graph
