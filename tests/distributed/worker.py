@@ -90,6 +90,32 @@ def parity(world_size: int, out: str, strategies: str, verify: str, backend: str
         torch.save(result, f"{out}/parity.rank{world.rank}.pt")
 
 
+ZOO_STEPS = 3
+
+
+def zoo_batch(i: int):
+    """A padded global batch for a transformers causal LM (rows of different lengths)."""
+    from tests import zoo
+    return zoo.causal_lm_batch(1000 + i, pad=True)
+
+
+def zoo_parity(world_size: int, out: str, name: str, strategies: str, backend: str):
+    """A transformers model built from a config (one layer), AdamW, padded batches, per strategy."""
+    from tests import zoo
+    base = Plan(backend=backend, dp=world_size, bucket_mb=0.02, compile_cache="off")
+    with init_distributed(base) as world:
+        result = {}
+        for strategy in strategies.split(","):
+            entry = zoo.build(name, layers=1)
+            opt = zoo.default_optimizer(entry.model.parameters())
+            step = compile_for_npu(entry.model, base.replace(zero_stage=STRATEGIES[strategy]), optimizer=opt,
+                                   loss_fn=entry.loss_fn)
+            losses = [float(step(shard_batch(zoo_batch(i), world.dp_rank, world.dp_size)))
+                      for i in range(ZOO_STEPS)]
+            result[strategy] = {"losses": losses, "params": full_params(step, entry.model)}
+        torch.save(result, f"{out}/zoo_parity.rank{world.rank}.pt")
+
+
 MASTER_RUNS = {"dp": (0, "whole"), "zero1": (1, "sharded"), "zero2": (2, "sharded"), "zero2_whole": (2, "whole"),
                "zero3": (3, "sharded")}
 
@@ -205,5 +231,5 @@ if __name__ == "__main__":
     scenario, out, *args = sys.argv[1:]
     import os
     world_size = int(os.environ["WORLD_SIZE"])
-    {"parity": parity, "resume": resume, "fault": fault, "user_state": user_state,
+    {"parity": parity, "zoo_parity": zoo_parity, "resume": resume, "fault": fault, "user_state": user_state,
      "master": master, "overflow": overflow}[scenario](world_size, out, *args)
