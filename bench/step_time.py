@@ -65,12 +65,93 @@ class Case:
 @dataclass
 class Row:
     name: str
-    step: Callable[[Any], Any]
+    step: Callable[[Any], Any] | None
     compile_s: float = 0.0
     times: list[float] = field(default_factory=list)       # wall seconds per step
     cpu: list[float] = field(default_factory=list)         # process CPU seconds per step
     ratios: list[float] = field(default_factory=list)      # per round, wall vs eager's
     cpu_ratios: list[float] = field(default_factory=list)  # per round, CPU time vs eager's
+    worker: Any = field(default=None, repr=False)          # the row's own process (``--processes rows``)
+
+    def timed_steps(self, batch, steps: int) -> tuple[list[float], list[float]]:
+        """Wall and process CPU seconds of ``steps`` steps, in the row's own process if it has one."""
+        if self.worker is not None:
+            reply = self.worker.ask({"cmd": "steps", "n": steps})
+            return reply["times"], reply["cpu"]
+        return _timed_steps(self.step, batch, steps)
+
+    def matmul_share(self, batch) -> tuple[float, dict[str, float]]:
+        if self.worker is not None:
+            reply = self.worker.ask({"cmd": "share"})
+            return reply["share"], reply["shares"]
+        return matmul_share(self.step, batch)
+
+
+def _timed_steps(step, batch, steps: int) -> tuple[list[float], list[float]]:
+    ts, cs = [], []
+    for _ in range(steps):
+        t0, c0 = time.perf_counter(), time.process_time()
+        step(batch)
+        ts.append(time.perf_counter() - t0)
+        cs.append(time.process_time() - c0)
+    return ts, cs
+
+
+class Worker:
+    """One row built and stepped in a process of its own, on command from this one: rows then share
+    the machine's load (one process computes at a time, in the rounds' order) but not a heap, so
+    one row's allocations (the page faults of a heap another model has fragmented) do not fall on
+    another, as they do not for a user who trains one model per process."""
+
+    def __init__(self, row: str, args):
+        import subprocess
+        import sys
+        cmd = [sys.executable, "-m", "bench.step_time", "--worker", row, "--models", args.model,
+               "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--threads", str(args.threads)]
+        self.proc = subprocess.Popen(cmd, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.built = self._read()
+
+    def _read(self) -> dict:
+        import json
+        for line in self.proc.stdout:
+            if line.startswith("@@ "):
+                return json.loads(line[3:])
+        raise RuntimeError(f"the worker process of a row exited with {self.proc.wait()}")
+
+    def ask(self, command: dict) -> dict:
+        import json
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.ask({"cmd": "exit"})
+            self.proc.wait()
+
+
+def serve(row: str, case: Case) -> None:
+    """``--worker``: build ``row``, then answer the coordinator's commands on stdin."""
+    import json
+    import sys
+
+    def reply(payload: dict):
+        sys.stdout.write("@@ " + json.dumps(payload) + "\n")
+        sys.stdout.flush()
+    built = make_row(row, case)
+    reply({"compile_s": built.compile_s})
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command["cmd"] == "steps":
+            times, cpu = _timed_steps(built.step, case.batch, command["n"])
+            reply({"times": times, "cpu": cpu})
+        elif command["cmd"] == "share":
+            share, shares = matmul_share(built.step, case.batch)
+            reply({"share": share, "shares": shares})
+        else:
+            reply({})
+            return
 
 
 def gpt_case(batch_size: int, seq_len: int) -> Case:
@@ -142,23 +223,28 @@ def matmul_share(step, batch, steps: int = 2) -> tuple[float, dict[str, float]]:
     return sum(by_op.values()) / wall, {k: v / wall for k, v in by_op.items()}
 
 
-def run(case: Case, rows: list[str], rounds: int, steps: int) -> list[Row]:
+def build_rows(case: Case, rows: list[str], args=None) -> list[Row]:
+    """The rows, each in this process, or (``args.processes == "rows"``) each in a process of its own."""
     built = []
     for name in rows:
         t0 = time.perf_counter()
-        built.append(make_row(name, case))
+        if args is not None and args.processes == "rows":
+            worker = Worker(name, args)
+            built.append(Row(name, None, worker.built["compile_s"], worker=worker))
+        else:
+            built.append(make_row(name, case))
         print(f"  built {name:<14} in {time.perf_counter() - t0:6.1f} s", flush=True)
+    return built
+
+
+def run(case: Case, rows: list[str], rounds: int, steps: int, args=None) -> list[Row]:
+    built = build_rows(case, rows, args)
     base = next(r for r in built if r.name == "eager")
     for k in range(rounds):
         order = built[k % len(built):] + built[:k % len(built)]
         wall, cpu = {}, {}
         for row in order:
-            ts, cs = [], []
-            for _ in range(steps):
-                t0, c0 = time.perf_counter(), time.process_time()
-                row.step(case.batch)
-                ts.append(time.perf_counter() - t0)
-                cs.append(time.process_time() - c0)
+            ts, cs = row.timed_steps(case.batch, steps)
             row.times += ts
             row.cpu += cs
             wall[row.name], cpu[row.name] = statistics.median(ts), statistics.median(cs)
@@ -212,25 +298,40 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=1,
                    help="intra-op threads (default 1: on a machine shared with other work, OpenMP barriers "
                         "waiting for a descheduled thread dominate two-thread timings)")
+    p.add_argument("--processes", choices=("rows", "one"), default="rows",
+                   help="rows: every row in a process of its own, stepped in turn (the default); one: every "
+                        "row in this process, sharing its heap")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    if args.worker:
+        name = args.models[0]
+        return serve(args.worker, gpt_case(args.batch_size, args.seq_len) if name == "gpt"
+                     else zoo_case(name, args.batch_size, args.seq_len))
     if "eager" not in args.rows:
         args.rows.insert(0, "eager")
-    warnings.filterwarnings("ignore")
     cases = [gpt_case(args.batch_size, args.seq_len) if n == "gpt" else zoo_case(n, args.batch_size, args.seq_len)
              for n in args.models]
     tables = []
     load0 = os.getloadavg()
-    for case in cases:
+    for model, case in zip(args.models, cases):
         print(f"{case.name}: compiling {len(args.rows)} rows", flush=True)
-        built = run(case, args.rows, args.rounds, args.steps)
-        share, shares = matmul_share(built[0].step, case.batch)
-        own = {r.name: matmul_share(r.step, case.batch)[0] for r in built if r.name.startswith("ours-inductor")}
+        args.model = model
+        built = run(case, args.rows, args.rounds, args.steps, args)
+        try:
+            share, shares = built[0].matmul_share(case.batch)
+            own = {r.name: r.matmul_share(case.batch)[0] for r in built if r.name.startswith("ours-inductor")}
+        finally:
+            for r in built:
+                if r.worker is not None:
+                    r.worker.close()
         tables.append(report(case, built, share, shares, own))
         print(tables[-1], flush=True)
+    where = "each row in its own process" if args.processes == "rows" else "all rows in one process"
     print(f"threads {torch.get_num_threads()}, torch {torch.__version__}; rounds {args.rounds} x {args.steps} "
-          f"steps, interleaved; load average {load0[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end "
-          f"({os.cpu_count()} CPUs)")
+          f"steps, interleaved, {where}; load average {load0[0]:.1f} at the start, {os.getloadavg()[0]:.1f} "
+          f"at the end ({os.cpu_count()} CPUs)")
     return tables
 
 
