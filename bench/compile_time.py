@@ -1,6 +1,6 @@
 """First-step compile time, cold and warm, against torch.compile: 6-layer d256 GPT, seq 128, batch 8, AdamW.
 
-    python -m bench.compile_time [--rounds 1] [--quick]
+    python -m bench.compile_time [--rounds 1] [--quick] [--model gpt|llama|gpt2|...]
 
 Every measurement runs in a fresh interpreter (``python -m bench.compile_time --child ...``)
 and times the first training step (compile + one step) minus the median of the three
@@ -48,30 +48,42 @@ def _config(quick: bool):
     return GPTConfig(vocab_size=256, n_layer=6, n_head=4, d_model=256, seq_len=128), 8
 
 
-def child(row: str, quick: bool) -> dict:
-    """One measurement in this (fresh) process."""
+def _model(name: str, quick: bool):
+    """The model, its loss and four batches: the recipe GPT, or a transformers model of the same width
+    built from a config (``tests/zoo.py``, as ``bench.step_time --models`` builds it)."""
     import torch
-    from recipes.models.gpt import GPT, gpt_loss
     cfg, batch_size = _config(quick)
     torch.manual_seed(0)
-    model = GPT(cfg)
+    if name == "gpt":
+        from recipes.models.gpt import GPT, gpt_loss
+        g = torch.Generator().manual_seed(1)
+        return GPT(cfg), gpt_loss, [(torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len), generator=g),) * 2
+                                    for _ in range(4)]
+    from bench.step_time import zoo_case
+    case = zoo_case(name, batch_size, cfg.seq_len)
+    torch.manual_seed(0)
+    return case.make_model(), case.loss_fn, [case.batch] * 4
+
+
+def child(row: str, quick: bool, model_name: str = "gpt") -> dict:
+    """One measurement in this (fresh) process."""
+    import torch
+    model, loss_fn, batches = _model(model_name, quick)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    g = torch.Generator().manual_seed(1)
-    batches = [(torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len), generator=g),) * 2 for _ in range(4)]
     if row.startswith("torch"):
         compiled = torch.compile(model)
         opt_step = torch.compile(opt.step) if "optimizer" in row else opt.step
 
         def step(batch):
             opt.zero_grad(set_to_none=True)
-            loss = gpt_loss(compiled, batch)
+            loss = loss_fn(compiled, batch)
             loss.backward()
             opt_step()
             return loss
     else:
         from cann_passes import Plan, compile_for_npu
         step = compile_for_npu(model, Plan(backend=row.split()[-1], compile_cache=os.environ["BENCH_COMPILE_CACHE"]),
-                               optimizer=opt, loss_fn=gpt_loss)
+                               optimizer=opt, loss_fn=loss_fn)
     times, cpu = [], []
     children0 = _children_cpu()
     for batch in batches:
@@ -126,18 +138,18 @@ def phases(compile_s: float, ours: tuple[float, float] | None) -> dict:
     return out
 
 
-def _spawn(row: str, quick: bool, inductor_dir: str, cache_dir: str) -> dict:
+def _spawn(row: str, quick: bool, inductor_dir: str, cache_dir: str, model: str = "gpt") -> dict:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=inductor_dir, BENCH_COMPILE_CACHE=cache_dir,
                TORCHINDUCTOR_FX_GRAPH_CACHE="1", TORCHINDUCTOR_AUTOGRAD_CACHE="1")
     env.pop("CANN_PASSES_DUMP", None)
-    args = [sys.executable, "-m", "bench.compile_time", "--child", row] + (["--quick"] if quick else [])
+    args = [sys.executable, "-m", "bench.compile_time", "--child", row, "--model", model] + (["--quick"] if quick else [])
     done = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"{row}: {done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def run(rounds: int, quick: bool, rows=ROWS) -> dict:
+def run(rounds: int, quick: bool, rows=ROWS, model: str = "gpt") -> dict:
     results = {row: {"cold": [], "warm": []} for row in rows}
     for r in range(rounds):
         for row in (rows if r % 2 == 0 else rows[::-1]):
@@ -145,7 +157,7 @@ def run(rounds: int, quick: bool, rows=ROWS) -> dict:
             try:
                 dirs = (os.path.join(work, "inductor"), os.path.join(work, "cache"))
                 for phase in ("cold", "warm"):
-                    results[row][phase].append(_spawn(row, quick, *dirs))
+                    results[row][phase].append(_spawn(row, quick, *dirs, model=model))
             finally:
                 shutil.rmtree(work, ignore_errors=True)
     return results
@@ -197,16 +209,20 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="smoke test: a 1-layer d32 model")
     p.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS,
                    help="rows to measure (the cold ratio is against the compiled-optimizer row when it runs)")
+    p.add_argument("--model", default="gpt",
+                   help="gpt (the recipe model) or a transformers model from tests/zoo.py (llama, gpt2, ...) of "
+                        "the same width")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.child, args.quick)))
+        print(json.dumps(child(args.child, args.quick, args.model)))
         return None
     cfg, batch = _config(args.quick)
     load0 = os.getloadavg()
-    print(f"GPT {cfg.n_layer} layers d{cfg.d_model} seq {cfg.seq_len} batch {batch}, AdamW; compile = first step "
+    what = "GPT (recipe model)" if args.model == "gpt" else f"transformers {args.model}"
+    print(f"{what} {cfg.n_layer} layers d{cfg.d_model} seq {cfg.seq_len} batch {batch}, AdamW; compile = first step "
           f"- median of the next three; {args.rounds} round(s), medians; each row in fresh processes")
-    rows = report(run(args.rounds, args.quick, tuple(args.rows)))
+    rows = report(run(args.rounds, args.quick, tuple(args.rows), args.model))
     print(f"load average {load0[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end ({os.cpu_count()} CPUs)")
     return rows
 

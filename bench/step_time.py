@@ -1,6 +1,6 @@
 """Step time of the compiled whole step against eager PyTorch and torch.compile, side by side.
 
-    python -m bench.step_time [--rounds 6] [--steps 1] [--rows ...] [--models gpt llama]
+    python -m bench.step_time [--rounds 6] [--steps 1] [--rows ...] [--models gpt llama] [--processes rows|one]
 
 One 6-layer GPT-style model (d_model 256, 4 heads, seq 128, batch 8) trained
 with AdamW, every row from the same initial weights:
@@ -15,7 +15,9 @@ with AdamW, every row from the same initial weights:
 
 Rows run in interleaved rounds (every row once per round, in a rotating
 order) so that load from other processes on the machine falls on all rows
-alike; each row's time is the median over all its timed steps, and its ratio
+alike. Each row is built and stepped in a process of its own (the others wait
+while it steps), so rows share the load but not a heap, as a user's process
+trains one model; ``--processes one`` runs every row in this process. Each row's time is the median over all its timed steps, and its ratio
 is the median over rounds of (row / eager in the same round), with the
 quartiles over rounds beside it. Two clocks: the process's CPU time (one
 intra-op thread, so it is the step's work, and what load from other
