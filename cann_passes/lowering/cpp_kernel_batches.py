@@ -134,9 +134,9 @@ def translation_unit(kernels: list[tuple[list[str], str]]) -> str:
     for index, (argtypes, source) in enumerate(kernels):
         body = []
         for line in source.splitlines():
-            if line.startswith("#include"):
-                if line not in includes:
-                    includes.append(line)
+            if line.lstrip().startswith("#include"):
+                if line.strip() not in includes:
+                    includes.append(line.strip())
             else:
                 body.append(line)
         code = _KERNEL_DECL.sub("void kernel(", "\n".join(body), count=1)

@@ -36,6 +36,8 @@ def test_a_translation_unit_hoists_includes_and_gives_each_kernel_a_namespace_an
     unit = translation_unit([(["const float*", "float*", "const int64_t"], _kernel("out_ptr0[0] = 1;")),
                              (["const float*", "float*", "const int64_t"], _kernel("out_ptr0[0] = 2;"))])
     assert unit.count(PREFIX.strip()) == 1 and unit.index(PREFIX.strip()) == 0
+    indented = translation_unit([(["float*"], "  " + _kernel("out_ptr0[0] = 1;"))])
+    assert indented.index(PREFIX.strip()) == 0 and indented.count("#include <torch/csrc/inductor/cpp_prefix.h>") == 1
     assert 'extern "C"  void  kernel' not in unit
     assert "namespace cann_kernel_0" in unit and "namespace cann_kernel_1" in unit
     assert 'kernel(parse_arg<float*>(args, 0), parse_arg<float*>(args, 1), parse_arg<int64_t>(args, 2));' in unit
