@@ -65,20 +65,30 @@ def _unsharded_state_bytes(ref_params) -> int:
     return sum(2 * p.numel() * 4 + 4 for p in ref_params.values())
 
 
-def test_inductor_dp_zero1_and_zero3_on_gloo_match_single_process_adamw(tmp_path, reference):
-    # The inductor lowering of data-parallel and ZeRO steps (functional collectives compiled by
-    # inductor, the gloo all-gathers run alone), 2 ranks, against eager PyTorch in one process.
+def _skip_without_cxx():
     from cann_passes.lowering.base import cxx_compiler_available
     if not cxx_compiler_available()[0]:
         pytest.skip("inductor needs a C++ compiler")
-    assert_all_ok(run_ranks(2, "parity", str(tmp_path), "dp,zero1,zero3", "shallow", "inductor"))
+
+
+def assert_every_rank_matches(out: Path, scenario: str, world_size: int, strategies: str, reference, what: str):
+    """Every rank's losses and parameters of every strategy in ``out/<scenario>.rank<R>.pt`` match
+    ``reference`` (losses, parameters)."""
     ref_losses, ref_params = reference
-    for rank in range(2):
-        result = torch.load(tmp_path / f"parity.rank{rank}.pt", weights_only=False)
-        for strategy in ("dp", "zero1", "zero3"):
+    for rank in range(world_size):
+        result = torch.load(out / f"{scenario}.rank{rank}.pt", weights_only=False)
+        for strategy in strategies.split(","):
             got = result[strategy]
             assert_matches(got["losses"], got["params"], ref_losses, ref_params,
-                           f"inductor {strategy} on 2 ranks (rank {rank})")
+                           f"{what} {strategy} on {world_size} ranks (rank {rank})")
+
+
+def test_inductor_dp_zero1_and_zero3_on_gloo_match_single_process_adamw(tmp_path, reference):
+    # The inductor lowering of data-parallel and ZeRO steps (functional collectives compiled by
+    # inductor, the gloo all-gathers run alone), 2 ranks, against eager PyTorch in one process.
+    _skip_without_cxx()
+    assert_all_ok(run_ranks(2, "parity", str(tmp_path), "dp,zero1,zero3", "shallow", "inductor"))
+    assert_every_rank_matches(tmp_path, "parity", 2, "dp,zero1,zero3", reference, "inductor")
 
 
 def zoo_reference(name: str, world_size: int):
@@ -103,17 +113,9 @@ def zoo_reference(name: str, world_size: int):
 def test_inductor_dp_zero2_and_zero3_of_transformers_llama_on_gloo_match_eager_on_padded_batches(tmp_path):
     # A model we did not write, padded batches, the ZeRO stage with reduce-scatters (2) and the one
     # with all-gathers in the forward (3), inductor-compiled with gloo's all-gathers run alone.
-    from cann_passes.lowering.base import cxx_compiler_available
-    if not cxx_compiler_available()[0]:
-        pytest.skip("inductor needs a C++ compiler")
+    _skip_without_cxx()
     assert_all_ok(run_ranks(2, "zoo_parity", str(tmp_path), "llama", "dp,zero2,zero3", "inductor"))
-    ref_losses, ref_params = zoo_reference("llama", 2)
-    for rank in range(2):
-        result = torch.load(tmp_path / f"zoo_parity.rank{rank}.pt", weights_only=False)
-        for strategy in ("dp", "zero2", "zero3"):
-            got = result[strategy]
-            assert_matches(got["losses"], got["params"], ref_losses, ref_params,
-                           f"inductor llama {strategy} on 2 ranks (rank {rank})")
+    assert_every_rank_matches(tmp_path, "zoo_parity", 2, "dp,zero2,zero3", zoo_reference("llama", 2), "inductor llama")
 
 
 @pytest.mark.parametrize("world_size,verify", [(2, "deep"), (4, "shallow")])
