@@ -32,6 +32,9 @@ class MeshDesc:
     groups: tuple[str, ...]          # this rank's process-group name on every axis
     fake: bool = True
     device_type: str = "cpu"
+    # The process-group backend of each axis ("gloo", "nccl", "hccl"); empty on a fake mesh, which
+    # has no process groups. The passes a backend needs are chosen from it (compile.required_passes).
+    backends: tuple[str, ...] = ()
 
     def __post_init__(self):
         if not (len(self.axes) == len(self.shape) == len(self.coords) == len(self.groups)):
@@ -63,9 +66,11 @@ class MeshDesc:
     def from_device_mesh(cls, mesh: Any) -> "MeshDesc":
         """The description of a live ``torch.distributed.device_mesh.DeviceMesh``, from this rank."""
         axes = tuple(mesh.mesh_dim_names)
+        import torch.distributed as dist
         return cls(axes, tuple(int(mesh.size(i)) for i in range(len(axes))),
                    tuple(int(c) for c in mesh.get_coordinate()),
-                   tuple(mesh.get_group(a).group_name for a in axes), False, mesh.device_type)
+                   tuple(mesh.get_group(a).group_name for a in axes), False, mesh.device_type,
+                   tuple(str(dist.get_backend(mesh.get_group(a))) for a in axes))
 
     def for_rank(self, rank: int) -> "MeshDesc":
         """The same mesh seen from another rank (fake meshes only: real group names are per process)."""
@@ -99,6 +104,16 @@ class MeshDesc:
                 return self.size(axis)
         return None
 
+    def backend_of_group(self, group_name: str | None) -> str | None:
+        """The backend of an axis' group; a group the runtime makes beside the axes (a pipeline
+        subgroup) has the mesh's backend when every axis has the same one. None on a fake mesh."""
+        if not self.backends:
+            return None
+        for name, backend in zip(self.groups, self.backends):
+            if name == group_name:
+                return backend
+        return self.backends[0] if len(set(self.backends)) == 1 else None
+
     @property
     def rank(self) -> int:
         """This rank's global rank (row-major over the axes, as ``init_device_mesh`` lays them out)."""
@@ -113,12 +128,13 @@ class MeshDesc:
 
     def to_json(self) -> dict:
         return {"axes": list(self.axes), "shape": list(self.shape), "coords": list(self.coords),
-                "groups": list(self.groups), "fake": self.fake, "device_type": self.device_type}
+                "groups": list(self.groups), "fake": self.fake, "device_type": self.device_type,
+                "backends": list(self.backends)}
 
     @classmethod
     def from_json(cls, data: dict) -> "MeshDesc":
         return cls(tuple(data["axes"]), tuple(data["shape"]), tuple(data["coords"]), tuple(data["groups"]),
-                   bool(data.get("fake", True)), data.get("device_type", "cpu"))
+                   bool(data.get("fake", True)), data.get("device_type", "cpu"), tuple(data.get("backends", ())))
 
     def __str__(self) -> str:
         sizes = " x ".join(f"{a}={s}" for a, s in zip(self.axes, self.shape))

@@ -27,6 +27,9 @@ RECOMPUTE = "recompute"
 ORIGIN_PASS = "origin_pass"
 # On a backward node that yields a parameter's gradient: the parameter's name.
 GRADIENT_OF = "gradient_of"
+# True on a pointwise node that may run in place over its first operand's buffer (that buffer dies
+# there): reuse_dead_operands decides, the eager lowering applies it.
+REUSES_OPERAND = "reuses_operand"
 # ``SHARDING`` holds a node's placement on the mesh (:mod:`graph_ir.placement`), as JSON.
 
 
@@ -45,12 +48,19 @@ class GraphAttr:
     SHARDED_STATE = "sharded_state"    # True: state inputs/outputs may be shards of the model's tensors
     DATA_PARALLEL = "data_parallel"    # {dp, buckets, algo}: gradients all-reduced (data_parallel)
     ZERO = "zero"                      # {stage, dp, rank, params}: ZeRO rewrite done (optimizer_shard)
+    TENSOR_PARALLEL = "tensor_parallel"  # {tp, rank, family, rules, params}: tensor_parallel's split
     GRAD_ACCUMULATION = "grad_accumulation"  # {microbatches, target}: accumulating step
     MESH = "mesh"                      # the mesh description the graph was compiled for (JSON)
     RANK = "rank"                      # the global rank a per-rank graph belongs to
     STAGE = "stage"                    # a pipeline stage graph: {index, stages, rank, first, last}
+    REUSED_BUFFERS = "reused_buffers"  # a lowered graph: how many ops the eager lowering made in place
+    WRITTEN_INPUTS = "written_inputs"  # placeholders reuse_dead_operands lets the step write in place
+    GLOO_ORDERED = "gloo_ordered"      # True: gloo_all_gathers_alone ordered this graph's all-gathers
     # On a Program (program.attrs): the pipeline split (stages, stage -> rank, units, costs).
     PIPELINE_PARALLEL = "pipeline_parallel"
+    PASS_PIPELINE = "pass_pipeline"    # the pass pipeline text the program was compiled with
+    BACKEND = "backend"                # the lowering backend its backend-specific passes were chosen for
+    COMPILE_CACHE = "compile_cache"    # "hit" when the program was read from the compile cache
 
 
 class GraphKind(str, enum.Enum):

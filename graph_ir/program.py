@@ -2,10 +2,10 @@
 
 Compiling a step produces a :class:`Program`, not one graph. It holds named
 graphs, each a :class:`TrainGraph` whose ``attrs['kind']`` (:class:`GraphKind`)
-says what it computes — today the whole ``step``, or the ``grad`` graph
-(per microbatch) and the ``apply`` graph (per optimizer step) of gradient
-accumulation; pipeline stages and per-rank graphs are more entries of the
-same table. Beside the graphs:
+says what it computes — the whole ``step``; the ``grad`` graph (per
+microbatch) and the ``apply`` graph (per optimizer step) of gradient
+accumulation; the forward, backward and apply graphs of each pipeline
+stage. Beside the graphs:
 
 - ``schedule``: which graph runs how often, in order (:class:`Run`);
 - ``flows``: what one graph's output hands to another graph's input

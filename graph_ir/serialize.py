@@ -19,7 +19,8 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from .build import propagate_fake_values
-from .meta import DTYPES_BY_NAME, MODULE_PATH, REGION, describe_value, tensors_of
+from .meta import (DTYPES_BY_NAME, MODULE_PATH, ORIGIN_PASS, RECOMPUTE, REGION, REUSES_OPERAND, SHARDING,
+                   describe_value, tensors_of)
 from .signature import StepSignature
 from .train_graph import TrainGraph, lazy_graph_module
 
@@ -97,7 +98,7 @@ def node_json(node: torch.fx.Node, cost=None) -> dict:
             "value": _value_json(node.meta.get("val")), "type": describe_value(node.meta.get("val")),
             "region": node.meta.get(REGION), "module_path": node.meta.get(MODULE_PATH, ""),
             "users": [u.name for u in node.users]}
-    for key in ("recompute", "sharding", "origin_pass"):
+    for key in (RECOMPUTE, SHARDING, ORIGIN_PASS, REUSES_OPERAND):
         if key in node.meta:
             data[key] = node.meta[key]
     if cost is not None:
@@ -197,7 +198,7 @@ def from_json(data: dict, constants: dict[str, torch.Tensor] | None = None, *,
             node = graph.call_function(resolve_target(item["target"]), _decode(item["args"], nodes),
                                        {k: _decode(v, nodes) for k, v in item["kwargs"].items()})
         node.name = item["name"]
-        for key in (REGION, MODULE_PATH, "recompute", "sharding", "origin_pass"):
+        for key in (REGION, MODULE_PATH, RECOMPUTE, SHARDING, ORIGIN_PASS, REUSES_OPERAND):
             if item.get(key) is not None:
                 node.meta[key] = item[key]
         nodes[item["name"]] = node

@@ -137,7 +137,7 @@ class TrainGraph:
             if target is None:
                 target = names[node.target] = str(node.target)
             parts.append(f"{node.name}={node.op}:{target}{node.args!r}{node.kwargs!r}"
-                         f"|{node.meta.get(REGION)}|{node.meta.get(MODULE_PATH)}|{shape}")
+                         f"|{node.meta.get(REGION)}|{node.meta.get(MODULE_PATH) or ''}|{shape}")
         return hashlib.sha1("\n".join(parts).encode()).hexdigest()
 
     def num_nodes(self) -> int:

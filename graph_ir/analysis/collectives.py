@@ -61,6 +61,26 @@ def group_name_of(node: torch.fx.Node) -> str | None:
     return strings[-1] if strings else None
 
 
+def collective_of(node: torch.fx.Node) -> torch.fx.Node:
+    """The collective a communication node performs or waits for (a wait's first argument)."""
+    if collective_kind(node) is None and node.args and isinstance(node.args[0], torch.fx.Node):
+        return node.args[0]
+    return node
+
+
+def waits_of(collective: torch.fx.Node) -> list[torch.fx.Node]:
+    """The ``wait_tensor`` nodes that complete ``collective``."""
+    return [u for u in collective.users if is_communication_op(u) and collective_kind(u) is None]
+
+
+def group_size_of(node: torch.fx.Node) -> int | None:
+    """The group size a collective names (all-gather and reduce-scatter carry it); None otherwise."""
+    for arg in (*node.args, *node.kwargs.values()):
+        if isinstance(arg, int) and not isinstance(arg, bool):
+            return arg
+    return None
+
+
 @dataclass(frozen=True)
 class Collective:
     node: str
