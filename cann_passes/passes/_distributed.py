@@ -41,7 +41,7 @@ class MeshDim:
     rank: int
 
 
-def mesh_dim(ctx: Any, dim: str, pass_name: str, *, expected_size: int | None = None) -> MeshDim:
+def mesh_dim(ctx: Any, dim: str, pass_name: str) -> MeshDim:
     """``ctx.mesh``'s ``dim``: a process group name, its size and this rank's index in it.
 
     ``ctx.mesh`` is the mesh description (:class:`graph_ir.mesh.MeshDesc`, a real or a fake mesh),
@@ -53,12 +53,13 @@ def mesh_dim(ctx: Any, dim: str, pass_name: str, *, expected_size: int | None = 
             f"pass '{pass_name}' needs ctx.mesh (the device mesh with a '{dim}' dimension); "
             "compile with cann_passes.compile_program(captured, plan, MeshDesc.fake(dp=...)) or through a "
             "step after cann_passes.runtime.distributed.init_distributed(plan)")
-    found = MeshDim(mesh.group_name(dim), int(mesh.size(dim)), int(mesh.local_rank(dim)))
-    if expected_size is not None and found.size != expected_size:
-        raise DistributedRewriteError(
-            f"pass '{pass_name}': plan asks for {dim}={expected_size} but the mesh's {dim} "
-            f"dimension has {found.size} ranks")
-    return found
+    return MeshDim(mesh.group_name(dim), int(mesh.size(dim)), int(mesh.local_rank(dim)))
+
+
+def axis_size(ctx: Any, axis: str) -> int:
+    """The size of ``ctx.mesh``'s ``axis``; 1 without a mesh or without that axis."""
+    mesh = getattr(ctx, "mesh", None)
+    return int(mesh.size(axis)) if mesh is not None and axis in getattr(mesh, "axes", ()) else 1
 
 
 # -- gradients (the analysis lives in graph_ir) ------------------------------------------------

@@ -32,9 +32,10 @@ Metadata: each rewritten node's ``meta["val"]`` is recomputed by running the
 op on its inputs' fake values, in graph order, so the deep verifier's
 re-propagation agrees with every recorded dtype.
 
-Overrides come from ``ctx.plan.autocast_overrides``: ``{"lm_head": "fp32"}``
-(a module path: every op of that module and its submodules, forward and
-backward) or ``{"aten.mm": "fp32"}`` (an op, with or without its overload).
+The ``overrides`` option lists ``key=dtype`` entries (pipeline text
+``autocast{overrides="lm_head=fp32;aten.mm=fp32"}``, the plan's
+``autocast_overrides``): a module path (every op of that module and its
+submodules, forward and backward) or an op, with or without its overload.
 A module path beats an op name; the longest matching path wins.
 """
 from __future__ import annotations
@@ -50,7 +51,7 @@ from graph_ir import TrainGraph
 from graph_ir.build import add_node, eliminate_dead_code, fake_value
 from graph_ir.meta import MODULE_PATH, ORIGIN_PASS, REGION, Region, region_of
 
-from ..pass_manager import PassContext, register_pass
+from ..pass_manager import PassContext, PassOptionError, register_pass
 from ..precision_policy import (DTYPES, FP32, LOW_DTYPES, LOWER, PROMOTE, PrecisionPolicy,
                                 get_policy, op_packet_name)
 
@@ -138,14 +139,25 @@ def _widest(dtypes: list[torch.dtype]) -> torch.dtype:
     return out
 
 
-class _Overrides:
-    """Plan overrides: module path or op name -> dtype."""
+def _parse_overrides(entries: tuple[str, ...]) -> dict[str, str]:
+    out = {}
+    for entry in entries:
+        key, sep, value = entry.rpartition("=")
+        if not sep or not key.strip() or value.strip() not in DTYPES:
+            raise PassOptionError("autocast", "overrides", f"entry {entry!r} must be 'key=dtype' with dtype "
+                                  f"one of {', '.join(DTYPES)}", entries)
+        out[key.strip()] = value.strip()
+    return out
 
-    def __init__(self, raw: dict, graph: TrainGraph):
+
+class _Overrides:
+    """Module path or op name -> dtype."""
+
+    def __init__(self, entries: tuple[str, ...], graph: TrainGraph):
         self.paths: dict[str, torch.dtype] = {}
         self.ops: dict[str, torch.dtype] = {}
         known_paths = {n.meta.get(MODULE_PATH, "") for n in graph.compute_nodes()}
-        for key, value in (raw or {}).items():
+        for key, value in _parse_overrides(entries).items():
             dtype = DTYPES[value]
             if key.startswith("aten."):
                 self.ops[key.removeprefix("aten.")] = dtype
@@ -153,10 +165,10 @@ class _Overrides:
                 self.paths[key] = dtype
             else:
                 sample = ", ".join(sorted(p for p in known_paths if p and p.count(".") <= 1)[:8])
-                raise AutocastError(
-                    f"plan field 'autocast_overrides' key {key!r} names neither an aten op "
-                    f"(spelled 'aten.<op>' or 'aten.<op>.<overload>') nor a module path of the graph "
-                    f"(e.g. {sample})")
+                raise PassOptionError(
+                    "autocast", "overrides",
+                    f"key {key!r} names neither an aten op (spelled 'aten.<op>' or 'aten.<op>.<overload>') "
+                    f"nor a module path of the graph (e.g. {sample})", entries)
 
     def lookup(self, node: torch.fx.Node) -> torch.dtype | None:
         path = node.meta.get(MODULE_PATH, "")
@@ -492,7 +504,8 @@ def count_casts(graph: torch.fx.Graph) -> int:
 
 @register_pass("autocast", preserves=())
 def autocast_pass(graph: TrainGraph, ctx: PassContext, *, dtype: str = "bf16", policy: str = "cuda",
-                  narrow_saved: bool = True, bias_in_fp32: bool = False) -> TrainGraph:
+                  narrow_saved: bool = True, bias_in_fp32: bool = False,
+                  overrides: tuple[str, ...] = ()) -> TrainGraph:
     """Matmul-class ops in ``dtype``, numerically sensitive ops in fp32, master weights fp32.
 
     ``bias_in_fp32`` adds the bias of a linear whose output joins an fp32 sum (the
@@ -502,9 +515,7 @@ def autocast_pass(graph: TrainGraph, ctx: PassContext, *, dtype: str = "bf16", p
     """
     if dtype not in LOW_DTYPES:
         raise AutocastError(f"autocast option dtype={dtype!r}: must be one of {', '.join(LOW_DTYPES)}")
-    plan = ctx.plan
-    overrides = _Overrides(getattr(plan, "autocast_overrides", {}) or {}, graph)
-    rewriter = _Rewriter(graph, LOW_DTYPES[dtype], get_policy(policy), overrides, bias_in_fp32)
+    rewriter = _Rewriter(graph, LOW_DTYPES[dtype], get_policy(policy), _Overrides(overrides, graph), bias_in_fp32)
     before = count_casts(graph.graph)
     rewriter.run()
     if narrow_saved:
@@ -513,5 +524,4 @@ def autocast_pass(graph: TrainGraph, ctx: PassContext, *, dtype: str = "bf16", p
     for key, value in rewriter.counts.items():
         ctx.stat(key, value)
     ctx.stat("casts", count_casts(graph.graph) - before)
-    ctx.stat("grad_reduce_dtype", getattr(plan, "grad_reduce_dtype", "fp32"))
     return graph

@@ -3,9 +3,8 @@
 Capture leaves dead code (the unused half of a ``native_layer_norm`` triple,
 detached aliases) and duplicate work (``t(weight)`` traced separately for the
 forward and the backward use). Merging duplicates is safe only for pure,
-deterministic ops: random ops (``native_dropout``, ``rand_like``) carry the
-``nondeterministic_seeded`` tag and two of them are two draws, and
-collectives are impure; both are left alone. Duplicates in different
+deterministic ops: two random draws are two draws and two collectives two
+communications (``graph_ir.analysis.effects``); both are left alone. Duplicates in different
 regions are left alone too: a forward value computed again in backward is a
 recompute decision (it trades FLOPs for saved memory), and merging the two
 would undo it.
@@ -16,6 +15,7 @@ import torch
 import torch.fx
 
 from graph_ir import TrainGraph
+from graph_ir.analysis.effects import may_merge
 from graph_ir.build import ImpurityCache, eliminate_dead_code
 from graph_ir.meta import RECOMPUTE, REGION
 
@@ -23,18 +23,11 @@ from ..pass_manager import PassContext, register_pass
 
 
 def _mergeable(node: torch.fx.Node, impure: ImpurityCache) -> bool:
-    if node.op != "call_function" or impure(node):
-        return False
-    # Functional collectives are not marked impure, but two of them are two
-    # communications (ZeRO-3 gathers a parameter again for backward on purpose).
-    if getattr(node.target, "namespace", "") == "_c10d_functional":
+    if node.op != "call_function" or impure(node) or not may_merge(node):
         return False
     # Recomputed copies are placed per block on purpose: merging two of them
     # would keep one alive across the blocks in between.
-    if node.meta.get(RECOMPUTE):
-        return False
-    tags = getattr(node.target, "tags", ())
-    return torch.Tag.nondeterministic_seeded not in tags and torch.Tag.inplace_view not in tags
+    return not node.meta.get(RECOMPUTE)
 
 
 def _key(node: torch.fx.Node):

@@ -24,7 +24,7 @@ from graph_ir import TrainGraph
 from graph_ir.meta import GRADIENT_OF, GraphAttr, Region, nbytes, region_of
 
 from ..pass_manager import PassContext, register_pass
-from ._collectives import (DistributedRewriteError, MeshDim, NodeBuilder, after, agree_on_overflow, aten,
+from ._distributed import (DistributedRewriteError, MeshDim, NodeBuilder, after, agree_on_overflow, aten,
                            average_loss, c10d, collective_elements, first_user, gradients, later_region,
                            make_buckets, mesh_dim, position_map, redirect)
 
@@ -63,8 +63,7 @@ def data_parallel_pass(graph: TrainGraph, ctx: PassContext, *, bucket_mb: float 
         raise DistributedRewriteError(f"data_parallel option algo={algo!r} must be one of {ALGOS}")
     if bucket_mb <= 0:
         raise DistributedRewriteError(f"data_parallel option bucket_mb={bucket_mb} must be > 0")
-    plan = getattr(ctx, "plan", None)
-    group = mesh_dim(ctx, "dp", "data_parallel", expected_size=getattr(plan, "dp", None))
+    group = mesh_dim(ctx, "dp", "data_parallel")
     if GraphAttr.ZERO in graph.attrs:
         raise DistributedRewriteError("data_parallel after optimizer_shard would reduce gradients "
                                       "twice (rule: use one of the two)")

@@ -30,7 +30,7 @@ from graph_ir.meta import (ACCUMULATION_PREFIX, ACCUMULATION_SCALE, ACCUMULATION
 from graph_ir.signature import InputKind, OutputKind, Spec
 
 from ..pass_manager import PassContext, register_pass
-from ._collectives import (GRADIENT_OF, DistributedRewriteError, NodeBuilder, after, aten, first_node_of,
+from ._distributed import (GRADIENT_OF, DistributedRewriteError, NodeBuilder, after, aten, first_node_of,
                            gradients, position_map, redirect)
 
 # The step-state names are graph_ir vocabulary: the runtime sets and carries them too.

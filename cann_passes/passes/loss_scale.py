@@ -63,7 +63,7 @@ from graph_ir.meta import GRADIENT_OF, GraphAttr, Region, region_of
 from graph_ir.signature import InputKind, OutputKind, Spec
 
 from ..pass_manager import PassContext, register_pass
-from ._collectives import agree_on_overflow, mesh_dim
+from ._distributed import agree_on_overflow, mesh_dim
 
 aten = torch.ops.aten
 MODES = ("static", "dynamic", "adaptive")

@@ -22,7 +22,7 @@ This pass runs last before lowering and, for each such node, decides with
 New nodes inherit the region, module path and torch's ``custom`` annotations
 of the node they replace (so a lowering report still names the module) and
 get ``meta["val"]`` recomputed in the graph's own fake mode. Anything still
-unsupported is listed in the pass statistics and ``ctx.explain`` rather than
+unsupported is listed in the pass statistics and its explanation rather than
 raised: the lowering report names it with its module path.
 
 ``npu_rotary_mul`` and ``npu_swiglu`` are not introduced: an aten-level
@@ -598,5 +598,5 @@ def npu_legalize_pass(graph: TrainGraph, ctx: PassContext, *, npu_kernels: bool 
     if legalizer.left:
         log.warning("npu_legalize: %d node(s) stay unsupported: %s", len(legalizer.left),
                     "; ".join(f"{k} ({v})" for k, v in legalizer.left.items()))
-    ctx.explain["npu_legalize"] = {"rewritten": legalizer.rewritten, "unsupported": legalizer.left}
+    ctx.explain({"rewritten": legalizer.rewritten, "unsupported": legalizer.left})
     return graph

@@ -50,7 +50,7 @@ from graph_ir.placement import FlatShard, Placement, placement_of, set_placement
 from graph_ir.signature import InputKind, OutputKind
 
 from ..pass_manager import PassContext, register_pass
-from ._collectives import (DistributedRewriteError, MeshDim, NodeBuilder, after, agree_on_overflow, aten,
+from ._distributed import (DistributedRewriteError, MeshDim, NodeBuilder, after, agree_on_overflow, aten, axis_size,
                            average_loss, c10d, collective_elements, first_node_of, first_user, gradients,
                            later_region, make_buckets, mesh_dim, optimizer_subgraph, position_map,
                            recompute_val, redirect)
@@ -395,8 +395,7 @@ def optimizer_shard_pass(graph: TrainGraph, ctx: PassContext, *, stage: int = 1,
     """ZeRO stage 1/2/3 over the mesh's ``dp`` dimension (see the module docstring)."""
     if stage not in (1, 2, 3):
         raise DistributedRewriteError(f"optimizer_shard option stage={stage} must be 1, 2 or 3")
-    plan = getattr(ctx, "plan", None)
-    group = mesh_dim(ctx, DP, ORIGIN, expected_size=getattr(plan, "dp", None))
+    group = mesh_dim(ctx, DP, ORIGIN)
     if group.size < 2:
         raise DistributedRewriteError("optimizer_shard needs a dp dimension of 2 or more ranks "
                                       "(rule: ZeRO shards over data-parallel ranks)")
@@ -411,7 +410,7 @@ def optimizer_shard_pass(graph: TrainGraph, ctx: PassContext, *, stage: int = 1,
     layout = ShardLayout(graph, order, group)
     sizes = {n: nbytes(grads[n].meta["val"]) for n in order}
     buckets = make_buckets(order, sizes, bucket_bytes)
-    sharded_master = _master_sharded(graph, stage, master, getattr(plan, "pp", 1) or 1)
+    sharded_master = _master_sharded(graph, stage, master, axis_size(ctx, "pp"))
     for bucket in buckets:
         _reduce_scatter_bucket(graph, bucket, grads, layout, stage, "sum" if accumulating else "avg")
     _shard_inputs(graph, order, layout, shard_params=sharded_master)

@@ -40,6 +40,7 @@ import torch.fx
 
 from graph_ir import TrainGraph
 from graph_ir.analysis.cost import layout_key, node_cost
+from graph_ir.analysis.effects import communicates, draws_random, random_op
 from graph_ir.analysis.memory import aliases_input, buffer_bytes, memory_profile, saved_activations, storage_roots
 from graph_ir.analysis.structure import Structure, attention_cores, find_blocks
 from graph_ir.build import eliminate_dead_code, fake_value
@@ -47,9 +48,9 @@ from graph_ir.meta import (MODULE_PATH, ORIGIN_PASS, RECOMPUTE, REGION, Region, 
                            nbytes, region_of, tensors_of)
 from graph_ir.placement import RANDOM_PIECE
 
-from ..cost_model import get_profile, is_collective, node_time
+from ..cost_model import get_profile, node_time
 from ..cost_model.profiles import DeviceProfile
-from ..pass_manager import PassContext, register_pass
+from ..pass_manager import PassContext, PassOptionError, register_pass
 from ..recompute_solver import Problem, Value, evaluate, min_bytes, solve
 
 aten = torch.ops.aten
@@ -59,25 +60,6 @@ _MASK_OPS = {aten.bernoulli.p, aten.bernoulli.default}
 
 
 # -- the problem ----------------------------------------------------------------------------------
-
-def _draws_nothing(node: torch.fx.Node) -> bool:
-    """A seeded op given ``dropout_p=0``: SDPA's kernels are tagged (and FX calls them impure)
-    because they can apply dropout; without it they draw nothing and recompute bitwise."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is None or torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
-        return False
-    names = [a.name for a in schema.arguments]
-    if "dropout_p" not in names:
-        return False
-    i = names.index("dropout_p")
-    p = node.args[i] if i < len(node.args) else node.kwargs.get("dropout_p", schema.arguments[i].default_value)
-    return isinstance(p, (int, float)) and p == 0
-
-
-def _is_random(node: torch.fx.Node) -> bool:
-    """An op that draws random numbers here."""
-    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()) and not _draws_nothing(node)
-
 
 def _is_float_mask(node: torch.fx.Node) -> bool:
     val = node.meta.get("val")
@@ -152,9 +134,10 @@ class _Builder:
             v.recomputable, v.reason = False, source.reason
         elif aliases_input(node) or node.target is operator.getitem:
             pass   # a view or an item of a tuple computes nothing: rebuilding it is always allowed
-        elif _is_random(node):
+        elif draws_random(node):
             v.recomputable, v.reason = False, "random op: saved so that backward sees the same draw"
-        elif is_collective(node) or (node.is_impure() and not _draws_nothing(node)):
+        # (FX calls a seeded op impure; one given dropout_p=0 draws nothing and recomputes bitwise)
+        elif communicates(node) or (node.is_impure() and not random_op(node.target)):
             v.recomputable, v.reason = False, "collective or side effect: never recomputed"
         elif (why := _ban_reason(node, self.bans)):
             v.recomputable, v.reason = False, why
@@ -227,10 +210,6 @@ class _Builder:
 
 # -- policies --------------------------------------------------------------------------------------
 
-class RecomputeError(ValueError):
-    """A policy that finds nothing in the model to act on, named with the rule and the remedy."""
-
-
 def _forbid_saving(problem: Problem, indices, reason: str) -> None:
     for i in indices:
         v = problem.values[i]
@@ -295,7 +274,7 @@ def _rebuilt_from_inputs(graph: TrainGraph) -> set[torch.fx.Node]:
     for node in graph.graph.nodes:
         if node.op != "call_function" or region_of(node) != Region.FORWARD:
             continue
-        if node_cost(node).matmul or _is_random(node) or is_collective(node):
+        if node_cost(node).matmul or draws_random(node) or communicates(node):
             continue
         if all(a in out or a.op in ("placeholder", "get_attr") for a in node.all_input_nodes):
             out.add(node)
@@ -467,12 +446,11 @@ class _Rewriter:
 
 # -- the pass --------------------------------------------------------------------------------------
 
-def _resolve_profile(ctx: PassContext) -> DeviceProfile:
-    if isinstance(ctx.device_profile, DeviceProfile):
-        return ctx.device_profile
-    name = ctx.device_profile or getattr(ctx.plan, "device_profile", None) or "auto"
-    ctx.device_profile = get_profile(name)
-    return ctx.device_profile
+def _profile(name: str) -> DeviceProfile:
+    try:
+        return get_profile(name)
+    except ValueError as exc:
+        raise PassOptionError("recompute", "profile", str(exc), name) from None
 
 
 def _budget_bytes(budget: float | None, base: int) -> float:
@@ -509,8 +487,16 @@ def _explain(b: _Builder, problem: Problem, sol, policy: str) -> list[dict]:
 
 @register_pass("recompute", preserves=())
 def recompute_pass(graph: TrainGraph, ctx: PassContext, *, policy: str = "budget",
-                   budget: float | None = None, every_n: int = 1, solver: str = "auto") -> TrainGraph:
-    """Keep a subset of forward activations for backward; recompute the rest in backward."""
+                   budget: float | None = None, every_n: int = 1, solver: str = "auto",
+                   profile: str = "auto", bans: tuple[str, ...] = (), blocks: tuple[str, ...] = (),
+                   attention_ops: tuple[str, ...] = ()) -> TrainGraph:
+    """Keep a subset of forward activations for backward; recompute the rest in backward.
+
+    ``profile`` names the device profile that prices recomputation (``auto``: this machine);
+    ``bans`` are module-path globs whose values are never recomputed; ``blocks`` (module-path
+    globs) and ``attention_ops`` (``aten.<op>``) name the model's blocks and attention where
+    detection from the graph cannot find them.
+    """
     if policy not in POLICIES:
         raise ValueError(f"recompute option 'policy' = {policy!r}: must be one of {', '.join(POLICIES)}")
     if solver not in SOLVERS:
@@ -519,26 +505,26 @@ def recompute_pass(graph: TrainGraph, ctx: PassContext, *, policy: str = "budget
         raise ValueError(f"recompute option 'every_n' = {every_n}: must be >= 1")
     if policy != "budget" and budget is not None:
         raise ValueError(f"recompute option 'budget' applies only to policy 'budget' (policy is {policy!r})")
-    profile = _resolve_profile(ctx)
-    bans = tuple(getattr(ctx.plan, "recompute_bans", ()) or ())
+    device = _profile(profile)
     before = memory_profile(graph.graph).saved_bytes
-    builder = _Builder(graph, profile, bans, ctx.world_size)
+    builder = _Builder(graph, device, bans, ctx.world_size)
     problem = builder.build()
     limit = math.inf
     if policy != "budget":
         builder.compact_masks(problem)
-    structure = find_blocks(graph.graph, tuple(getattr(ctx.plan, "model_blocks", ()) or ()))
+    structure = find_blocks(graph.graph, blocks)
     if policy == "none":
         _apply_none(builder, problem)
     elif policy in ("full", "every_n_layers"):
         if not structure.blocks:
-            raise RecomputeError(_nothing_found(policy, graph, structure))
+            raise PassOptionError("recompute", "blocks", _nothing_found(policy, graph, structure), blocks)
         _apply_groups(builder, problem, structure, every_n if policy == "every_n_layers" else 1)
         ctx.stat("blocks", {k: len(v) for k, v in structure.stacks.items()})
     elif policy == "selective":
-        cores = attention_cores(graph.graph, tuple(getattr(ctx.plan, "attention_ops", ()) or ()))
+        cores = attention_cores(graph.graph, attention_ops)
         if not cores:
-            raise RecomputeError(_nothing_found(policy, graph, structure))
+            raise PassOptionError("recompute", "attention_ops", _nothing_found(policy, graph, structure),
+                                  attention_ops)
         _apply_selective(builder, problem, cores)
         ctx.stat("attention_cores", len(cores))
     else:
@@ -563,7 +549,7 @@ def recompute_pass(graph: TrainGraph, ctx: PassContext, *, policy: str = "budget
     eliminate_dead_code(graph.graph)
     graph.graph.lint()
     after = memory_profile(graph.graph)
-    ctx.explain["recompute"] = _explain(builder, problem, sol, policy)
+    ctx.explain(_explain(builder, problem, sol, policy))
     recomputed = [n for n in graph.graph.nodes if n.meta.get(RECOMPUTE)]
     ctx.stat("policy", policy)
     ctx.stat("solver", sol.solver)
@@ -576,7 +562,7 @@ def recompute_pass(graph: TrainGraph, ctx: PassContext, *, policy: str = "budget
     for n in recomputed:
         source = rewriter.source_of.get(n, n)
         if source not in priced:
-            priced[source] = (node_cost(n).flops, node_time(n, profile))
+            priced[source] = (node_cost(n).flops, node_time(n, device))
     costs = [priced[rewriter.source_of.get(n, n)] for n in recomputed]
     ctx.stat("recompute_flops", sum(f for f, _ in costs))
     ctx.stat("recompute_time_s", sum(t for _, t in costs))
@@ -593,11 +579,11 @@ def _nothing_found(policy: str, graph: TrainGraph, structure: Structure) -> str:
     paths = sorted({module_path_of(n) for n in graph.compute_nodes(Region.FORWARD)} - {""})
     sample = ", ".join([p for p in paths if p.count(".") <= 2][:8])
     if policy == "selective":
-        return ("recompute policy 'selective' found no attention core in the model (rule: a softmax "
+        return ("policy 'selective' found no attention core in the model (rule: a softmax "
                 "between two matmuls, or a fused attention op such as aten._scaled_dot_product_"
-                "flash_attention_for_cpu); name the model's attention ops in the plan field "
-                "'attention_ops' (e.g. ['aten.my_attention']), or use policy 'budget'")
-    return (f"recompute policy {policy!r} found no repeated transformer blocks in the model (rule: "
+                "flash_attention_for_cpu); name the model's attention ops in 'attention_ops' "
+                "(e.g. aten.my_attention), or use policy 'budget'")
+    return (f"policy {policy!r} found no repeated transformer blocks in the model (rule: "
             f"modules '<stack>.<N>' or same-shaped sibling modules, each with at least two matmuls); "
-            f"name them in the plan field 'model_blocks' as module-path globs (module paths of this "
+            f"name them in 'blocks' as module-path globs (module paths of this "
             f"model include: {sample}), or use policy 'budget'")

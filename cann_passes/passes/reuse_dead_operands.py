@@ -1,0 +1,200 @@
+"""reuse_dead_operands: mark the pointwise ops that may run in place over a dying operand's buffer.
+
+The captured step is functional: every op allocates its result, and the new
+parameters and optimizer state are fresh tensors. Eager PyTorch's optimizer
+updates them in place instead, and with ~10 full-size temporaries per
+parameter the fresh allocations (page faults on every step) cost more than
+the arithmetic. So this pass marks, for the eager lowering to run in place
+(``add`` -> ``add_``), a pointwise op whose first operand's buffer dies at
+that op: the reuse eager code does by hand.
+
+- a buffer the graph allocated, when nothing reads it (through any alias)
+  later;
+- a parameter, buffer or optimizer-state input of a whole-step or apply
+  graph, when its last reader is that op and the chain of in-place ops that
+  starts there ends in the graph's output for that same value (so the graph
+  returns the input itself, holding its new contents, and the runtime has
+  nothing to store). At run time the inputs written must not share storage
+  with any other input (a user's optimizer state aliasing a parameter, a
+  flattened parameter buffer) and must not overlap themselves; a call where
+  they do runs the functional copy instead.
+
+When an input may be written: nothing is lost. The first write comes after
+everything that can fail on this rank's data or wait on another rank's:
+every forward, loss and backward op (bad labels, an index out of range) and
+every collective except the all-gathers that distribute the update, in
+particular every gradient reduction (all-reduce, reduce-scatter), the
+overflow flag and the clipping norm. Data parallelism waits for each
+bucket's all-reduce just before the optimizer reads it, interleaved with the
+updates; so that the writes can start, the pass ``wait_for_reductions_first``
+(before this one) moves the wait of every collective issued before the
+optimizer to the optimizer's start:
+the step waits for all gradients, as DDP's backward does before
+``optimizer.step()`` (the update of an early bucket no longer overlaps the
+reduction of a later one). A step that fails on any rank (bad labels on one)
+then leaves every rank's parameters and state as they were: the failing rank
+raises before its first write, and its peers are blocked in a gradient
+reduction, before theirs, until the fault watchdog stops them.
+
+After the first write only the optimizer's pointwise arithmetic runs, and
+under ZeRO-1/2 the all-gathers of the updated parameter shards (computed by
+the optimizer from the values just written). Nothing there reads the batch
+or another rank's gradients; what can fail is the transport alone (a peer
+killed or gone mid-update, a timeout). Then this rank holds its optimizer
+state shards at the new step and its whole parameters at the old one (no
+gathered value arrives), and the fault watchdog stops every rank: the run
+resumes from its last checkpoint, as after any peer failure. Eager PyTorch
+leaves the same: DeepSpeed's ZeRO-1/2 updates its partitions and their state
+in place and then all-gathers; FSDP2 commits the sharded update in
+``optimizer.step()`` and gathers in the next forward (our ZeRO-3 writes its
+parameter and state shards in place and gathers nothing after them); DDP
+updates in place after its backward. Only a fully functional step, which
+writes nothing until it returns, would keep the old state there, at the cost
+of fresh parameters and state every step; ``CANN_PASSES_INPLACE_UPDATES=0``
+asks for it (``reuse_dead_operands{inputs=false}``, and no
+``wait_for_reductions_first``).
+
+The pass only marks (``graph_ir.meta.REUSES_OPERAND``; the placeholders written are listed in
+``graph.attrs["written_inputs"]``): the graph stays functional, so it verifies, dumps and
+serializes as any other, and the eager lowering switches the marked ops to their in-place
+variants (keeping the unmarked graph as the functional fallback for inputs that share storage).
+The marks are valid only in the node order they were made in: the pass comes after every pass
+that reorders (``wait_for_reductions_first``, ``gloo_all_gathers_alone``). ``inputs=false`` marks
+only buffers the graph allocated (the driver asks for it with ``$CANN_PASSES_INPLACE_UPDATES=0``).
+The same kernel runs on the same values, so results are bitwise those of the functional graph.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+from torch.fx.passes.reinplace import _maybe_get_inplace_op
+
+from graph_ir import TrainGraph
+from graph_ir.analysis.collectives import is_communication_op
+from graph_ir.analysis.effects import random_op
+from graph_ir.analysis.memory import storage_roots
+from graph_ir.analysis.updates import distributes_update, updated_inputs
+from graph_ir.meta import REUSES_OPERAND, GraphAttr, Region, region_of
+
+from ..pass_manager import PassContext, register_pass
+
+
+def _layout(val) -> tuple | None:
+    if not isinstance(val, torch.Tensor):
+        return None
+    return (tuple(val.shape), val.dtype, tuple(val.stride()), val.device) if val.is_contiguous() else None
+
+
+@dataclass
+class ReusePlan:
+    rewrites: dict[torch.fx.Node, torch._ops.OpOverload] = field(default_factory=dict)
+    written: set[torch.fx.Node] = field(default_factory=set)   # graph inputs written in place
+
+
+def _plan(graph: torch.fx.Graph, writable: dict[torch.fx.Node, int]) -> ReusePlan:
+    nodes = list(graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    roots = storage_roots(graph)
+    parent: dict[torch.fx.Node, torch.fx.Node] = {}
+
+    def find(n: torch.fx.Node) -> torch.fx.Node:
+        n = roots[n]
+        while n in parent:
+            n = parent[n]
+        return n
+
+    never = len(nodes) + 1
+    last_use: dict[torch.fx.Node, int] = {}
+    # Inputs are written only after this position: the last op that can fail on data or on a peer
+    # (a forward or backward op, a collective other than the all-gather of the update).
+    fence = -1
+    for n in nodes:
+        for a in n.all_input_nodes:
+            r = roots[a]
+            last_use[r] = never if n.op == "output" else max(last_use.get(r, -1), position[n])
+        if n.op == "call_function" and (region_of(n) != Region.OPTIMIZER
+                                        or (is_communication_op(n) and not distributes_update(n))):
+            fence = position[n]
+    plan = ReusePlan()
+    for n in nodes:
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload) or not n.args:
+            continue
+        if torch.Tag.pointwise not in n.target.tags or random_op(n.target):
+            continue
+        x = n.args[0]
+        if not isinstance(x, torch.fx.Node):
+            continue
+        root = find(x)
+        if root.op == "placeholder":
+            if root not in writable or position[n] <= fence:
+                continue
+        elif root.op != "call_function" or x.op != "call_function":
+            continue
+        if last_use.get(root) != position[n]:
+            continue
+        others = [a for a in n.all_input_nodes if a is not x]
+        if x in (n.args[1:] + tuple(n.kwargs.values())) or any(find(a) is root for a in others):
+            continue
+        layout = _layout(n.meta.get("val"))
+        if layout is None or layout != _layout(x.meta.get("val")):
+            continue
+        inplace = _maybe_get_inplace_op(n.target)
+        if inplace is None:
+            continue
+        plan.rewrites[n] = inplace
+        if root.op == "placeholder":
+            plan.written.add(root)
+        # n now names x's buffer: the buffer lives as long as n's own readers.
+        own = roots[n]
+        parent[own] = root
+        last_use[root] = last_use.get(own, position[n])
+    # An input is written only if the graph returns it as its own new value; else it stays untouched.
+    outputs = list(graph.output_node().args[0])
+    wrong = {p for p in plan.written if find(outputs[writable[p]]) is not p}
+    if wrong:
+        return _plan(graph, {p: i for p, i in writable.items() if p not in wrong})
+    return plan
+
+
+def mark_reuse(graph: torch.fx.Graph, writable: dict[torch.fx.Node, int] | None = None) -> ReusePlan:
+    """Mark ``y = op(x, ...)`` to run as ``op_(x, ...)`` where ``op`` is pointwise, nothing reads ``x``'s
+    buffer (through any alias) after this op, and ``x`` has ``y``'s shape, dtype and (contiguous)
+    strides; ``x``'s buffer is one the graph allocated, or a placeholder in ``writable`` (placeholder ->
+    index of the graph output that is its new value: it is written only if that output ends up
+    naming its buffer)."""
+    plan = _plan(graph, writable or {})
+    for node in graph.nodes:
+        node.meta.pop(REUSES_OPERAND, None)
+    for node in plan.rewrites:
+        node.meta[REUSES_OPERAND] = True
+    return plan
+
+
+def apply_reuse(gm: torch.fx.GraphModule) -> int:
+    """Switch every marked op of ``gm`` to its in-place variant; returns how many."""
+    marked = [n for n in gm.graph.nodes if n.meta.get(REUSES_OPERAND)]
+    for node in marked:
+        node.target = _maybe_get_inplace_op(node.target)
+    if marked:
+        gm.recompile()
+    return len(marked)
+
+
+def reuse_dead_operands(gm: torch.fx.GraphModule, writable: dict[torch.fx.Node, int] | None = None) -> int:
+    """Mark and apply at once (a graph outside a pipeline); ``gm.meta['written_inputs']`` lists the
+    placeholders written. Returns how many ops now run in place."""
+    plan = mark_reuse(gm.graph, writable)
+    gm.meta["written_inputs"] = [n.name for n in gm.graph.nodes if n in plan.written]
+    return apply_reuse(gm)
+
+
+@register_pass("reuse_dead_operands", preserves=("cost", "memory", "networkx", "collectives", "state_bytes"))
+def reuse_dead_operands_pass(graph: TrainGraph, ctx: PassContext, *, inputs: bool = True) -> TrainGraph:
+    """Mark the ops the eager lowering runs in place; with ``inputs``, into updated inputs too."""
+    plan = mark_reuse(graph.graph, updated_inputs(graph) if inputs else {})
+    graph.attrs[GraphAttr.WRITTEN_INPUTS] = [n.name for n in graph.placeholders() if n in plan.written]
+    ctx.stat("marked", len(plan.rewrites))
+    ctx.stat("written_inputs", len(plan.written))
+    return graph

@@ -1,0 +1,34 @@
+"""The built-in rule tables: one per model family, chosen by the parameter names a graph has."""
+from __future__ import annotations
+
+import fnmatch
+from typing import Iterable
+
+from .rules import Rule, parse_rules
+
+# Built-in rule sets: (family, a parameter name that identifies it, rules). Module paths, as
+# named_parameters spells them minus the trailing ".weight"/".bias".
+BUILTIN_RULES: tuple[tuple[str, str, str], ...] = (
+    ("recipe-gpt", "*layers.*.attn.qkv.weight",
+     "*layers.*.attn.qkv=column:3;*layers.*.attn.proj=row;*layers.*.mlp.fc1=column;"
+     "*layers.*.mlp.fc2=row;wte=vocab;lm_head=column"),
+    ("gpt2", "*.attn.c_attn.weight",
+     "*.h.*.attn.c_attn=column:3;*.h.*.attn.c_proj=row;*.h.*.mlp.c_fc=column;*.h.*.mlp.c_proj=row;"
+     "*wte=vocab;lm_head=column"),
+    ("llama", "*.self_attn.q_proj.weight",
+     "*.self_attn.q_proj=column;*.self_attn.k_proj=column;*.self_attn.v_proj=column;"
+     "*.self_attn.o_proj=row;*.mlp.gate_proj=column;*.mlp.up_proj=column;*.mlp.down_proj=row;"
+     "*embed_tokens=vocab;lm_head=column"),
+    ("bert", "*.attention.self.query.weight",
+     "*.attention.self.query=column;*.attention.self.key=column;*.attention.self.value=column;"
+     "*.attention.output.dense=row;*.intermediate.dense=column;*.layer.*.output.dense=row;"
+     "*word_embeddings=vocab"),
+)
+
+
+def builtin_rules(param_names: Iterable[str]) -> tuple[str, list[Rule]]:
+    names = list(param_names)
+    for family, marker, text in BUILTIN_RULES:
+        if any(fnmatch.fnmatchcase(n, marker) for n in names):
+            return family, parse_rules(text)
+    return "none", []
