@@ -9,7 +9,7 @@ from .compile import compile_program
 from .pass_manager import (PassContext, PassFailure, PassManager, PassRecord, Pipeline, PipelineError,
                            register_pass, registered_passes, spec)
 from .plan import Plan, PlanError
-from .runtime import CompiledStep
+from .step import CompiledStep
 
 __all__ = ["CompiledStep", "PassContext", "PassFailure", "PassManager", "PassRecord", "Pipeline",
            "PipelineError", "Plan", "PlanError", "TrainGraph", "backend", "compile_for_npu", "compile_program",

@@ -8,7 +8,7 @@ import torch
 
 from .lowering import resolve_backend
 from .plan import Plan, PlanError
-from .runtime import CompiledStep
+from .step import CompiledStep
 
 
 def _as_plan(plan: Plan | dict | str | os.PathLike | None, caller: str) -> Plan:

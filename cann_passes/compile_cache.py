@@ -45,18 +45,20 @@ import torch.utils._pytree as pytree
 from graph_ir import TrainGraph
 from graph_ir.capture import StepLayout
 from graph_ir.mesh import MeshDesc
+from graph_ir.meta import GraphAttr
 from graph_ir.program import Flow, Program, Run
 from graph_ir.serialize import from_json, to_json
 from graph_ir.signature import Spec
 from graph_ir.verifier import verify_program
 
+from .lowering import required_passes
 from .pass_manager import PassContext, PassRecord
 
 log = logging.getLogger("cann_passes")
 
 ENV_VAR = "CANN_PASSES_COMPILE_CACHE"
 DEFAULT_DIR = os.path.join("~", ".cache", "cann_recipes_train", "compile")
-FORMAT = 1
+FORMAT = 2
 _OFF = ("off", "0", "false", "no", "none", "")
 
 
@@ -220,6 +222,8 @@ def cache_key(model, optimizer, loss_fn, batch, plan, mesh: MeshDesc, backend: s
              "sources": _code_sources(), "model": _model_facts(model),
              "optimizer": _optimizer_facts(model, optimizer), "loss_fn": _function_facts(loss_fn),
              "batch": _batch_facts(batch), "plan": plan_facts, "mesh": mesh.to_json(), "backend": backend,
+             # The backend's passes depend on it (required_passes), so the cached program does.
+             "required_passes": list(required_passes(backend)),
              "torch": {"default_dtype": str(torch.get_default_dtype()), "grad": torch.is_grad_enabled(),
                        "deterministic": torch.are_deterministic_algorithms_enabled()}}
     text = json.dumps(facts, sort_keys=True, default=str)
@@ -234,7 +238,6 @@ class Entry:
     program: Program
     layout: StepLayout
     records: list[PassRecord]
-    explain: dict
 
 
 def _layout_json(layout: StepLayout) -> dict:
@@ -300,7 +303,7 @@ class CompileCache:
                         type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
             return None
         log.info("compile cache: hit %s", path)
-        entry.program.attrs["compile_cache"] = "hit"
+        entry.program.attrs[GraphAttr.COMPILE_CACHE] = "hit"
         return entry
 
     def _read(self, path: str, key: str) -> Entry:
@@ -321,10 +324,9 @@ class CompileCache:
                            for f in prog["flows"]], dict(prog["attrs"]))
         verify_program(program)
         records = [PassRecord(**r) for r in data["records"]]
-        return Entry(captured, program, _layout_from_json(data["layout"]), records, data.get("explain", {}))
+        return Entry(captured, program, _layout_from_json(data["layout"]), records)
 
-    def store(self, key: str, facts: dict, captured: TrainGraph, program: Program, layout: StepLayout,
-              explain: dict) -> str | None:
+    def store(self, key: str, facts: dict, captured: TrainGraph, program: Program, layout: StepLayout) -> str | None:
         """Write the entry for ``key`` (atomically); returns its path, or None if it could not be written."""
         if key is None:
             return None
@@ -339,7 +341,7 @@ class CompileCache:
                                            "input": f.input.to_json()} for f in program.flows],
                                 "mesh": program.mesh.to_json(), "attrs": program.attrs},
                     "layout": _layout_json(layout),
-                    "records": [r.to_json() for r in program.records], "explain": explain}
+                    "records": [r.to_json() | {"explanation": r.explanation} for r in program.records]}
             text = json.dumps(data, default=str)
             constants = {name: c for name, c in (("captured", _constants(captured)),
                                                  *((n, _constants(g)) for n, g in program.graphs.items())) if c}
@@ -402,8 +404,6 @@ def lowering_context(backend: str):
         yield
 
 
-def context_for(entry: Entry, plan, mesh: MeshDesc) -> PassContext:
-    """The pass context a cached compilation reports (the passes' explanations; fresh analyses)."""
-    ctx = PassContext(plan=plan, mesh=mesh, rank=mesh.rank, world_size=mesh.world_size)
-    ctx.explain.update(entry.explain)
-    return ctx
+def context_for(mesh: MeshDesc) -> PassContext:
+    """The pass context of a cached compilation (fresh analyses; explanations are on its records)."""
+    return PassContext(mesh=mesh)

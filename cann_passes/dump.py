@@ -10,6 +10,7 @@ Layout (``NNN`` is the pass's position; ``000`` is the captured graph)::
     DIR/NNN_<pass>.constants.pt graph constants, where the graph has any
     DIR/program.txt, .json      the compiled Program: its graphs, schedule, flows, placements
     DIR/simulation.json         this rank's memory by term and step time on the plan's device profile
+                                (written by the planning layer, cann_passes.simulate.write_simulation)
     DIR/<graph>/...             the same files for each further graph of the program (the grad
                                 and apply graphs of accumulation), from the pass that made it on;
                                 they run on DIR/inputs.pt
@@ -85,16 +86,13 @@ def write_graph(directory: str, stem: str, tg, *, extra: dict[str, Any] | None =
     return os.path.join(directory, stem)
 
 
-def write_reproducer(directory: str, tg, pass_text: str, index: int, *, plan: dict | None = None) -> str:
-    """The graph a failing pass was given, the one-pass pipeline that fails on it, and the plan
-    (passes read options such as ``autocast_overrides`` from it)."""
+def write_reproducer(directory: str, tg, pass_text: str, index: int) -> str:
+    """The graph a failing pass was given and the one-pass pipeline that fails on it: nothing
+    else, since a pass reads only its graph, its options and the mesh (in the graph's attrs)."""
     path = os.path.join(directory, f"reproducer_{index:03d}")
     write_graph(path, "input", tg)
     with open(os.path.join(path, "pipeline.txt"), "w", encoding="utf-8") as f:
         f.write(pass_text + "\n")
-    if plan is not None:
-        with open(os.path.join(path, "plan.json"), "w", encoding="utf-8") as f:
-            json.dump(plan, f, indent=1, default=str)
     return path
 
 
@@ -140,44 +138,20 @@ class DumpWriter:
 
     def write_pass(self, record, tg, ctx, graph: str | None = None) -> None:
         graph = graph or self.graph_name
-        self._write(graph, record.index, record.name, tg, ctx.analyses, {"explain": ctx.explain.get(record.name)})
+        self._write(graph, record.index, record.name, tg, ctx.analyses, {"explain": record.explanation})
         self.records.setdefault(graph, []).append(record.to_json())
         self._write_records(graph)
 
     def write_program_pass(self, record, program, ctx) -> None:
         """A program pass (a split): every graph of the program it returned, each in its directory."""
         for name, tg in program.graphs.items():
-            self._write(name, record.index, record.name, tg, ctx.analyses,
-                        {"explain": ctx.explain.get(record.name)})
+            self._write(name, record.index, record.name, tg, ctx.analyses, {"explain": record.explanation})
             self.records.setdefault(name, []).append(dict(record.to_json(), graph=name,
                                                           nodes_after=tg.num_nodes()))
             self._write_records(name)
         self.write_program(program)
 
-    def write_simulation(self, program) -> None:
-        """``simulation.json``: this rank's memory by term and step time on the plan's device profile.
-
-        The dump page's planner section reads it. A program the simulator cannot read (no plan in its
-        context) gets the reason instead, so a dump never fails for it.
-        """
-        from .cost_model import get_profile
-        from .simulate import MODELLED, NOT_MODELLED, program_figures   # simulate imports compile: lazily
-        try:
-            plan = program.context.plan
-            profile = get_profile(plan.device_profile)
-            fig = program_figures(program, plan, profile)
-            peak_graph = max(fig["peaks"], key=fig["peaks"].get)
-            data = {"profile": profile.name, "capacity_bytes": profile.memory_capacity, "rank": program.mesh.rank,
-                    "world_size": program.mesh.world_size, "memory": fig["memory"], "peaks": fig["peaks"],
-                    "peak_graph": peak_graph, "compute_s": fig["compute"], "comm_s": fig["comm"],
-                    "step_s": fig["step"], "modelled": MODELLED, "not_modelled": NOT_MODELLED}
-        except Exception as exc:   # the dump is a debugging aid: say why, keep dumping
-            data = {"error": f"{type(exc).__name__}: {exc}"}
-        with open(os.path.join(self.directory, "simulation.json"), "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1, default=str)
-
     def write_program(self, program) -> None:
-        self.write_simulation(program)
         with open(os.path.join(self.directory, "program.txt"), "w", encoding="utf-8") as f:
             f.write(str(program) + "\n")
         with open(os.path.join(self.directory, "program.json"), "w", encoding="utf-8") as f:

@@ -23,6 +23,7 @@ unless the pass declares it preserves them.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import re
@@ -73,6 +74,16 @@ class PipelineError(ValueError):
     pass
 
 
+class PassOptionError(ValueError):
+    """A pass refuses one of its options (or what the graph makes of it): the message names the
+    pass, the option and the rule. The compile driver, which knows which plan field set the
+    option, re-raises it as that field's :class:`~cann_passes.plan.PlanError`."""
+
+    def __init__(self, pass_name: str, option: str, rule: str, value: Any = None):
+        self.pass_name, self.option, self.rule, self.value = pass_name, option, rule, value
+        super().__init__(f"pass '{pass_name}' option '{option}' = {value!r}: {rule}")
+
+
 class PassFailure(RuntimeError):
     """A pass raised or produced a graph that fails verification."""
 
@@ -93,8 +104,11 @@ _REGISTRY: dict[str, PassInfo] = {}
 def _option_type(annotation: Any) -> type:
     if isinstance(annotation, str):  # unresolved "float | None"-style text
         first = annotation.split("|")[0].strip()
-        annotation = {"int": int, "float": float, "bool": bool, "str": str}.get(first, str)
+        annotation = {"int": int, "float": float, "bool": bool, "str": str}.get(
+            first, tuple if first.startswith("tuple") else str)
     origin = typing.get_origin(annotation)
+    if origin is tuple:   # tuple[str, ...]: a list option, ``a;b;c`` in pipeline text
+        return tuple
     if origin is not None:  # Optional[X] / X | None -> X
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
         return args[0] if args else str
@@ -102,6 +116,12 @@ def _option_type(annotation: Any) -> type:
 
 
 def _convert(pass_name: str, option: PassOption, value: Any) -> Any:
+    if option.type is tuple:
+        items = value.split(";") if isinstance(value, str) else list(value or ())
+        if not all(isinstance(item, str) for item in items):
+            raise PipelineError(f"pass '{pass_name}' option '{option.name}' must be a list of strings, "
+                                f"got {value!r}")
+        return tuple(item.strip() for item in items if item.strip())
     if value is None or isinstance(value, option.type) and not (option.type is int and isinstance(value, bool)):
         return value
     text = str(value).strip()
@@ -174,6 +194,8 @@ def _load_builtin_passes() -> None:
 # -- pipelines ---------------------------------------------------------------------------------
 
 def _format_value(value: Any) -> str:
+    if isinstance(value, tuple):
+        value = ";".join(value)
     text = str(value).lower() if isinstance(value, bool) else str(value)
     return f'"{text}"' if re.search(r'[,{}="\s]', text) else text
 
@@ -335,26 +357,47 @@ class AnalysisManager:
 
 # -- running ------------------------------------------------------------------------------------
 
-@dataclass
+@dataclass(frozen=True)
 class PassContext:
-    """What a pass may read besides the graph: the plan, analyses, the mesh, its own counters."""
+    """What a pass may read besides its graph and its options: the mesh and the analyses.
 
-    plan: Any = None
-    analyses: AnalysisManager = field(default_factory=AnalysisManager)
-    rank: int = 0
-    world_size: int = 1
-    device_profile: Any = None
-    stats: dict[str, Any] = field(default_factory=dict)
+    Frozen: nothing a pass does through it reaches another pass. The plan is not here (the
+    pipeline text carries every choice a pass makes, so the text reproduces the run); what a
+    pass reports (``stat``, ``explain``) goes to this run's collectors, which the manager
+    moves onto the pass's :class:`PassRecord`. The manager hands each pass run a context of
+    its own (:meth:`for_run`).
+    """
+
     # The mesh description (graph_ir.mesh.MeshDesc: size(axis), local_rank(axis), group_name(axis),
     # group_size(group_name)); a fake one for compiling without processes. None: a single process.
     mesh: Any = None
-    # Per-pass explanations for the dump tool (e.g. why a value was recomputed).
-    explain: dict[str, Any] = field(default_factory=dict)
+    analyses: AnalysisManager = field(default_factory=AnalysisManager, compare=False)
     # The name of the program's graph the running pass was given ("step", "grad", ...).
     graph_name: str = "step"
+    stats: dict[str, Any] = field(default_factory=dict, compare=False)
+    explained: list = field(default_factory=list, compare=False)
+
+    @property
+    def rank(self) -> int:
+        return int(getattr(self.mesh, "rank", 0)) if self.mesh is not None else 0
+
+    @property
+    def world_size(self) -> int:
+        return int(getattr(self.mesh, "world_size", 1)) if self.mesh is not None else 1
 
     def stat(self, key: str, value: Any) -> None:
         self.stats[key] = value
+
+    def explain(self, explanation: Any) -> None:
+        """Why the pass decided what it did (for the dump tool), one value per run."""
+        self.explained[:] = [explanation]
+
+    @property
+    def explanation(self) -> Any:
+        return self.explained[0] if self.explained else None
+
+    def for_run(self, graph_name: str) -> "PassContext":
+        return dataclasses.replace(self, graph_name=graph_name, stats={}, explained=[])
 
 
 @dataclass
@@ -371,9 +414,10 @@ class PassRecord:
     stats: dict[str, Any]
     verify_seconds: float = 0.0
     graph: str = "step"          # the program's graph it ran on; "program" for a program pass
+    explanation: Any = None      # the pass's ctx.explain(...) value; dumped beside its graph
 
     def to_json(self) -> dict:
-        return dict(self.__dict__)
+        return {k: v for k, v in self.__dict__.items() if k != "explanation"}
 
 
 def _graphs_of(ir) -> list[TrainGraph]:
@@ -490,7 +534,6 @@ class Statistics(Instrument):
         return _fingerprint(ir), _op_counts(ir), _num_nodes(ir)
 
     def before_pass(self, run: PassRun) -> None:
-        run.ctx.stats = {}
         run.scratch["stats"] = self._facts(run.given)
 
     def after_pass(self, run: PassRun) -> None:
@@ -510,8 +553,8 @@ class Statistics(Instrument):
                 self._last.pop(id(graph), None)
         run.record = PassRecord(run.index, run.info.name, run.spec.text(), run.seconds, changed, before_nodes,
                                 _num_nodes(result), dict(after_ops - before_ops), dict(before_ops - after_ops),
-                                dict(ctx.stats), run.verify_seconds, run.target)
-        if ctx.explain.get(run.info.name) is not None:
+                                dict(ctx.stats), run.verify_seconds, run.target, ctx.explanation)
+        if ctx.explanation is not None:
             run.record.stats.setdefault("explained", True)
 
 
@@ -558,8 +601,7 @@ class Reproducer(Instrument):
         if self._start is None:
             return run.given
         program = self._start()
-        ctx = PassContext(plan=run.ctx.plan, rank=run.ctx.rank, world_size=run.ctx.world_size,
-                          device_profile=run.ctx.device_profile, mesh=run.ctx.mesh)
+        ctx = PassContext(mesh=run.ctx.mesh)
         before = Pipeline(run.pipeline.passes[:run.index - 1])
         if before.passes:
             program = PassManager(before, instruments=[]).run_program(program, ctx)
@@ -577,10 +619,8 @@ class Reproducer(Instrument):
             log.exception("could not rebuild the graph pass %s was given", run.spec)
             given = run.given
         graph = given.main if isinstance(given, Program) else given
-        plan = run.ctx.plan
         try:
-            path = write_reproducer(directory, graph, run.spec.text(), run.index,
-                                    plan=plan.to_dict() if plan is not None else None)
+            path = write_reproducer(directory, graph, run.spec.text(), run.index)
         except Exception:  # never hide the pass's own error behind a dump error
             log.exception("could not write the reproducer")
             path = None
@@ -621,14 +661,13 @@ class PassManager:
         for index, pass_spec in enumerate(self.pipeline.passes, start=1):
             info = get_pass(pass_spec.name)
             if info.on == "program":
-                ctx.graph_name = "program"
-                program = self._run_one(index, pass_spec, info, "program", program, ctx)
+                program = self._run_one(index, pass_spec, info, "program", program, ctx.for_run("program"))
                 continue
             for name in list(program.graphs):
                 if pass_spec.nest and pass_spec.nest not in (name, program.kind(name).value):
                     continue
-                ctx.graph_name = name
-                program.graphs[name] = self._run_one(index, pass_spec, info, name, program.graphs[name], ctx)
+                program.graphs[name] = self._run_one(index, pass_spec, info, name, program.graphs[name],
+                                                     ctx.for_run(name))
         return program
 
     def _run_one(self, index: int, pass_spec: PassSpec, info: PassInfo, target: str, given, ctx: PassContext):

@@ -38,15 +38,52 @@ clipping or loss scaling with several stages per rank, a tied weight two of
 whose stages share a rank (DualPipeV).
 
 A plan's ``pipeline`` field replaces all of this with its own text.
+
+This is the only reader of the Plan on the way to the passes: every choice a pass
+makes is one of its options here, so the pipeline text alone reproduces a run.
+:data:`PLAN_FIELD_OF` says which plan field set each option, so that the compile
+driver can name the user's field when a pass refuses an option.
 """
 from __future__ import annotations
 
 from .pass_manager import Pipeline, is_registered, spec
 from .plan import Plan, PlanError
 
-# With pp > 1 each gradient is its own bucket: a bucket spanning two stages' gradients would be a
-# collective no stage could run alone.
-PIPELINE_BUCKET_MB = 1e-9
+# With pp > 1 each gradient is its own bucket (any positive size below one gradient's bytes): a
+# bucket spanning two stages' gradients would be a collective no stage could run alone.
+ONE_BUCKET_PER_GRADIENT_MB = 1e-9
+
+# (pass, option) -> the plan field build_pipeline sets it from.
+PLAN_FIELD_OF: dict[tuple[str, str], str] = {
+    ("autocast", "dtype"): "precision", ("autocast", "overrides"): "autocast_overrides",
+    ("loss_scale", "mode"): "loss_scale", ("loss_scale", "init"): "loss_scale_init",
+    ("loss_scale", "growth_interval"): "loss_scale_growth_interval",
+    ("tensor_parallel", "extra_rules"): "tp_rules", ("tensor_parallel", "sequence_parallel"): "sequence_parallel",
+    ("tensor_parallel", "vocab_parallel_loss"): "vocab_parallel_loss",
+    ("recompute", "policy"): "recompute", ("recompute", "budget"): "recompute_budget",
+    ("recompute", "every_n"): "recompute_every_n", ("recompute", "profile"): "device_profile",
+    ("recompute", "bans"): "recompute_bans", ("recompute", "blocks"): "model_blocks",
+    ("recompute", "attention_ops"): "attention_ops",
+    ("grad_accumulation", "microbatches"): "microbatches", ("grad_accumulation", "target"): "accumulate_target",
+    ("data_parallel", "bucket_mb"): "bucket_mb", ("data_parallel", "algo"): "allreduce_algo",
+    ("optimizer_shard", "stage"): "zero_stage", ("optimizer_shard", "bucket_mb"): "bucket_mb",
+    ("optimizer_shard", "master"): "zero_master",
+    ("grad_clip", "max_norm"): "grad_clip_norm",
+    ("pipeline_split", "stages"): "pp", ("pipeline_split", "pp"): "pp",
+    ("pipeline_split", "schedule"): "pipeline_schedule", ("pipeline_split", "layers"): "pipeline_split",
+    ("pipeline_split", "profile"): "device_profile",
+}
+
+
+def plan_field_of(plan: Plan, pass_name: str, option: str) -> str | None:
+    """The plan field that set ``pass_name``'s ``option`` in ``build_pipeline(plan)``; None for
+    a plan with its own pipeline text (the text set it) or an option no field sets."""
+    if plan.pipeline:
+        return None
+    field = PLAN_FIELD_OF.get((pass_name, option))
+    if field == "pp" and option == "stages" and plan.pipeline_virtual_stages > 1:
+        return "pipeline_virtual_stages"
+    return field
 
 
 def build_pipeline(plan: Plan, backend: str) -> Pipeline:
@@ -54,9 +91,11 @@ def build_pipeline(plan: Plan, backend: str) -> Pipeline:
         return Pipeline.parse(plan.pipeline)
     if plan.pp > 1:
         _check_pipeline_plan(plan)
-    steps: list[str] = ["cleanup"]
+    steps: list = ["cleanup"]
     if plan.precision != "fp32":
-        steps.append(f"autocast{{dtype={plan.precision},policy={'npu' if backend == 'torchair' else 'cuda'}}}")
+        overrides = tuple(f"{k}={v}" for k, v in plan.autocast_overrides.items())
+        steps.append(spec("autocast", dtype=plan.precision, policy="npu" if backend == "torchair" else "cuda",
+                          **({"overrides": overrides} if overrides else {})))
     accumulating = plan.microbatches > 1 or plan.accumulate_target is not None or plan.pp > 1
     loss_scale = (f"loss_scale{{mode={plan.effective_loss_scale},init={plan.loss_scale_init},"
                   f"growth_interval={plan.loss_scale_growth_interval}}}"
@@ -68,14 +107,13 @@ def build_pipeline(plan: Plan, backend: str) -> Pipeline:
                               sequence_parallel=plan.sequence_parallel,
                               vocab_parallel_loss=plan.vocab_parallel_loss)))
     if plan.recompute != "none":
-        budget = "" if plan.recompute_budget is None else f",budget={plan.recompute_budget}"
-        steps.append(f"recompute{{policy={plan.recompute},every_n={plan.recompute_every_n}{budget}}}")
+        steps.append(recompute_spec(plan))
     if accumulating:
         steps.append(f"grad_accumulation{{microbatches={plan.microbatches},"
                      f"target={plan.accumulate_target or 0}}}")
         if loss_scale:   # unscale and check the accumulated gradients, once per optimizer step
             steps.append(loss_scale)
-    bucket_mb = PIPELINE_BUCKET_MB if plan.pp > 1 else plan.bucket_mb
+    bucket_mb = ONE_BUCKET_PER_GRADIENT_MB if plan.pp > 1 else plan.bucket_mb
     if plan.dp > 1 and plan.zero_stage == 0:
         steps.append(f"data_parallel{{bucket_mb={bucket_mb},algo={plan.allreduce_algo}}}")
     if plan.zero_stage:
@@ -96,6 +134,18 @@ def build_pipeline(plan: Plan, backend: str) -> Pipeline:
     return Pipeline.of(*steps)
 
 
+def recompute_spec(plan: Plan):
+    options = {"policy": plan.recompute, "every_n": plan.recompute_every_n}
+    if plan.recompute_budget is not None:
+        options["budget"] = plan.recompute_budget
+    for option, field in (("bans", "recompute_bans"), ("blocks", "model_blocks"), ("attention_ops", "attention_ops")):
+        if getattr(plan, field):
+            options[option] = tuple(getattr(plan, field))
+    if plan.device_profile != "auto":
+        options["profile"] = plan.device_profile
+    return spec("recompute", **options)
+
+
 def pipeline_stages(plan: Plan) -> int:
     from .schedules import stages_per_rank
     return plan.pp * stages_per_rank(plan.pipeline_schedule, plan.pipeline_virtual_stages)
@@ -104,7 +154,7 @@ def pipeline_stages(plan: Plan) -> int:
 def pipeline_split_spec(plan: Plan):
     layers = "" if plan.pipeline_split == "cost" else ";".join(str(c) for c in plan.pipeline_split)
     return spec("pipeline_split", stages=pipeline_stages(plan), pp=plan.pp, schedule=plan.pipeline_schedule,
-                layers=layers)
+                layers=layers, profile=plan.device_profile)
 
 
 def _check_pipeline_plan(plan: Plan) -> None:
@@ -117,6 +167,6 @@ def _check_pipeline_plan(plan: Plan) -> None:
                                       "pp > 1: each stage would gather its parameters per microbatch, "
                                       "which the stage graphs do not do)", plan.zero_stage)
     if plan.pipeline_schedule == "dynamic":
-        raise PlanError("pipeline_schedule", "'dynamic' is resolved to a schedule by compile_program "
-                                             "(cann_passes.compile.choose_pipeline_schedule) before the "
-                                             "pipeline is built", plan.pipeline_schedule)
+        raise PlanError("pipeline_schedule", "'dynamic' is resolved to a schedule by the planning layer "
+                                             "(cann_passes.planning.resolve_plan) before the pipeline is "
+                                             "built", plan.pipeline_schedule)

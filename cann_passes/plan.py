@@ -400,7 +400,8 @@ class Plan:
         if self.precision != "fp32":
             agree("precision", "autocast", "dtype", self.precision)
         if self.autocast_overrides:
-            agree("autocast_overrides", "autocast")
+            agree("autocast_overrides", "autocast", "overrides",
+                  tuple(f"{k}={v}" for k, v in self.autocast_overrides.items()))
         if self.loss_scale == "none" and find("loss_scale") is not None:
             refuse("loss_scale", "is 'none' but there is a 'loss_scale' pass")
         elif self.loss_scale not in ("auto", "none"):
@@ -416,8 +417,13 @@ class Plan:
             agree("recompute_budget", "recompute", "budget", self.recompute_budget)
         if self._changed("recompute_every_n"):
             agree("recompute_every_n", "recompute", "every_n", self.recompute_every_n)
-        if self.recompute_bans:
-            agree("recompute_bans", "recompute")
+        for name, option in (("recompute_bans", "bans"), ("model_blocks", "blocks"), ("attention_ops", "attention_ops")):
+            if getattr(self, name):
+                agree(name, "recompute", option, tuple(getattr(self, name)))
+        if self._changed("device_profile"):
+            for pass_name in ("recompute", "pipeline_split"):
+                if find(pass_name) is not None:
+                    agree("device_profile", pass_name, "profile", self.device_profile)
         texts = {str(p) for p in passes}
         for extra in self.extra_passes:
             if not {str(p) for p in Pipeline.parse(extra).passes} <= texts:

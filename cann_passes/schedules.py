@@ -634,61 +634,102 @@ def bubble_fraction_formula(name: str, pp: int, m: int, v: int = 1,
 
 # -- the dynamic schedule ----------------------------------------------------------------------
 
-DEFAULT_CANDIDATES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb1p", 1), ("dualpipev", 2))
+def dynamic_candidates(v: int = 1) -> list[tuple[str, int]]:
+    """The schedules ``dynamic`` compares: every one, with ``v`` virtual stages where it takes them
+    (interleaving needs at least 2; DualPipeV runs exactly 2)."""
+    out = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", max(2, v)), ("zb1p", v), ("dualpipev", 2)]
+    if v > 1:
+        out.insert(4, ("zb1p", 1))
+    return out
+
+
+DEFAULT_CANDIDATES = tuple(dynamic_candidates(1))
 
 
 @dataclass
-class Choice:
-    name: str
-    v: int
-    timeline: Timeline | None
+class Candidate:
+    """One schedule the dynamic choice weighs: its simulated figures, or why it was refused."""
+    schedule: str
+    virtual_stages: int
+    timeline: Timeline | None = None
     peak_bytes: float | None = None
-    refused: str | None = None
+    imbalance: float | None = None
+    verdict: str = ""               # "refused: ..." before the choice; then "chosen" / "1.234x slower"
+    detail: object = None           # what the evaluation built (a split, a compiled program's figures)
+
+    @property
+    def makespan(self) -> float | None:
+        return None if self.timeline is None else self.timeline.makespan
+
+
+def choose(candidates: Sequence, evaluate, *, memory_limit: float | None = None,
+           limit_name: str = "memory limit") -> tuple[Candidate | None, list[Candidate], str]:
+    """The ``dynamic`` schedule choice, made here and nowhere else: ``evaluate(name, v)`` simulates
+    each candidate (a name or a ``(name, v)`` pair) and returns its :class:`Candidate`, already
+    refused where it knows why; one that raises ValueError, or whose peak exceeds
+    ``memory_limit``, is refused; the fastest of the rest is chosen. Returns the chosen candidate
+    (None when nothing runs and fits), every row, and the comparison table.
+    """
+    rows: list[Candidate] = []
+    for cand in candidates:
+        name, v = (cand, 1) if isinstance(cand, str) else cand
+        try:
+            row = evaluate(name, v)
+        except ValueError as exc:            # ScheduleError and PlanError are ValueErrors
+            row = Candidate(name, v, verdict=f"refused: {exc}")
+        if (not row.verdict and memory_limit is not None and row.peak_bytes is not None
+                and row.peak_bytes > memory_limit * (1 + 1e-12)):
+            row.verdict = f"refused: a rank needs {row.peak_bytes:.4g} bytes > {limit_name} {memory_limit:.4g}"
+        rows.append(row)
+    fits = [r for r in rows if r.timeline is not None and not r.verdict]
+    best = min(fits, key=lambda r: r.timeline.makespan) if fits else None
+    for r in fits:
+        r.verdict = "chosen" if r is best else f"{r.timeline.makespan / best.timeline.makespan:.3f}x slower"
+    return best, rows, choice_table(rows)
+
+
+def choice_table(rows: list[Candidate]) -> str:
+    lines = [f"{'schedule':<18}{'v':>3}{'makespan s':>14}{'bubble':>9}{'imbalance':>11}{'peak bytes':>14}  verdict"]
+    for c in rows:
+        if c.timeline is None:
+            lines.append(f"{c.schedule:<18}{c.virtual_stages:>3}{'-':>14}{'-':>9}{'-':>11}{'-':>14}  {c.verdict}")
+            continue
+        imbalance = "-" if c.imbalance is None else f"{c.imbalance:.4f}"
+        peak = "-" if c.peak_bytes is None else f"{c.peak_bytes:.4g}"
+        lines.append(f"{c.schedule:<18}{c.virtual_stages:>3}{c.timeline.makespan:>14.6g}"
+                     f"{c.timeline.bubble_fraction:>9.3f}{imbalance:>11}{peak:>14}  {c.verdict}")
+    return "\n".join(lines)
 
 
 def choose_schedule(pp: int, microbatches: int, stage_costs, *, memory_limit: float | None = None,
                     stage_activation_bytes=None, stage_static_bytes=None, link=None,
                     candidates: Sequence = DEFAULT_CANDIDATES) -> tuple[str, Timeline]:
-    """The ``dynamic`` schedule: simulate every candidate, take the fastest that fits memory.
+    """``dynamic`` over fixed per-stage costs (:func:`choose`).
 
-    ``candidates`` are names or ``(name, v)`` pairs. ``stage_costs`` (and the optional
-    ``stage_activation_bytes`` / ``stage_static_bytes``, bytes per microbatch / per stage) are
-    per-stage lists or callables of the stage count (see :func:`simulate`). A rank's memory is
-    its stages' static bytes plus the peak of the activations its stages hold together.
-    The returned timeline's ``extra['table']`` explains the choice; ``extra['v']`` is the
-    chosen number of stages per rank. Raises ScheduleError when no candidate runs or fits.
+    ``stage_costs`` (and the optional ``stage_activation_bytes`` / ``stage_static_bytes``, bytes
+    per microbatch / per stage) are per-stage lists or callables of the stage count (see
+    :func:`simulate`). A rank's memory is its stages' static bytes plus the peak of the
+    activations its stages hold together. The returned timeline's ``extra['table']`` explains
+    the choice; ``extra['v']`` is the chosen number of stages per rank. Raises ScheduleError
+    when no candidate runs or fits.
     """
-    rows: list[Choice] = []
-    for cand in candidates:
-        name, v = (cand, 1) if isinstance(cand, str) else cand
-        if name == "dualpipev":
-            v = 2
-        try:
-            tl = simulate(name, pp, microbatches, stage_costs, v, link)
-        except (ScheduleError, ValueError) as exc:
-            rows.append(Choice(name, v, None, refused=str(exc)))
-            continue
+    def evaluate(name: str, v: int) -> Candidate:
+        tl = simulate(name, pp, microbatches, stage_costs, 2 if name == "dualpipev" else v, link)
         peak = None
         if stage_activation_bytes is not None or stage_static_bytes is not None:
             n = tl.n_stages
             act = _expand_bytes(stage_activation_bytes, n, per_microbatch=True)
             static = _expand_bytes(stage_static_bytes, n, per_microbatch=False)
-            owner = stage_to_rank(name, pp, v)
+            owner = stage_to_rank(name, pp, tl.v)
             held = tl.peak_activation_bytes(act)
-            per_rank = {r: held.get(r, 0.0) + sum(static[s] for s in range(n) if owner[s] == r)
-                        for r in range(pp)}
-            peak = max(per_rank.values())
-        choice = Choice(name, tl.v, tl, peak)
-        if memory_limit is not None and peak is not None and peak > memory_limit:
-            choice.refused = f"needs {peak:.4g} bytes on a rank > memory limit {memory_limit:.4g}"
-        rows.append(choice)
-    fits = [c for c in rows if c.refused is None]
-    table = _choice_table(rows, None if not fits else min(fits, key=lambda c: c.timeline.makespan))
-    if not fits:
+            peak = max(held.get(r, 0.0) + sum(static[s] for s in range(n) if owner[s] == r) for r in range(pp))
+        return Candidate(name, tl.v, tl, peak)
+
+    best, _, table = choose(candidates, evaluate, memory_limit=memory_limit)
+    if best is None:
         raise ScheduleError("dynamic schedule: no candidate runs and fits\n" + table)
-    best = min(fits, key=lambda c: c.timeline.makespan)
-    best.timeline.extra.update(table=table, v=best.v)
-    return best.name, best.timeline
+    best.timeline.extra.update(table=table, v=best.virtual_stages)
+    return best.schedule, best.timeline
 
 
 def _expand_bytes(values, n: int, *, per_microbatch: bool) -> list[float]:
@@ -706,15 +747,3 @@ def _expand_bytes(values, n: int, *, per_microbatch: bool) -> list[float]:
     return out
 
 
-def _choice_table(rows: list[Choice], best: Choice | None) -> str:
-    lines = [f"{'schedule':<18}{'v':>3}{'makespan s':>14}{'bubble':>9}{'peak bytes':>14}  verdict"]
-    for c in rows:
-        if c.timeline is None:
-            lines.append(f"{c.name:<18}{c.v:>3}{'-':>14}{'-':>9}{'-':>14}  refused: {c.refused}")
-            continue
-        peak = "-" if c.peak_bytes is None else f"{c.peak_bytes:.4g}"
-        verdict = ("chosen" if c is best else f"refused: {c.refused}" if c.refused else
-                   f"{c.timeline.makespan / best.timeline.makespan:.3f}x slower" if best else "")
-        lines.append(f"{c.name:<18}{c.v:>3}{c.timeline.makespan:>14.6g}{c.timeline.bubble_fraction:>9.3f}"
-                     f"{peak:>14}  {verdict}")
-    return "\n".join(lines)

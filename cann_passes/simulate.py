@@ -35,8 +35,7 @@ What is not modelled
 - Communication buffers are not a separate term: they are inside the peak.
 - Allocator fragmentation, workspace memory, framework/runtime reserve,
   host-device transfer, data loading, the runtime's binding of a graph's inputs
-  and write-back of its outputs (about 1 ms per graph run for the small GPT on
-  this CPU, outside the graph), kernel fusion by the backend (the
+  and write-back of its outputs (outside the graph), kernel fusion by the backend (the
   roofline is per aten node), contention between overlapping collectives and
   compute for memory bandwidth.
 - Only the simulated rank (rank 0 unless asked): dp/tp ranks are symmetric in
@@ -45,22 +44,26 @@ What is not modelled
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx
 
 from graph_ir.analysis import memory_profile
+from graph_ir.analysis.collectives import collective_kind, is_communication_op
 from graph_ir.analysis.cost import node_cost
 from graph_ir.analysis.memory import aliases_input
 from graph_ir.meta import nbytes
 from graph_ir.mesh import MeshDesc
+from graph_ir.pipeline_info import pipeline_split_of
 from graph_ir.program import EVERY_MICROBATCH, Program
 from graph_ir.train_graph import TrainGraph
 
 from .compile import compile_program
 from .cost_model import DeviceProfile, get_profile, node_time
-from .cost_model.collectives import collective_kind, collective_node_time, is_collective
+from .cost_model.collectives import collective_node_time
 from .plan import Plan
 
 GB = 1e9   # decimal, as device memory is sold (64 GB)
@@ -170,7 +173,7 @@ class Simulation:
 
 def _is_sync(node: torch.fx.Node) -> bool:
     """wait_tensor and friends: no time of their own, their output is ready with their input."""
-    return is_collective(node) and collective_kind(node) is None
+    return is_communication_op(node) and collective_kind(node) is None
 
 
 def graph_step_time(graph: torch.fx.Graph, profile: DeviceProfile, *, world_size: int,
@@ -183,7 +186,7 @@ def graph_step_time(graph: torch.fx.Graph, profile: DeviceProfile, *, world_size
         start = max((ready[a] for a in node.all_input_nodes), default=0.0)
         if node.op != "call_function" or _is_sync(node):
             ready[node] = start
-        elif is_collective(node):
+        elif is_communication_op(node):
             axis = _axis_of_collective(node, mesh) if mesh is not None else None
             group = mesh.size(axis) if axis else world_size   # an all-reduce names its group, not its size
             seconds = profile.op_overhead + collective_node_time(node, profile, world_size=group,
@@ -215,7 +218,7 @@ def model_flops(captured: TrainGraph) -> float:
     """Matrix-unit FLOPs of one captured step (forward + backward + update, no recompute)."""
     total = 0.0
     for node in captured.graph.nodes:
-        if node.op == "call_function" and not is_collective(node):
+        if node.op == "call_function" and not is_communication_op(node):
             cost = node_cost(node)
             if cost.matmul:
                 total += cost.flops
@@ -250,6 +253,24 @@ def program_figures(program: Program, plan: Plan, profile: DeviceProfile) -> dic
         comm += times * moved
     return {"memory": memory, "peaks": peaks, "compute": compute, "comm": comm, "step": step,
             "per_graph": states}
+
+
+def write_simulation(directory: str, program: Program, plan: Plan) -> None:
+    """``DIR/simulation.json`` of a dump: this rank's memory by term and step time on the plan's
+    device profile, for the dump page's planner section. A program the simulator cannot read gets
+    the reason instead, so a dump never fails for it."""
+    try:
+        profile = get_profile(plan.device_profile)
+        fig = program_figures(program, plan, profile)
+        peak_graph = max(fig["peaks"], key=fig["peaks"].get)
+        data = {"profile": profile.name, "capacity_bytes": profile.memory_capacity, "rank": program.mesh.rank,
+                "world_size": program.mesh.world_size, "memory": fig["memory"], "peaks": fig["peaks"],
+                "peak_graph": peak_graph, "compute_s": fig["compute"], "comm_s": fig["comm"],
+                "step_s": fig["step"], "modelled": MODELLED, "not_modelled": NOT_MODELLED}
+    except Exception as exc:   # the dump is a debugging aid: say why, keep dumping
+        data = {"error": f"{type(exc).__name__}: {exc}"}
+    with open(os.path.join(directory, "simulation.json"), "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1, default=str)
 
 
 def extrapolate(a, b, la: int, lb: int, target: int):
@@ -535,8 +556,8 @@ def segment_figures(program: Program, plan: Plan, profile: DeviceProfile) -> Seg
             seen_inputs.add((spec.kind, spec.name))
             owner = (params.get(spec.name) if spec.kind in ("param", "buffer") else _owner(spec.name, params))
             add(owner or (PRE,), key, nbytes(node.meta.get("val")))
-    # gradients: the value each update reads; a gathered gradient (tensor_parallel's update reads
-    # the whole gradient of a split weight today) counts at the parameter's local size here,
+    # gradients: the value each update reads; a gathered gradient (where tensor_parallel's update
+    # reads the whole gradient of a split weight) counts at the parameter's local size here,
     # the gathered copy is transient (it is in the peak of the pp = 1 program)
     for _, tg in program:
         locals_ = {s.name: n.meta["val"].numel() for s, n in zip(tg.signature.inputs, tg.placeholders())
@@ -581,7 +602,7 @@ def segment_figures(program: Program, plan: Plan, profile: DeviceProfile) -> Seg
             if node.op != "call_function" or _is_sync(node):
                 continue
             region = region_of(node)
-            if is_collective(node):
+            if is_communication_op(node):
                 axis = _axis_of_collective(node, mesh)
                 seconds = profile.op_overhead + collective_node_time(
                     node, profile, world_size=mesh.size(axis) if axis else mesh.world_size,
@@ -743,7 +764,7 @@ def _graph_seconds(tg: TrainGraph, plan: Plan, profile: DeviceProfile, mesh: Mes
     seconds, _, _ = graph_step_time(tg.graph, profile, world_size=mesh.world_size, allreduce_algo=_algo(plan),
                                     mesh=mesh)
     dp = sum(collective_node_time(n, profile, world_size=plan.dp, algorithm=_algo(plan))
-             for n in tg.graph.nodes if is_collective(n) and _axis_of_collective(n, mesh) == "dp")
+             for n in tg.graph.nodes if is_communication_op(n) and _axis_of_collective(n, mesh) == "dp")
     return seconds, dp
 
 
@@ -751,10 +772,10 @@ def stage_program_figures(program: Program, plan: Plan, profile: DeviceProfile) 
     """Per stage of a ``pipeline_split`` program: its bytes by term and its per-microbatch seconds."""
     from graph_ir.meta import ACCUMULATOR_PREFIX, GraphAttr
     from . import schedules as sched
-    info = program.attrs[GraphAttr.PIPELINE_PARALLEL]
+    info = pipeline_split_of(program)
     mesh = program.mesh
     figs, costs = [], []
-    for s in range(info["stages"]):
+    for s in range(info.stages):
         g = {part: program[f"stage{s}.{part}"] for part in ("forward", "backward", "backward_input",
                                                            "backward_weight", "apply")
              if f"stage{s}.{part}" in program.graphs}
@@ -825,10 +846,10 @@ def simulate_stage_programs(captured: TrainGraph, plan: Plan, *, profile: Device
     figs, costs = stage_program_figures(program, plan, profile)
     name = _SCHEDULE_ALIASES.get(plan.pipeline_schedule, plan.pipeline_schedule)
     v_eff = sched.stages_per_rank(name, plan.pipeline_virtual_stages)
-    split = program.attrs["pipeline_parallel"]
+    split = pipeline_split_of(program)
     return _pipeline_result(figs, costs, plan, pp=plan.pp, name=name, v_eff=v_eff, profile=profile, dp_exposed=1.0,
                             flops=model_flops(captured), tokens_per_microbatch=tokens_per_microbatch,
                             capacity_bytes=capacity_bytes,
-                            path=f"stage programs: pipeline_split compiled {split['stages']} stages "
-                                 f"({split['split']} split, imbalance {split['imbalance']:.2f}), "
+                            path=f"stage programs: pipeline_split compiled {split.stages} stages "
+                                 f"({split.split} split, imbalance {split.imbalance:.2f}), "
                                  f"schedule {name} replayed by cann_passes.schedules")

@@ -306,27 +306,17 @@ def plan_pipeline(unit_costs: Sequence[float], pp: int, microbatches: int, *, sc
     limit. Raises ValueError with the comparison table when nothing fits.
     """
     from . import schedules as S
-    if schedule == "dynamic":
-        cands = list(candidates or S.DEFAULT_CANDIDATES)
-    else:
-        cands = [(schedule, v)]
+    cands = list(candidates or S.DEFAULT_CANDIDATES) if schedule == "dynamic" else [(schedule, v)]
     static = np.zeros(len(unit_costs)) if unit_static_bytes is None else np.asarray(unit_static_bytes, float)
-    rows: list[tuple] = []
-    best: PipelinePlan | None = None
-    for cand in cands:
-        name, cv = (cand, v) if isinstance(cand, str) else cand
-        try:
-            spr = S.stages_per_rank(name, cv)
-            S.check(name, pp, microbatches, cv)
-            flights = in_flight_for(name, pp, microbatches, cv)
-        except ValueError as exc:            # ScheduleError is a ValueError
-            rows.append((name, cv, None, None, None, f"refused: {exc}"))
-            continue
+
+    def evaluate(name: str, cv: int):
+        spr = S.stages_per_rank(name, cv)
+        S.check(name, pp, microbatches, cv)
+        flights = in_flight_for(name, pp, microbatches, cv)
         # One stage per rank: the stage's limit is the rank's. Several: a stage's own peak may
         # exceed its share while the rank's combined peak fits (the stages peak at different
         # times), so try the whole limit first and shrink towards an equal share.
-        shares = [1.0] if spr == 1 or memory_limit is None else \
-            [(1 / spr) ** (i / 4) for i in range(5)]
+        shares = [1.0] if spr == 1 or memory_limit is None else [(1 / spr) ** (i / 4) for i in range(5)]
         tried = None
         for share in shares:
             try:
@@ -334,39 +324,23 @@ def plan_pipeline(unit_costs: Sequence[float], pp: int, microbatches: int, *, sc
                                 unit_activation_bytes=unit_activation_bytes, in_flight=flights,
                                 memory_limit=None if memory_limit is None else memory_limit * share)
             except ValueError as exc:
-                tried = tried or (None, None, None, f"refused: {exc}")
+                tried = tried or S.Candidate(name, cv, verdict=f"refused: {exc}")
                 continue
             tl, rank_bytes = _simulate_split(S, name, cv, pp, microbatches, split, static,
                                              unit_activation_bytes, forward_fraction, weight_fraction,
                                              send_bytes, link)
-            peak = max(rank_bytes.values())
-            if memory_limit is None or peak <= memory_limit * (1 + 1e-12):
-                tried = (tl, split, rank_bytes, "")
+            tried = S.Candidate(name, spr, tl, max(rank_bytes.values()), split.imbalance,
+                                detail=(split, rank_bytes))
+            if memory_limit is None or tried.peak_bytes <= memory_limit * (1 + 1e-12):
                 break
-            tried = (tl, split, rank_bytes, f"refused: a rank needs {peak:.4g} bytes > {memory_limit:.4g}")
-        tl, split, rank_bytes, verdict = tried
-        if tl is None:
-            rows.append((name, cv, None, None, None, verdict))
-            continue
-        rows.append((name, spr, tl, split, max(rank_bytes.values()), verdict))
-        if not verdict and (best is None or tl.makespan < best.timeline.makespan):
-            best = PipelinePlan(name, spr, split, tl, rank_bytes)
-    lines = [f"{'schedule':<18}{'v':>3}{'makespan s':>14}{'bubble':>9}{'imbalance':>11}{'peak bytes':>14}  verdict"]
-    for name, cv, tl, split, peak, verdict in rows:
-        if tl is None:
-            lines.append(f"{name:<18}{cv:>3}{'-':>14}{'-':>9}{'-':>11}{'-':>14}  {verdict}")
-            continue
-        if not verdict and best is not None:
-            verdict = ("chosen" if (name, cv) == (best.schedule, best.v)
-                       else f"{tl.makespan / best.timeline.makespan:.3f}x slower")
-        lines.append(f"{name:<18}{cv:>3}{tl.makespan:>14.6g}{tl.bubble_fraction:>9.3f}{split.imbalance:>11.4f}"
-                     f"{peak:>14.4g}  {verdict}")
-    table = "\n".join(lines)
+        return tried
+
+    best, _, table = S.choose(cands, evaluate, memory_limit=memory_limit)
     if best is None:
         raise ValueError(f"no pipeline schedule and split for pp = {pp}, microbatches = {microbatches} fits\n"
                          + table)
-    best.table = table
-    return best
+    split, rank_bytes = best.detail
+    return PipelinePlan(best.schedule, best.virtual_stages, split, best.timeline, rank_bytes, table)
 
 
 def _simulate_split(S, name, v, pp, microbatches, split, static, unit_activation_bytes, forward_fraction,

@@ -1,4 +1,9 @@
-"""CompiledStep: a whole training step, compiled, bound to a live model and optimizer.
+"""The step driver: a whole training step, compiled, bound to a live model and optimizer.
+
+``CompiledStep`` sits above every other layer: it captures (graph_ir), resolves the plan's open
+choices (:mod:`cann_passes.planning`), compiles (:mod:`cann_passes.compile`), lowers
+(:mod:`cann_passes.lowering`) and hands the runners to the runtime (:mod:`cann_passes.runtime`:
+binding, accumulation, pipeline stages, sharded state), which only binds and runs.
 
 Each call feeds the graph the model's current parameters and buffers, the
 optimizer's state in torch.optim's own format, the current learning rates
@@ -10,7 +15,7 @@ the next call without recompiling. A new batch shape or structure, a changed
 (one the graph does not take as an input) compiles anew; each compilation is
 kept, keyed by what it was specialised on.
 
-Compiling is :func:`cann_passes.compile.compile_program` for this rank's
+Compiling is :func:`cann_passes.planning.compile_planned` for this rank's
 mesh description, which gives a :class:`~graph_ir.program.Program`; each of
 its graphs is lowered and run as its schedule says (the whole step, or the
 grad graph per microbatch and the apply graph per optimizer step). Values a
@@ -34,19 +39,20 @@ from graph_ir.capture import initial_optimizer_state
 from graph_ir.analysis import GraphCost, MemoryProfile
 from graph_ir.capture import StepLayout
 from graph_ir.mesh import MeshDesc
+from graph_ir.meta import GraphAttr
 from graph_ir.optimizers import rule_for
 from graph_ir.placement import gather
 from graph_ir.program import Program
 from graph_ir.signature import InputKind, OutputKind
 
-from .. import compile_cache
-from ..compile import compile_program
-from ..dump import dump_dir_from
-from ..lowering import get_lowering, resolve_backend
-from ..pass_manager import PassContext, PassRecord, Pipeline
-from ..plan import Plan
-from . import accumulation, distributed, pipeline, user_state
-from .binding import ShardStore, StepState, bind_inputs, source_token, write_back
+from . import compile_cache
+from .dump import dump_dir_from
+from .lowering import get_lowering, resolve_backend
+from .pass_manager import PassContext, PassRecord, Pipeline
+from .plan import Plan
+from .planning import compile_planned
+from .runtime import accumulation, distributed, pipeline_parallel, user_state
+from .runtime.binding import ShardStore, StepState, bind_inputs, source_token, write_back
 
 log = logging.getLogger("cann_passes")
 
@@ -122,7 +128,7 @@ class CompiledStep:
                                "process launched by torchrun (to compile without processes, use "
                                "cann_passes.compile_program with a MeshDesc.fake mesh)")
         self.mesh = MeshDesc.from_device_mesh(self.world.mesh) if self.world is not None else MeshDesc.single()
-        if self.world is None and plan.pp > 1:   # every stage in this process (runtime/pipeline.py)
+        if self.world is None and plan.pp > 1:   # every stage in this process (runtime/pipeline_parallel.py)
             self.mesh = MeshDesc.fake(pp=plan.pp)
         self.shards = ShardStore(self.mesh)
         self.accumulation = accumulation.AccumulationState(plan)
@@ -168,7 +174,7 @@ class CompiledStep:
             captured, layout, program = entry.captured, entry.layout, entry.program
             initial_optimizer_state(self.model, self.optimizer, layout, self.rule)
             program.captured, program.records = captured, entry.records
-            program.context = compile_cache.context_for(entry, self.plan, self.mesh)
+            program.context = compile_cache.context_for(self.mesh)
             capture_seconds = time.perf_counter() - t0
         else:
             with accumulation.full_shape_state(self.model, self.optimizer, self.shards), _Flag(self, "capturing"):
@@ -176,10 +182,10 @@ class CompiledStep:
                 directory = dump_dir_from(self.plan.dump_dir)
                 inputs = gather_inputs(self.model, self.optimizer, layout, batch) if directory else None
             capture_seconds = time.perf_counter() - t0
-            program = compile_program(captured, self.plan, self.mesh, backend=self.backend, dump_dir=directory,
+            program = compile_planned(captured, self.plan, self.mesh, backend=self.backend, dump_dir=directory,
                                       inputs=inputs)
             if cache:
-                cache.store(key, facts, captured, program, layout, program.context.explain)
+                cache.store(key, facts, captured, program, layout)
         t1 = time.perf_counter()
         lowering = get_lowering(self.backend)
         with compile_cache.lowering_context(self.backend):
@@ -191,7 +197,7 @@ class CompiledStep:
         log.info("compiled %s: %d -> %d nodes in %d graph(s), backend %s, %.2fs passes, %.2fs lowering",
                  captured.name, captured.num_nodes(), program.num_nodes(), len(program.graphs), self.backend,
                  sum(r.seconds for r in program.records), compile_seconds)
-        return Compilation(captured, program, layout, Pipeline.parse(program.attrs["pipeline"]), self.backend,
+        return Compilation(captured, program, layout, Pipeline.parse(program.attrs[GraphAttr.PASS_PIPELINE]), self.backend,
                            program.records, runners, capture_seconds, compile_seconds,
                            ctx.analyses.get("cost", main), ctx.analyses.get("memory", main), ctx)
 
@@ -203,8 +209,8 @@ class CompiledStep:
         self.optimizer.state[params[name]].update(self.rule.init_state(params[name].detach(), group))
 
     def _inputs(self, graph: TrainGraph, batch: Any) -> list[torch.Tensor]:
-        if pipeline.takes_stage_values(graph):
-            return pipeline.example_inputs(self, graph, batch)
+        if pipeline_parallel.takes_stage_values(graph):
+            return pipeline_parallel.example_inputs(self, graph, batch)
         return bind_inputs(graph, self.model, self.optimizer, batch, self.step_state, self.shards,
                            self._init_state)
 
@@ -238,7 +244,7 @@ class CompiledStep:
 
     def _step(self, batch: Any) -> torch.Tensor:
         if self.plan.pp > 1:
-            return pipeline.step(self, batch)
+            return pipeline_parallel.step(self, batch)
         if self.plan.accumulate_target is not None:
             return self.accumulation.dynamic_step(self, batch)
         if self.plan.microbatches > 1:

@@ -76,7 +76,7 @@ def make_backend(plan: Plan):
                 return gm
             graph = _as_train_graph(gm, region, f"{region.value}{len(records)}")
             manager = PassManager(pipeline, verify_level=plan.verify)
-            graph = manager.run(graph, PassContext(plan=plan))
+            graph = manager.run(graph, PassContext())
             records.append((graph.name, manager.records))
             if lowering_name == "inductor":
                 from torch._inductor.compile_fx import compile_fx_inner

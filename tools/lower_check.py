@@ -150,7 +150,7 @@ def _recipe_model(target: str, attention: str | None):
 
 def torchair_plan(plan):
     """The plan as the torchair backend would compile it, run on CPU: same pipeline, eager lowering."""
-    from cann_passes.pipeline import build_pipeline
+    from cann_passes.pass_pipeline import build_pipeline
 
     # torchair's CompilerConfig options do not apply to the eager lowering that stands in for GE.
     return plan.replace(pipeline=str(build_pipeline(plan, "torchair")), backend="eager", torchair={})

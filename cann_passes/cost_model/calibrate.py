@@ -25,9 +25,9 @@ import torch
 import torch.fx
 from torch.utils._pytree import tree_flatten, tree_map
 
+from graph_ir.analysis.collectives import is_communication_op
 from graph_ir.meta import tensors_of
 
-from .collectives import is_collective
 from .profiles import DeviceProfile
 
 
@@ -81,7 +81,7 @@ def _inputs(node: torch.fx.Node):
 
 
 def measurable(node: torch.fx.Node) -> bool:
-    if not is_launched(node) or is_collective(node):
+    if not is_launched(node) or is_communication_op(node):
         return False
     values = [a.meta.get("val") for a in tree_flatten((node.args, node.kwargs))[0] if isinstance(a, torch.fx.Node)]
     if any(isinstance(v, torch.Tensor) and (v.device.type not in ("cpu", "meta") or v.is_sparse

@@ -18,6 +18,7 @@ import math
 
 import torch.fx
 
+from graph_ir.analysis.collectives import collective_kind, group_size_of
 from graph_ir.meta import nbytes
 
 from .profiles import DeviceProfile
@@ -60,38 +61,12 @@ def collective_time(kind: str, nbytes_: int, group_size: int, profile: DevicePro
     raise ValueError(f"no alpha-beta model for collective {kind!r}")
 
 
-_KIND_OF = {
-    "all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce",
-    "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
-    "all_to_all_single": "all_to_all", "broadcast": "broadcast",
-}
-
-
-def is_collective(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and getattr(node.target, "namespace", None) == "_c10d_functional"
-
-
-def collective_kind(node: torch.fx.Node) -> str | None:
-    """The collective a ``_c10d_functional`` node performs; None for ``wait_tensor`` and friends."""
-    if not is_collective(node):
-        return None
-    return _KIND_OF.get(node.target._opname)
-
-
-def _group_size(node: torch.fx.Node, default: int) -> int:
-    for arg in (*node.args, *node.kwargs.values()):
-        if isinstance(arg, int) and not isinstance(arg, bool):
-            return arg   # all_gather / reduce_scatter carry group_size as an argument
-    return default
-
-
 def collective_node_time(node: torch.fx.Node, profile: DeviceProfile, *, world_size: int,
                          algorithm: str = "ring") -> float:
     kind = collective_kind(node)
     if kind is None:
         return 0.0
-    p = _group_size(node, world_size)
+    p = group_size_of(node) or world_size
     moved = nbytes(node.meta.get("val")) if kind == "all_gather" else \
         sum(nbytes(a.meta.get("val")) for a in node.all_input_nodes)
     return collective_time(kind, moved, p, profile, algorithm)

@@ -18,12 +18,14 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from graph_ir.analysis.collectives import is_communication_op
 from graph_ir.analysis.cost import node_cost
+from graph_ir.analysis.effects import random_op
 from graph_ir.analysis.memory import aliases_input
 from graph_ir.meta import tensors_of
 
 from .calibrate import op_key
-from .collectives import collective_node_time, is_collective
+from .collectives import collective_node_time
 from .profiles import DeviceProfile
 
 
@@ -47,7 +49,7 @@ def op_class(node: torch.fx.Node) -> str:
         return "matmul"
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
-        if torch.Tag.nondeterministic_seeded in target.tags:
+        if random_op(target):
             return "rng"
         if target._schema.name.split("::")[-1] in _SOFTMAX:
             return "softmax"
@@ -67,7 +69,7 @@ def node_time(node: torch.fx.Node, profile: DeviceProfile, *, world_size: int = 
     (a tuple index), kept because the recompute solvers' costs are calibrated on it."""
     if node.op != "call_function":
         return 0.0
-    if is_collective(node):
+    if is_communication_op(node):
         return profile.op_overhead + collective_node_time(node, profile, world_size=world_size,
                                                           algorithm=allreduce_algo)
     if profile.op_seconds:

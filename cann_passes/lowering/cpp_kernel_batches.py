@@ -1,8 +1,8 @@
 """Inductor's C++ kernels of one generated module compiled as a few translation units, not one each.
 
 Inductor on CPU compiles every fused kernel of a module as its own shared library: one g++ run per
-kernel, each of which first loads the precompiled ``cpp_prefix.h`` (about 150 MB, ~0.5 s of CPU on
-this machine's cores) before it compiles the kernel's few KB. A whole training step has 30-40
+kernel, each of which first loads the precompiled ``cpp_prefix.h`` (about 150 MB, a large share of
+a small kernel's compile time) before it compiles the kernel's few KB. A whole training step has 30-40
 kernels, so most of its C++ time is that start-up, paid again per kernel. :func:`batched` gathers
 the kernels a module defines and, when the module waits for them, compiles them as one translation
 unit per compile worker (kernels dealt out by source size, largest first), each kernel in a

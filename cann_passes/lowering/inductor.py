@@ -43,21 +43,20 @@ import torch.fx
 from graph_ir import TrainGraph
 
 from . import cpp_kernel_batches
-from .base import (GuardedRunner, cxx_compiler_available, gloo_all_gathers_alone, group_backend,
-                   writable_inputs)
+from graph_ir.meta import GraphAttr
+
+from .base import GuardedRunner, cxx_compiler_available, writable_inputs
 
 aten = torch.ops.aten
 
 
-def _keep_gloo_order(graph: torch.fx.Graph):
-    """Inductor's node reordering (for peak memory, for locality) off for a graph with collectives
-    on gloo: it issues all-gathers beside other collectives again, which ``gloo_all_gathers_alone``
-    orders out (gloo's all-gather beside other collectives corrupts the heap)."""
+def _keep_gloo_order(graph: TrainGraph):
+    """Inductor's node reordering (for peak memory, for locality) off for a graph whose collectives
+    ``gloo_all_gathers_alone`` ordered: it would issue all-gathers beside other collectives again
+    (gloo's all-gather beside other collectives corrupts the heap)."""
     from torch._inductor import config
-    from graph_ir.analysis.collectives import group_name_of, is_collective
-    on_gloo = any(is_collective(n) and group_backend(group_name_of(n)) == "gloo" for n in graph.nodes)
-    return config.patch(reorder_for_peak_memory=False, reorder_for_locality=False) if on_gloo \
-        else contextlib.nullcontext()
+    return config.patch(reorder_for_peak_memory=False, reorder_for_locality=False) \
+        if graph.attrs.get(GraphAttr.GLOO_ORDERED) else contextlib.nullcontext()
 
 
 def mutate_inputs(gm: torch.fx.GraphModule, writable: dict[torch.fx.Node, int]) -> list[torch.fx.Node]:
@@ -105,13 +104,11 @@ class InductorLowering:
                 # its .name); the recompute pass's mark there is a plain bool, so the copy drops it.
                 if isinstance(node.meta.get("recompute"), bool):
                     del node.meta["recompute"]
-            if gloo_all_gathers_alone(gm.graph):
-                gm.recompile()
             mutated = mutate_inputs(gm, writable_inputs(copy)) if mutating else []
             return copy, gm, mutated
 
         copy, gm, mutated = lowered(True)
-        with _keep_gloo_order(gm.graph), cpp_kernel_batches.batched():
+        with _keep_gloo_order(graph), cpp_kernel_batches.batched():
             run = compile_fx(gm, list(example_inputs))
         if not mutated:
             return run
@@ -119,7 +116,7 @@ class InductorLowering:
 
         def functional():
             gm = lowered(False)[1]
-            with _keep_gloo_order(gm.graph), cpp_kernel_batches.batched():
+            with _keep_gloo_order(graph), cpp_kernel_batches.batched():
                 return compile_fx(gm, list(example_inputs))
 
         return GuardedRunner(run, copy, sorted(positions[n] for n in mutated), functional)

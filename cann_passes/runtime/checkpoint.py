@@ -46,6 +46,7 @@ import torch.distributed.checkpoint as dcp
 
 from graph_ir.meta import DTYPES_BY_NAME, GraphAttr
 from graph_ir.mesh import MeshDesc
+from graph_ir.pipeline_info import pipeline_split_of
 from graph_ir.placement import Placement, flat_runs
 from graph_ir.signature import InputKind
 
@@ -130,14 +131,14 @@ def _pipeline_foreign_params(step) -> set[str]:
     if not step._compiled:
         return set()
     program = step.last.program
-    info = program.attrs.get(GraphAttr.PIPELINE_PARALLEL)
+    info = pipeline_split_of(program)
     if info is None or step.world is None:
         return set()
     pp_rank = step.mesh.local_rank("pp")
     held = set()
     for name, graph in program.graphs.items():
         stage = int(name.split(".")[0].removeprefix("stage")) if name.startswith("stage") else None
-        if stage is not None and info["stage_to_rank"][stage] == pp_rank:
+        if stage is not None and info.stage_to_rank[stage] == pp_rank:
             held |= {s.name for s in graph.signature.inputs if s.kind == InputKind.PARAM}
     return set(dict(step.model.named_parameters())) - held
 

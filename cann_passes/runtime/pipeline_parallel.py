@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from graph_ir.meta import ACCUMULATION_SCALE, ACCUMULATION_WEIGHT, ACCUMULATOR_PREFIX, GraphAttr, StageValue
+from graph_ir.pipeline_info import pipeline_split_of
 from graph_ir.program import Program
 from graph_ir.signature import OutputKind, StepSignature
 
@@ -176,10 +177,10 @@ def run_local(step, program: Program, runners: dict[str, Any], microbatches: lis
     """Every stage in this process: per microbatch all forwards in order, then all backwards in reverse;
     then every stage's apply. ``split_backward`` runs backward_input then backward_weight instead of
     the full backward (the zero-bubble parts)."""
-    info = program.attrs[GraphAttr.PIPELINE_PARALLEL]
-    n = info["stages"]
-    across = [f"weight '{name}' tied across stages {holders}" for name, holders in info.get("shared_params", {}).items()]
-    across += [f"{what} reduced over every stage" for what in info.get("stage_reductions", [])]
+    info = pipeline_split_of(program)
+    n = info.stages
+    across = [f"weight '{name}' tied across stages {holders}" for name, holders in info.shared_params.items()]
+    across += [f"{what} reduced over every stage" for what in info.stage_reductions]
     if across:
         raise PipelineRuntimeError(f"the stages all-reduce over the pipeline ranks ({'; '.join(across)}), which one "
                                    "process holding every stage has no group for (rule: run pp > 1 with tied weights, "
@@ -243,7 +244,7 @@ def step(step, batch: Any) -> torch.Tensor:
     if step.world is None:
         from ..schedules import SPLIT_BACKWARD
         loss = run_local(step, comp.program, comp.runners, microbatches,
-                         split_backward=comp.program.attrs[GraphAttr.PIPELINE_PARALLEL]["schedule"] in SPLIT_BACKWARD)
+                         split_backward=pipeline_split_of(comp.program).schedule in SPLIT_BACKWARD)
     else:
         loss = run_schedule(step, comp, microbatches)
     step.steps_run += 1
@@ -286,11 +287,11 @@ class PipelineRuntime:
         from torch.distributed.pipelining import PipelineStage
         from .. import schedules
         self.step, self.program = step, comp.program
-        info = self.program.attrs[GraphAttr.PIPELINE_PARALLEL]
-        self.n, self.ranks = info["stages"], info["stage_to_rank"]
+        info = pipeline_split_of(self.program)
+        self.n, self.ranks = info.stages, info.stage_to_rank
         self.group = step.world.group("pp")
         self.pp_rank = step.mesh.local_rank("pp")
-        make_pp_subgroups(step.mesh, info.get("pp_subgroups", {}))
+        make_pp_subgroups(step.mesh, info.pp_subgroups)
         self.mine = [s for s in range(self.n) if self.ranks[s] == self.pp_rank]
         self.executors = {s: StageExecutor(s, stage_graphs(self.program, s),
                                            {p: comp.runners[f"stage{s}.{p}"] for p in stage_graphs(self.program, s)},
@@ -316,7 +317,7 @@ class PipelineRuntime:
             else:
                 kw["output_args"] = (_slot_filler(),)
             self.stages[s] = PipelineStage(torch.nn.Module(), s, self.n, torch.device("cpu"), group=self.group, **kw)
-        self.schedule_name = info["schedule"]   # the plan's, or the one pipeline_schedule: dynamic chose
+        self.schedule_name = info.schedule   # the plan's, or the one pipeline_schedule: dynamic chose
         self.schedule = self._schedule(schedules.torch_schedule_class(self.schedule_name), step.plan.microbatches)
         self.events: list[tuple] = []
         self.batches: list = []

@@ -72,14 +72,14 @@ def capture_and_dump(target, plan, directory: str):
 
     The plan's parallel degrees compile for rank 0 of a fake mesh of those sizes (no processes).
     """
-    from cann_passes.compile import compile_program
+    from cann_passes.planning import compile_planned
     from graph_ir import capture_train_step, gather_inputs
     from graph_ir.mesh import MeshDesc
     batch = target.batch(0)
     captured, layout = capture_train_step(target.model, target.optimizer, target.loss_fn, batch)
     inputs = None if target.meta else gather_inputs(target.model, target.optimizer, layout, batch)
     # Nothing is lowered, so the backend only decides the pipeline and need not be present.
-    return compile_program(captured, plan, MeshDesc.fake(dp=plan.dp, tp=plan.tp, pp=plan.pp),
+    return compile_planned(captured, plan, MeshDesc.fake(dp=plan.dp, tp=plan.tp, pp=plan.pp),
                            dump_dir=directory, inputs=inputs)
 
 
@@ -142,6 +142,8 @@ def replay(directory: str, out: str | None = None, verify: str = "deep") -> str:
     import torch
     from cann_passes.dump import DumpWriter
     from cann_passes.pass_manager import PassContext, PassManager
+    from graph_ir.mesh import MeshDesc
+    from graph_ir.meta import GraphAttr
     from graph_ir.serialize import from_json
     graph_file, pipeline_file = os.path.join(directory, "input.json"), os.path.join(directory, "pipeline.txt")
     for path in (graph_file, pipeline_file):
@@ -154,15 +156,10 @@ def replay(directory: str, out: str | None = None, verify: str = "deep") -> str:
     pipeline = open(pipeline_file, encoding="utf-8").read().strip()
     dump = DumpWriter(out, pipeline) if out else None
     manager = PassManager(pipeline, verify_level=verify, dump=dump)
-    plan_file = os.path.join(directory, "plan.json")
-    plan = None
-    if os.path.exists(plan_file):
-        from cann_passes import Plan
-        with open(plan_file, encoding="utf-8") as f:
-            # The pipeline replayed is the reproducer's; the plan's own text stays, since fields
-            # such as recompute_bans are valid only beside the text that runs their pass.
-            plan = Plan.from_dict({**json.load(f), "dump_dir": None})
-    manager.run(graph, PassContext(plan=plan))
+    # The graph and the pipeline text are the whole reproducer: passes read nothing else but the
+    # mesh it was compiled for, which the graph's attrs carry.
+    mesh = graph.attrs.get(GraphAttr.MESH)
+    manager.run(graph, PassContext(mesh=MeshDesc.from_json(mesh) if mesh else None))
     return "\n".join(f"{r.index} {r.spec}: {'changed' if r.changed else 'unchanged'}, "
                      f"nodes {r.nodes_before} -> {r.nodes_after}" for r in manager.records)
 

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from graph_ir.analysis.collectives import group_size_of, is_collective, is_communication_op
+
 _DUMP = re.compile(r"^(\d{3})_(.+)\.json$")
 
 
@@ -54,19 +56,9 @@ def load_dumped_graph(path):
     return from_json(json.loads(Path(path).read_text()))
 
 
-_GROUP_SIZE_ARG = {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 2, "all_to_all_single": None}
-
-
 def _largest_group(gm: torch.fx.GraphModule) -> int:
     """The largest group size a collective of ``gm`` names (1 when none says)."""
-    size = 1
-    for n in gm.graph.nodes:
-        if getattr(n.target, "namespace", None) != "_c10d_functional":
-            continue
-        i = _GROUP_SIZE_ARG.get(n.target._schema.name.split("::")[-1])
-        if i is not None and len(n.args) > i and isinstance(n.args[i], int):
-            size = max(size, n.args[i])
-    return size
+    return max([group_size_of(n) or 1 for n in gm.graph.nodes if is_collective(n)], default=1)
 
 
 @contextlib.contextmanager
@@ -76,8 +68,7 @@ def _process_group_for(gm: torch.fx.GraphModule, notes: list[str]):
     a ZeRO graph's reduce-scatter over 2 ranks cannot be converted against a 1-rank group)."""
     import torch.distributed as dist
 
-    uses_collectives = any(getattr(n.target, "namespace", None) in ("_c10d_functional", "c10d_functional")
-                           for n in gm.graph.nodes if n.op == "call_function")
+    uses_collectives = any(is_communication_op(n) for n in gm.graph.nodes)
     if not uses_collectives or not dist.is_available() or dist.is_initialized():
         yield
         return
@@ -104,7 +95,7 @@ def _group_names_resolve(gm: torch.fx.GraphModule) -> None:
         return
     live = dist.group.WORLD.group_name
     for n in gm.graph.nodes:
-        if getattr(n.target, "namespace", None) == "_c10d_functional":
+        if is_communication_op(n):
             n.args = tuple(live if isinstance(a, str) and i == len(n.args) - 1 else a
                            for i, a in enumerate(n.args))
 
