@@ -1,4 +1,5 @@
-"""Shared fixtures: small models, batches and an eager reference trainer."""
+"""Shared fixtures: small models, batches, the torchair skip; the eager reference trainer
+(tests/eager_reference.py) re-exported."""
 from __future__ import annotations
 
 import copy
@@ -9,6 +10,8 @@ import torch
 
 from recipes.models.gpt import GPT, gpt_loss, gpt_tiny
 from recipes.models.mlp import MLP, mlp_loss
+# The eager reference trainer lives in tests/eager_reference.py; tests import eager_losses from here too.
+from tests.eager_reference import eager_losses, eager_steps  # noqa: F401
 
 # Each test compiles what it checks: a compile-cache hit (from an earlier run on this machine, or
 # another test with the same model and plan) would skip the passes the test is about. The cache's
@@ -29,7 +32,10 @@ def one_intra_op_thread():
 
 @pytest.fixture(scope="module")
 def torchair():
-    """torchair, loaded offline from the torch_npu wheel; skips where the wheel cannot be had."""
+    """torchair, loaded offline from the torch_npu wheel; skips where the wheel cannot be had.
+
+    The one torchair skip of the suite: take it as an argument (or build a fixture on it), or mark
+    a module with ``pytestmark = pytest.mark.usefixtures("torchair")``."""
     from cann_passes.lowering.ge_offline import TorchairUnavailable, load_torchair
     try:
         return load_torchair()
@@ -70,17 +76,6 @@ def mlp_batches(n: int, batch: int = 8, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(batch, 12, generator=g), torch.randint(0, 5, (batch,), generator=g))
             for _ in range(n)]
-
-
-def eager_losses(model, loss_fn, optimizer, batches):
-    losses = []
-    for b in batches:
-        optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(model, b)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
 
 
 @pytest.fixture

@@ -30,6 +30,7 @@ from graph_ir.capture import CaptureError
 from graph_ir.optimizers import UnsupportedOptimizer
 from recipes.models.gpt import GPT, gpt_loss, gpt_tiny
 from recipes.models.mlp import MLP, mlp_loss
+from tests.eager_reference import eager_steps
 
 NAN, INF = float("nan"), float("inf")
 EAGER = Plan(backend="eager")
@@ -64,11 +65,8 @@ def adam(model, **kw):
 
 
 def eager_step(model, optimizer, loss_fn, batch) -> float:
-    optimizer.zero_grad(set_to_none=True)
-    loss = loss_fn(model, batch)
-    loss.backward()
-    optimizer.step()
-    return loss.item()
+    """One step of the eager reference (tests/eager_reference.py); its loss."""
+    return eager_steps(model, optimizer, loss_fn, [batch]).losses[0]
 
 
 def snapshot(model, optimizer) -> dict:
@@ -293,7 +291,7 @@ def test_numpy_integers_are_integers_and_stored_as_int():
 
 def test_a_pipeline_built_from_a_plan_agrees_with_that_plan():
     """The offline GE check runs the torchair pipeline as text with the plan's own fields."""
-    from cann_passes.pipeline import build_pipeline
+    from cann_passes.pass_pipeline import build_pipeline
     from tools.lower_check import torchair_plan
     plan = Plan(precision="fp16", loss_scale_init=1024.0, loss_scale_growth_interval=10, recompute="budget",
                 recompute_budget=0.25, microbatches=2, extra_passes=["cleanup{cse=false}"],

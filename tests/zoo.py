@@ -45,12 +45,13 @@ groups), else it gets ``model.parameters()``.
 from __future__ import annotations
 
 import copy
-import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+
+from tests.eager_reference import eager_steps as reference_steps
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, FFN = 96, 32, 4, 2, 64
 BATCH, SEQ = 4, 12
@@ -282,50 +283,20 @@ def _params(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def split_rows(batch, n: int) -> list:
-    """``batch`` cut into ``n`` equal row chunks (as the plan's ``microbatches`` cuts it)."""
-    import torch.utils._pytree as pytree
-    leaves, spec = pytree.tree_flatten(batch)
-    pieces = [leaf.chunk(n) for leaf in leaves]
-    return [pytree.tree_unflatten([p[i] for p in pieces], spec) for i in range(n)]
-
-
 def eager_steps(model, loss_fn, optimizer, batches, autocast: torch.dtype | None = None,
                 clip_norm: float | None = None, microbatches: int = 1) -> list[float]:
-    """Plain PyTorch training: zero_grad, forward (optionally autocast), backward, [clip], step.
+    """Plain PyTorch training (tests/eager_reference.py's ``eager_steps``): zero_grad, forward
+    (optionally autocast), backward, [clip], step; the loss of every step.
 
-    With ``microbatches`` N, gradient accumulation as users write it: each of the N
-    row chunks' losses, weighted by its share of the rows, is backpropagated, then
-    one optimizer step; the step's loss is the weighted sum.
+    fp16 as users train it: GradScaler's dynamic loss scaling (the plan's default for fp16), so
+    an overflowing step is skipped here as in the compiled step. With ``microbatches`` N,
+    gradient accumulation as users write it: each of the N row chunks' losses, weighted by its
+    share of the rows, is backpropagated, then one optimizer step; the step's loss is the
+    weighted sum.
     """
-    losses = []
-    # fp16 as users train it: GradScaler's dynamic loss scaling (the plan's default for fp16),
-    # so an overflowing step is skipped here as in the compiled step.
     scaler = torch.amp.GradScaler("cpu") if autocast == torch.float16 else None
-    for b in batches:
-        optimizer.zero_grad(set_to_none=True)
-        ctx = (torch.autocast("cpu", dtype=autocast) if autocast is not None
-               else contextlib.nullcontext())
-        parts = split_rows(b, microbatches) if microbatches > 1 else [b]
-        rows = [len(next(iter(p.values())) if isinstance(p, dict) else p[0]) for p in parts]
-        loss = 0.0
-        for part, r in zip(parts, rows):
-            with ctx:
-                part_loss = loss_fn(model, part) * (r / sum(rows)) if len(parts) > 1 else loss_fn(model, part)
-            (scaler.scale(part_loss) if scaler else part_loss).backward()
-            loss = loss + part_loss.detach()
-        if scaler:
-            scaler.unscale_(optimizer)
-        if clip_norm is not None:
-            torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]],
-                                           clip_norm)
-        if scaler:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
-        losses.append(float(loss))
-    return losses
+    return reference_steps(model, optimizer, loss_fn, batches, autocast_dtype=autocast, grad_scaler=scaler,
+                           grad_clip=clip_norm, microbatches=microbatches).losses
 
 
 def compare(entry: str | ZooModel, plan=None, *, steps: int = 3, optimizer=default_optimizer,

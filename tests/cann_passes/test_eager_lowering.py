@@ -8,7 +8,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import pytest
 
 from cann_passes import Plan, compile_for_npu
-from cann_passes.lowering.eager import reuse_dead_operands
+from cann_passes.passes.reuse_dead_operands import reuse_dead_operands
 from tests.conftest import eager_losses, mlp_batches, tiny_mlp
 
 aten = torch.ops.aten
@@ -194,7 +194,7 @@ def _lowered(captured, stage, clip=None):
     plan = Plan(backend="eager", dp=2, zero_stage=stage, bucket_mb=0.005, grad_clip_norm=clip)
     program = compile_program(captured, plan, MeshDesc.fake(dp=2, rank=0), backend="eager")
     graph = program["step"]
-    return graph, EagerLowering().compile(graph, None, None)
+    return graph, EagerLowering().compile(graph, None, None), program
 
 
 @pytest.mark.parametrize("stage,clip", [(0, None), (1, None), (2, None), (3, None), (2, 1.0)],
@@ -204,11 +204,11 @@ def test_dp_and_zero_steps_write_their_inputs_only_after_every_reduction_and_bac
     from graph_ir.analysis.memory import storage_roots
     from graph_ir.meta import Region, region_of
     from graph_ir.signature import InputKind
-    graph, runner = _lowered(gpt2_capture, stage, clip)
+    graph, runner, program = _lowered(gpt2_capture, stage, clip)
     gm = runner.run
     nodes = list(gm.graph.nodes)
     roots = storage_roots(gm.graph)
-    written = {p for p in gm.graph.find_nodes(op="placeholder") if p.name in gm.meta["written_inputs"]}
+    written = {p for p in gm.graph.find_nodes(op="placeholder") if p.name in graph.attrs["written_inputs"]}
     first_write = min(i for i, n in enumerate(nodes) if n.op == "call_function" and n.args
                       and isinstance(n.args[0], torch.fx.Node) and roots[n.args[0]] in written
                       and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable)
@@ -226,20 +226,17 @@ def test_dp_and_zero_steps_write_their_inputs_only_after_every_reduction_and_bac
             assert collective_kind(c) == "all_gather", f"{n.name}: a {collective_kind(c)} after the first write"
             assert all(region_of(a) == Region.OPTIMIZER for a in c.all_input_nodes), \
                 f"{c.name} gathers a value the optimizer did not compute"
-    # The functional graph waits for some reductions amid the updates; the lowered copy moved those
-    # waits (and nothing else: no node added or dropped) before the optimizer.
-    original = [n for n in graph.gm.graph.nodes if n.op == "call_function"]
-    start = next(i for i, n in enumerate(original) if region_of(n) == Region.OPTIMIZER)
-    issued = set(original[:start])
-    late = [n for n in original[start + 1:] if is_communication_op(n) and collective_kind(n) is None
-            and n.args[0] in issued]
-    assert late and gm.meta["waits_moved"] >= len(late)
-    assert len(nodes) == len(graph.gm.graph.nodes)
+    # The functional graph waits for some reductions amid the updates; wait_for_reductions_first moved
+    # those waits (and nothing else: no node added or dropped) before the optimizer.
+    record = next(r for r in program.records if r.name == "wait_for_reductions_first")
+    assert record.stats["moved"] > 0 and record.nodes_before == record.nodes_after
+
 
 
 def test_in_place_updates_can_be_switched_off_for_a_functional_step(gpt2_capture, monkeypatch):
     from cann_passes.lowering.base import INPLACE_UPDATES_ENV
     monkeypatch.setenv(INPLACE_UPDATES_ENV, "0")
-    _, runner = _lowered(gpt2_capture, 0)
-    assert runner.written_inputs == []
-    assert runner.run.meta["waits_moved"] == 0 and runner.run.meta["written_inputs"] == []
+    graph, runner, program = _lowered(gpt2_capture, 0)
+    assert runner.written_inputs == [] and graph.attrs["written_inputs"] == []
+    assert "reuse_dead_operands{inputs=false}" in str(program.attrs["pass_pipeline"])
+    assert "wait_for_reductions_first" not in str(program.attrs["pass_pipeline"])

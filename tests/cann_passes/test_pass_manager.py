@@ -96,14 +96,14 @@ def test_pipeline_given_as_text_runs_and_records_every_pass():
 def test_failing_pass_is_named_with_a_reproducer(tmp_path):
     manager = PassManager("cleanup,test_broken", reproducer_dir=str(tmp_path))
     with pytest.raises(PassFailure) as info:
-        manager.run(_mlp_graph(), PassContext(plan=Plan(recompute="full", recompute_bans=["lm_head"])))
+        manager.run(_mlp_graph(), PassContext())
     err = info.value
     assert err.pass_name == "test_broken" and "deliberate failure" in str(err)
     assert err.pipeline == "cleanup,test_broken"
     assert open(os.path.join(err.reproducer_dir, "pipeline.txt")).read().strip() == "test_broken"
     assert os.path.exists(os.path.join(err.reproducer_dir, "input.py"))
-    with open(os.path.join(err.reproducer_dir, "plan.json")) as f:
-        assert json.load(f)["recompute_bans"] == ["lm_head"]   # passes read options from the plan
+    # the graph and the pipeline text are the whole reproducer: passes read nothing else
+    assert sorted(os.listdir(err.reproducer_dir)) == ["input.json", "input.py", "pipeline.txt"]
 
 
 def test_pass_producing_an_invalid_graph_fails_verification_by_name(tmp_path):

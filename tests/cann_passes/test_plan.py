@@ -8,7 +8,7 @@ import pytest
 from cann_passes import Plan, PlanError
 from cann_passes.lowering import BackendUnavailable, resolve_backend
 from cann_passes.pass_manager import is_registered
-from cann_passes.pipeline import build_pipeline
+from cann_passes.pass_pipeline import build_pipeline
 
 
 @pytest.mark.parametrize("fields, name, rule", [

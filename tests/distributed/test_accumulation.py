@@ -72,7 +72,7 @@ def test_data_parallel_and_zero_sync_once_per_optimizer_step_not_per_microbatch(
     mesh = MeshDesc.fake(dp=2)
     for sync in ("data_parallel{bucket_mb=0.02}", "optimizer_shard{stage=2,bucket_mb=0.02}"):
         program = PassManager(f"cleanup,grad_accumulation{{microbatches=4}},{sync},cleanup,split_grad_apply",
-                              verify_level="deep").run(tg.copy(), PassContext(plan=None, mesh=mesh))
+                              verify_level="deep").run(tg.copy(), PassContext(mesh=mesh))
         grad, apply = program["grad"], program["apply"]
         grad_collectives = [n for n in grad.graph.nodes if C10D in str(n.target) and "wait" not in str(n.target)]
         apply_collectives = [n for n in apply.graph.nodes if C10D in str(n.target) and "wait" not in str(n.target)]

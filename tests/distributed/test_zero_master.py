@@ -178,7 +178,7 @@ def test_sharded_master_refuses_what_it_does_not_build(captured):
 
 def test_zero_master_plan_field_builds_the_option_and_refuses_what_is_not_built():
     from cann_passes import Plan
-    from cann_passes.pipeline import build_pipeline
+    from cann_passes.pass_pipeline import build_pipeline
     from cann_passes.plan import PlanError
     text = str(build_pipeline(Plan(dp=2, zero_stage=2, precision="bf16", zero_master="sharded"), "eager"))
     assert "master=sharded" in text

@@ -14,17 +14,13 @@ import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from cann_passes.lowering.ge_offline import (
-    TorchairUnavailable,
-    load_torchair,
     loader_info,
     lower_to_ge,
     supported_ops,
 )
 
-try:
-    load_torchair()
-except TorchairUnavailable as e:  # only "could not obtain the wheel/protobuf" skips; loader bugs fail
-    pytest.skip(f"torchair (torch_npu wheel) unavailable: {e}", allow_module_level=True)
+# Only "could not obtain the wheel/protobuf" skips (the torchair fixture, tests/conftest.py); loader bugs fail.
+pytestmark = pytest.mark.usefixtures("torchair")
 
 
 # --------------------------------------------------------------------------- graphs

@@ -22,7 +22,7 @@ def test_bf16_step_lowers_to_ge_with_zero_unsupported_ops(name):
     entry = build(name, layers=1)
     opt = torch.optim.AdamW(entry.model.parameters(), lr=1e-3)
     tg, _ = capture_train_step(entry.model, opt, entry.loss_fn, entry.make_batch(0))
-    graph = PassManager(PIPELINE, verify_level="deep").run(tg, PassContext(plan=Plan(precision="bf16")))
+    graph = PassManager(PIPELINE, verify_level="deep").run(tg, PassContext())
     report = lower_to_ge(graph.gm, name=name, optimize=False)
     assert report.unsupported == [] and report.ok, report.summary()
     h = report.op_histogram

@@ -45,7 +45,7 @@ def test_fp32_plan_lowers_completely(tmp_path, attention):
     data = _report(tmp_path)
     assert data["unsupported"] == [], data["unsupported"]
     entry = data["graphs"]["step"]
-    assert entry["ok"] and entry["source"].endswith("_cleanup.json")
+    assert entry["ok"] and entry["source"].endswith("_reuse_dead_operands.json")
     _assert_transformer_ops(entry["op_histogram"], n_layer=2)
     text = (tmp_path / "ge" / "step.ge.txt").read_text()
     assert text.startswith('name: "step"') and 'type: "LayerNormV4"' in text
@@ -88,8 +88,7 @@ def test_data_parallel_graph_lowers_with_hcom_all_reduce(tmp_path, gloo_group):
     batch = next(iter(TextBatches(load_corpus(), 2, 16)))
     captured, _ = capture_train_step(model, opt, gpt_loss, batch)
     pipeline = "cleanup,data_parallel{bucket_mb=0.05},npu_legalize,cleanup"
-    ctx = PassContext()
-    ctx.mesh = _OneRankMesh(gloo_group)
+    ctx = PassContext(mesh=_OneRankMesh(gloo_group))
     manager = PassManager(pipeline, verify_level="shallow", dump=DumpWriter(str(tmp_path), pipeline))
     manager.run(captured, ctx)
     buckets = next(r.stats["buckets"] for r in manager.records if r.name == "data_parallel")

@@ -4,17 +4,12 @@ from __future__ import annotations
 import pytest
 
 from cann_passes import Plan, PlanError
-from cann_passes.lowering.ge_offline import TorchairUnavailable, load_torchair
 from cann_passes.lowering.torchair import build_compiler_config
 from cann_passes.lowering.torchair_config import OPTIONS, apply_assignments, config_assignments
 
 
 @pytest.fixture(scope="module")
-def CompilerConfig():
-    try:
-        load_torchair()
-    except TorchairUnavailable as e:
-        pytest.skip(f"torchair (torch_npu wheel) unavailable: {e}")
+def CompilerConfig(torchair):   # torchair (tests/conftest.py) skips where the wheel cannot be had
     from torchair.configs.compiler_config import CompilerConfig
     return CompilerConfig
 

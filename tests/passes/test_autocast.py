@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cann_passes import Plan, compile_for_npu
-from cann_passes.pass_manager import PassContext, PassManager
+from cann_passes.pass_manager import PassContext, PassManager, spec
 from cann_passes.passes.autocast import WIDENS_SAVED, AutocastError, count_casts, is_cast
 from cann_passes.precision_policy import FP32, LOWER, get_policy, op_packet_name
 from graph_ir import capture_train_step
@@ -51,8 +51,11 @@ def _out_dtypes(node):
 
 def _compile_graph(model, plan, batch, pipeline=None):
     tg, _ = capture_train_step(model, _adamw(model), gpt_loss, batch)
-    text = pipeline or f"cleanup,autocast{{dtype={plan.precision}}},cleanup"
-    return PassManager(text, verify_level="deep").run(tg, PassContext(plan=plan))
+    if pipeline is None:
+        autocast = str(spec("autocast", dtype=plan.precision,
+                            overrides=tuple(f"{k}={v}" for k, v in plan.autocast_overrides.items())))
+        pipeline = f"cleanup,{autocast},cleanup"
+    return PassManager(pipeline, verify_level="deep").run(tg, PassContext())
 
 
 class TestNumerics:
@@ -85,7 +88,7 @@ class TestNumerics:
 
     def test_unknown_override_key_is_refused_with_the_rule(self):
         plan = Plan(precision="bf16", autocast_overrides={"no_such_module": "fp32"})
-        with pytest.raises(Exception, match="autocast_overrides.*no_such_module"):
+        with pytest.raises(Exception, match="autocast' option 'overrides'.*no_such_module"):
             _compile_graph(_tiny(), plan, _batches(1)[0])
 
 
@@ -173,8 +176,8 @@ def test_bf16_saved_activations_at_most_055_of_fp32_for_the_recipe_model():
     model = GPT(gpt_small_cpu())
     batch = _batches(1, batch=8, seq=128)[0]
     tg, _ = capture_train_step(model, _adamw(model), gpt_loss, batch)
-    fp32 = PassManager("cleanup").run(tg.copy(), PassContext(plan=Plan()))
-    bf16 = PassManager("cleanup,autocast{dtype=bf16},cleanup").run(tg.copy(), PassContext(plan=Plan(precision="bf16")))
+    fp32 = PassManager("cleanup").run(tg.copy(), PassContext())
+    bf16 = PassManager("cleanup,autocast{dtype=bf16},cleanup").run(tg.copy(), PassContext())
     ratio = memory_profile(bf16.graph).saved_bytes / memory_profile(fp32.graph).saved_bytes
     print(f"\nsaved activations bf16/fp32 = {ratio:.3f}")
     assert ratio <= 0.55

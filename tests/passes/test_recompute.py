@@ -14,7 +14,7 @@ from cann_passes.pass_manager import PassContext, PassManager, is_registered
 from cann_passes.passes.recompute import _Builder
 from cann_passes.recompute_solver import min_bytes, solve_greedy, solve_milp, solve_mincut
 from graph_ir import capture_train_step, gather_inputs
-from graph_ir.analysis import memory_profile
+from graph_ir.analysis import graph_cost, memory_profile
 from graph_ir.analysis.memory import aliases_input
 from graph_ir.meta import ORIGIN_PASS, RECOMPUTE, Region, module_path_of, nbytes, region_of
 from recipes.models.gpt import GPT, gpt3_175b_layer, gpt_loss, gpt_tiny
@@ -100,10 +100,10 @@ class _LiveAtBackward(torch.fx.Interpreter):
         return super().run_node(n)
 
 
-def _run_pass(tg, spec, plan=None):
-    ctx = PassContext(plan=plan)
-    out = PassManager(f"cleanup,{spec}", verify_level="deep").run(tg.copy(), ctx)
-    return out, ctx
+def _run_pass(tg, spec):
+    manager = PassManager(f"cleanup,{spec}", verify_level="deep")
+    out = manager.run(tg.copy(), PassContext())
+    return out, manager.records[-1]
 
 
 class TestRecomputeBudget:
@@ -134,8 +134,7 @@ class TestRecomputeBudget:
 
     def test_banned_ops_and_module_paths_are_never_recomputed(self):
         tg, _ = _captured()
-        plan = Plan(recompute="budget", recompute_budget=0.0, recompute_bans=("aten.addmm", "layers.1"))
-        out, _ = _run_pass(tg, "recompute{policy=budget,budget=0.0}", plan)
+        out, _ = _run_pass(tg, "recompute{policy=budget,budget=0.0,bans=aten.addmm;layers.1}")
         # Views compute nothing and are rebuilt wherever needed; everything else is checked.
         recomputed = [n for n in out.graph.nodes if n.meta.get(RECOMPUTE) and not aliases_input(n)]
         assert recomputed
@@ -144,8 +143,8 @@ class TestRecomputeBudget:
 
     def test_every_decision_is_explained(self):
         tg, _ = _captured()
-        _, ctx = _run_pass(tg, "recompute{policy=budget,budget=0.25}")
-        rows = ctx.explain["recompute"]
+        _, record = _run_pass(tg, "recompute{policy=budget,budget=0.25}")
+        rows = record.explanation
         assert {r["decision"] for r in rows} == {"saved", "recomputed"}
         assert all(set(r) == {"value", "bytes", "recompute_flops", "recompute_time_s", "decision", "reason"}
                    and r["reason"] for r in rows)
@@ -286,18 +285,18 @@ class TestRecomputeAgainstMegatron:
             batch = (torch.zeros(b, s, dtype=torch.long), torch.zeros(b, s, dtype=torch.long))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         tg, _ = capture_train_step(model, opt, gpt_loss, batch)
-        plan = Plan(precision="bf16", device_profile="ascend_910b")
-        base, _ = _run_pass(tg, "autocast{dtype=bf16},recompute{policy=none}", plan)
-        sel, sel_ctx = _run_pass(tg, "autocast{dtype=bf16},recompute{policy=selective}", plan)
+        base, _ = _run_pass(tg, "autocast{dtype=bf16},recompute{policy=none,profile=ascend_910b}")
+        sel, sel_ctx = _run_pass(tg, "autocast{dtype=bf16},recompute{policy=selective,profile=ascend_910b}")
         sbh = s * b * h
         assert _layer_saved_bytes(base) == pytest.approx(sbh * (34 + 5 * a * s / h), rel=0.10)
         assert _layer_saved_bytes(sel) == pytest.approx(34 * sbh, rel=0.10)
-        cost = sel_ctx.analyses.get("cost", sel)
+        cost = graph_cost(sel.graph)
         layer_flops = sum(c for r, c in cost.flops_by_region.items() if r in ("forward", "backward"))
         assert sel_ctx.stats["recompute_flops"] <= 0.03 * layer_flops
         # The budget policy, given what selective keeps (34 sbh in the layer), finds a selection
         # at least as cheap.
         given = memory_profile(sel.graph).saved_bytes
-        _, b_ctx = _run_pass(tg, f"autocast{{dtype=bf16}},recompute{{policy=budget,budget={given}}}", plan)
+        _, b_ctx = _run_pass(tg, f"autocast{{dtype=bf16}},recompute{{policy=budget,budget={given},"
+                                 "profile=ascend_910b}")
         assert b_ctx.stats["saved_bytes_after"] <= given
         assert b_ctx.stats["recompute_time_s"] <= sel_ctx.stats["recompute_time_s"] * 1.0001

@@ -214,12 +214,13 @@ def test_dynamic_compiles_the_fastest_simulated_candidate_over_its_real_stages(o
     from cann_passes import Plan
     from cann_passes.compile import compile_program
     from cann_passes.plan import PlanError
+    from cann_passes.planning import compile_planned
     from cann_passes.simulate import stage_program_figures
     from graph_ir.mesh import MeshDesc
     from graph_ir.meta import GraphAttr
     captured = _tiny_gpt_step()
     plan = Plan(pp=2, microbatches=2, backend="eager", pipeline_schedule="dynamic")
-    program = compile_program(captured, plan, MeshDesc.fake(pp=2), dump_dir=str(tmp_path))
+    program = compile_planned(captured, plan, MeshDesc.fake(pp=2), dump_dir=str(tmp_path))
     info = program.attrs[GraphAttr.PIPELINE_PARALLEL]
     choice = info["dynamic"]
     assert choice["table"] in (tmp_path / "pipeline_schedule.txt").read_text()

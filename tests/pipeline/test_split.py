@@ -1,7 +1,7 @@
 """pipeline_split: the stage graphs of a captured step, and running them all in one process.
 
 Without a process group a ``pp > 1`` plan runs every stage in this process
-(``runtime/pipeline.run_local``): per microbatch all forwards, then all
+(``runtime/pipeline_parallel.run_local``): per microbatch all forwards, then all
 backwards, then every stage's apply. That must be the unsplit step: bitwise
 the accumulating (grad/apply) program, and eager PyTorch to rounding.
 """
@@ -15,6 +15,7 @@ import torch
 from cann_passes import Plan, compile_for_npu
 from cann_passes.compile import compile_program
 from cann_passes.pass_manager import PassFailure
+from cann_passes.plan import PlanError
 from graph_ir import capture_train_step
 from graph_ir.mesh import MeshDesc
 from graph_ir.meta import GraphAttr, GraphKind, StageValue
@@ -160,14 +161,14 @@ class TestWithTensorParallelism:
 
 class TestRefusals:
     def test_more_stages_than_units_is_refused(self):
-        with pytest.raises(PassFailure, match=r"plan field 'pp'.*cuttable unit"):
+        with pytest.raises(PlanError, match=r"plan field 'pp'.*cuttable unit"):
             _program(_gpt(layers=1), Plan(pp=8, microbatches=8, backend="eager", pipeline_schedule="gpipe"))
 
 
     def test_values_combined_across_stages_need_their_stages_on_different_ranks(self):
         torch.manual_seed(0)
         tied = GPT(gpt_tiny(n_layer=2, tie_weights=True, bias=False))
-        with pytest.raises(PassFailure, match=r"plan field 'pipeline_schedule'.*wte.weight.*tied across stages "
+        with pytest.raises(PlanError, match=r"plan field 'pipeline_schedule'.*wte.weight.*tied across stages "
                                               r"\[0, 3\].*ranks \[0, 0\].*different pipeline ranks"):
             _program(tied, Plan(pp=2, microbatches=4, backend="eager", pipeline_schedule="dualpipev"))
         # Interleaved stages put the first and the last stage on different ranks: the tie is summed there.
@@ -175,7 +176,7 @@ class TestRefusals:
                                       pipeline_virtual_stages=2))
         assert program.attrs[PP]["shared_params"] == {"wte.weight": [0, 3]}
         assert program.attrs[PP]["stage_to_rank"] == [0, 1, 0, 1]
-        with pytest.raises(PassFailure, match=r"plan field 'pipeline_virtual_stages'.*one stage per pipeline rank"):
+        with pytest.raises(PlanError, match=r"plan field 'pipeline_virtual_stages'.*one stage per pipeline rank"):
             _program(_gpt(), Plan(pp=2, microbatches=4, backend="eager", grad_clip_norm=1.0,
                                   pipeline_schedule="interleaved_1f1b", pipeline_virtual_stages=2))
 
@@ -186,7 +187,7 @@ class TestRefusals:
             _program(_gpt(), Plan(pp=2, microbatches=2, backend="eager", precision="fp16", pipeline=text))
 
     def test_loss_scaling_with_several_stages_per_rank_is_refused_by_field(self):
-        with pytest.raises(PassFailure, match=r"plan field 'pipeline_virtual_stages'.*loss_scale:found_inf.*"
+        with pytest.raises(PlanError, match=r"plan field 'pipeline_virtual_stages'.*loss_scale:found_inf.*"
                                               r"one stage per pipeline rank"):
             _program(_gpt(), Plan(pp=2, microbatches=4, backend="eager", precision="fp16",
                                   pipeline_schedule="interleaved_1f1b", pipeline_virtual_stages=2))
@@ -236,7 +237,7 @@ class TestAcrossStages:
             assert [r.args[1:] for r in reduces] == ([("sum", name)] if holds else [])
 
     def test_a_pipeline_subgroup_is_the_same_ranks_on_each_of_its_members_at_every_dp_coordinate(self):
-        from cann_passes.runtime.pipeline import pp_subgroup_members
+        from cann_passes.runtime.pipeline_parallel import pp_subgroup_members
         groups = {}
         for rank in range(8):   # (pp=4, dp=2): the pp groups are ranks {0, 2, 4, 6} and {1, 3, 5, 7}
             mesh = MeshDesc.fake(pp=4, dp=2, rank=rank)

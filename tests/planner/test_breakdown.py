@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cann_passes import Plan
-from cann_passes.compile import compile_program
+from cann_passes.planning import compile_planned
 from cann_passes.reports.breakdown import plot_breakdown
 from cann_passes.simulate import program_figures, simulate
 from cann_passes.cost_model import get_profile
@@ -48,7 +48,7 @@ def test_breakdown_png_for_a_flat_and_a_pipelined_plan(tiny, tmp_path):
 
 def test_dump_writes_the_simulation_and_the_page_shows_its_largest_term(tiny, tmp_path):
     plan = Plan(dp=2, zero_stage=1, verify="off", device_profile="a100")
-    program = compile_program(tiny, plan, MeshDesc.fake(dp=2), dump_dir=str(tmp_path))
+    program = compile_planned(tiny, plan, MeshDesc.fake(dp=2), dump_dir=str(tmp_path))
     with open(tmp_path / "simulation.json") as f:
         sim = json.load(f)
     want = program_figures(program, plan, get_profile("a100"))

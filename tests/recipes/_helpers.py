@@ -24,7 +24,7 @@ from graph_ir.meta import RECOMPUTE
 from graph_ir.mesh import MeshDesc
 from recipes.clip.train import make_optimizer
 from recipes.data.images import ImageTextBatches
-from tests.conftest import eager_losses
+from tests.eager_reference import eager_steps
 from tools.lower_check import torchair_plan
 
 C10D = "_c10d_functional"
@@ -115,11 +115,8 @@ def max_difference_from_eager(model, loss_fn, batches, plan: Plan | None = None,
     loss_diff = 0.0
     for batch in batches:
         got = step(batch).item()
-        eager_opt.zero_grad(set_to_none=True)
-        want = loss_fn(reference, batch)
-        want.backward()
-        eager_opt.step()
-        loss_diff = max(loss_diff, abs(got - want.item()) / max(1.0, abs(want.item())))
+        want = eager_steps(reference, eager_opt, loss_fn, [batch]).losses[0]
+        loss_diff = max(loss_diff, abs(got - want) / max(1.0, abs(want)))
     params = dict(reference.named_parameters())
     param_diff = max((p.detach() - params[n].detach()).abs().max().item() for n, p in model.named_parameters())
     return loss_diff, param_diff
@@ -146,8 +143,8 @@ def compiled_losses_match_eager(models, loss_fn, batches, *, lr: float = 1e-2, w
     """Every model of ``models`` (the same weights: the recipe's and transformers') trained by the
     compiled fp32 step gives eager PyTorch's losses, step by step, to 1e-5; returns the models."""
     reference = copy.deepcopy(models[0])
-    expected = eager_losses(reference, loss_fn,
-                            torch.optim.AdamW(reference.parameters(), lr=lr, weight_decay=weight_decay), batches)
+    expected = eager_steps(reference, torch.optim.AdamW(reference.parameters(), lr=lr, weight_decay=weight_decay),
+                           loss_fn, batches).losses
     for model in models:
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
         step = compile_for_npu(model, Plan(backend="eager", verify="deep"), optimizer=opt, loss_fn=loss_fn)

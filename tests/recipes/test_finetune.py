@@ -18,6 +18,7 @@ from recipes.data.instructions import (IGNORE_INDEX, PAD_ID, InstructionBatches,
                                        corpus_pairs, load_pairs, split_pairs)
 from recipes.finetune import (ConfigError, FinetuneConfig, ResponseLoss, prepare_model, save_finetuned,  # noqa: E402
                               step_state_bytes, tiny_llama_config, warmup_cosine)
+from tests.eager_reference import eager_steps  # noqa: E402
 
 SEQ = 80
 TINY = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
@@ -60,16 +61,9 @@ def lora_run():
     step = compile_for_npu(model, Plan(backend="eager", verify="deep"), optimizer=adamw(model),
                            loss_fn=ResponseLoss("2d"))
     compiled_losses = [step(b).item() for b in batches]
-    eager_loss, ref_opt = ResponseLoss("2d"), adamw(reference)
-    eager_losses = []
-    for b in batches:
-        ref_opt.zero_grad(set_to_none=True)
-        loss = eager_loss(reference, b)
-        loss.backward()
-        ref_opt.step()
-        eager_losses.append(loss.item())
+    eager = eager_steps(reference, adamw(reference), ResponseLoss("2d"), batches).losses
     return dict(model=model, reference=reference, initial=initial, step=step, batches=batches,
-                compiled=compiled_losses, eager=eager_losses)
+                compiled=compiled_losses, eager=eager)
 
 
 class TestLoraThroughCompileForNpu:
@@ -121,23 +115,13 @@ class TestLoraThroughCompileForNpu:
         assert lora_run["step"].optimizer_state_bytes() == state.optimizer_state_bytes
 
 
-def eager_steps(model, batches, loss_fn=ResponseLoss("2d"), microbatches: int = 1, clip: float | None = None):
-    """Plain peft/transformers training: the reference for the compiled steps."""
-    optimizer, losses, norms = adamw(model), [], []
-    for batch in batches:
-        optimizer.zero_grad(set_to_none=True)
-        parts = [{k: v.chunk(microbatches)[i] for k, v in batch.items()} for i in range(microbatches)]
-        total = 0.0
-        for part in parts:
-            loss = loss_fn(model, part) / microbatches
-            loss.backward()
-            total += loss.item()
-        if clip is not None:
-            trainable = [p for p in model.parameters() if p.requires_grad]
-            norms.append(torch.nn.utils.clip_grad_norm_(trainable, clip).item())
-        optimizer.step()
-        losses.append(total)
-    return (losses, norms) if clip is not None else losses
+def eager_training(model, batches, loss_fn=ResponseLoss("2d"), microbatches: int = 1, clip: float | None = None):
+    """Plain peft/transformers training (tests/eager_reference.py) with the recipe's AdamW over the
+    trainable weights: the reference for the compiled steps. A step's loss is the sum of its
+    microbatches' (weighted) losses as Python floats; with ``clip``, also clip_grad_norm_'s norms."""
+    run = eager_steps(model, adamw(model), loss_fn, batches, microbatches=microbatches, grad_clip=clip)
+    losses = [sum(parts) for parts in run.microbatch_losses]
+    return (losses, run.grad_norms) if clip is not None else losses
 
 
 def test_a_causal_and_padding_mask_made_by_the_loss_trains_like_the_padding_mask():
@@ -145,7 +129,7 @@ def test_a_causal_and_padding_mask_made_by_the_loss_trains_like_the_padding_mask
     reference = copy.deepcopy(model)
     batches = padded_batches(2)
     step = compile_for_npu(model, Plan(backend="eager"), optimizer=adamw(model), loss_fn=ResponseLoss("4d"))
-    assert [step(b).item() for b in batches] == pytest.approx(eager_steps(reference, batches), abs=1e-5)
+    assert [step(b).item() for b in batches] == pytest.approx(eager_training(reference, batches), abs=1e-5)
 
 
 def test_lora_with_gradient_clipping_equals_eager_clip_grad_norm():
@@ -158,7 +142,7 @@ def test_lora_with_gradient_clipping_equals_eager_clip_grad_norm():
     for b in batches:
         losses.append(step(b).item())
         norms.append(step.metrics["grad_clip:grad_norm"].item())
-    eager_losses, eager_norms = eager_steps(reference, batches, clip=0.05)
+    eager_losses, eager_norms = eager_training(reference, batches, clip=0.05)
     assert losses == pytest.approx(eager_losses, abs=1e-5)
     assert norms == pytest.approx(eager_norms, rel=1e-5) and min(norms) > 0.05   # the clip acted every step
     ref = dict(reference.named_parameters())
@@ -175,7 +159,7 @@ def test_lora_with_full_recompute_is_bitwise_the_step_without_it():
     without = compile_for_npu(plain, Plan(backend="eager"), optimizer=adamw(plain), loss_fn=ResponseLoss())
     losses = [step(b).item() for b in batches]
     assert losses == [without(b).item() for b in batches]
-    assert losses == pytest.approx(eager_steps(reference, batches), abs=1e-5)
+    assert losses == pytest.approx(eager_training(reference, batches), abs=1e-5)
     other = dict(plain.named_parameters())
     assert all(torch.equal(p, other[n]) for n, p in model.named_parameters())
     record = next(r for r in step.records if r.name == "recompute")
@@ -189,7 +173,7 @@ def test_lora_with_gradient_accumulation_equals_eager_accumulation():
     step = compile_for_npu(model, Plan(backend="eager", microbatches=2), optimizer=adamw(model),
                            loss_fn=ResponseLoss("2d"))
     losses = [step(b).item() for b in batches]
-    assert losses == pytest.approx(eager_steps(reference, batches, microbatches=2), abs=1e-5)
+    assert losses == pytest.approx(eager_training(reference, batches, microbatches=2), abs=1e-5)
     ref = dict(reference.named_parameters())
     for name, p in model.named_parameters():
         torch.testing.assert_close(p, ref[name], rtol=0, atol=1e-5, msg=name)
@@ -202,7 +186,7 @@ def test_lora_in_bf16_with_recompute_tracks_fp32_and_keeps_fp32_adapters():
     plan = Plan(backend="eager", precision="bf16", recompute="budget", recompute_budget=0.25)
     step = compile_for_npu(model, plan, optimizer=adamw(model), loss_fn=ResponseLoss("2d"))
     losses = [step(b).item() for b in batches]
-    assert losses == pytest.approx(eager_steps(reference, batches), abs=3e-2)
+    assert losses == pytest.approx(eager_training(reference, batches), abs=3e-2)
     record = next(r for r in step.records if r.name == "recompute")
     assert record.stats["saved_bytes_after"] < record.stats["saved_bytes_before"]
     assert all(p.dtype == torch.float32 for p in model.parameters())

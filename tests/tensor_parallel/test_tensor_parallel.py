@@ -12,7 +12,7 @@ import torch
 from cann_passes import Plan, PlanError
 from cann_passes.pass_manager import PassContext
 from cann_passes.passes import tensor_parallel as tpp
-from cann_passes.pipeline import build_pipeline
+from cann_passes.pass_pipeline import build_pipeline
 from graph_ir import capture_train_step
 from graph_ir.placement import FlatShard, Placement, Shard, placement_of
 from graph_ir.verifier import verify

@@ -1,0 +1,59 @@
+"""reuse_dead_operands: marks the pointwise ops that may run in place over a dying operand's buffer,
+and the updated inputs the step may write; the graph stays functional (it verifies and runs as
+captured) and the eager lowering's in-place run is bitwise the functional one."""
+from __future__ import annotations
+
+import torch
+
+from cann_passes.lowering.eager import EagerLowering
+from cann_passes.pass_manager import PassContext, PassManager
+from graph_ir.meta import REUSES_OPERAND, GraphAttr
+from tests.passes._tiny import mlp_step
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def _marked(text: str = "cleanup,reuse_dead_operands"):
+    step = mlp_step(_adamw)
+    manager = PassManager(text, verify_level="deep")
+    return step, manager.run(step.captured.copy(), PassContext()), manager.records[-1]
+
+
+class TestReuseDeadOperands:
+    def test_the_pass_only_marks_and_the_graph_stays_functional(self):
+        step, graph, record = _marked()
+        marked = [n for n in graph.graph.nodes if n.meta.get(REUSES_OPERAND)]
+        assert marked and record.stats["marked"] == len(marked)
+        assert all(not n.target._schema.is_mutable for n in marked)      # still the functional ops
+        inputs = step.inputs()
+        kept = [t.clone() for t in inputs]
+        expected = step.captured.gm(*[t.clone() for t in inputs])
+        got = graph.gm(*inputs)
+        assert all(torch.equal(a, b) for a, b in zip(inputs, kept)), "the marked graph wrote an input"
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+    def test_parameters_and_optimizer_state_the_step_returns_are_listed_as_written(self):
+        step, graph, record = _marked()
+        written = set(graph.attrs[GraphAttr.WRITTEN_INPUTS])
+        kinds = {s.kind for s, p in zip(graph.signature.inputs, graph.placeholders()) if p.name in written}
+        assert kinds == {"param", "opt_state"} and record.stats["written_inputs"] == len(written)
+
+    def test_without_inputs_no_input_is_written(self):
+        _, graph, record = _marked("cleanup,reuse_dead_operands{inputs=false}")
+        assert graph.attrs[GraphAttr.WRITTEN_INPUTS] == [] and record.stats["marked"] > 0
+
+    def test_the_eager_lowering_runs_the_marks_in_place_bitwise_like_the_functional_graph(self):
+        step, graph, _ = _marked()
+        runner = EagerLowering().compile(graph, None, None)
+        assert runner.written_inputs and any(isinstance(n.target, torch._ops.OpOverload) and
+                                             n.target._schema.is_mutable for n in runner.run.graph.nodes)
+        inputs = step.inputs()
+        expected = step.captured.gm(*[t.clone() for t in inputs])
+        got = runner(*inputs)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+    def test_running_it_again_replaces_the_marks(self):
+        _, graph, _ = _marked("cleanup,reuse_dead_operands,reuse_dead_operands{inputs=false}")
+        assert graph.attrs[GraphAttr.WRITTEN_INPUTS] == []
