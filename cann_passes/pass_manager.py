@@ -35,8 +35,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from graph_ir import TrainGraph
+from graph_ir.analysis import graph_cost, memory_profile, to_networkx
+from graph_ir.analysis.collectives import collectives
+from graph_ir.analysis.memory import state_bytes
 from graph_ir.program import Program
 from graph_ir.verifier import VerificationError, verify, verify_program
+
+from .dump import write_reproducer
 
 log = logging.getLogger("cann_passes")
 
@@ -327,9 +332,6 @@ class AnalysisManager:
 
     @staticmethod
     def _compute(name: str, graph: TrainGraph) -> Any:
-        from graph_ir.analysis import graph_cost, memory_profile, to_networkx
-        from graph_ir.analysis.collectives import collectives
-        from graph_ir.analysis.memory import state_bytes
         analyses = {"cost": lambda: graph_cost(graph.graph),
                     "memory": lambda: memory_profile(graph.graph),
                     "networkx": lambda: to_networkx(graph.graph),
@@ -608,7 +610,6 @@ class Reproducer(Instrument):
         return program if run.target == "program" else program.graphs[run.target]
 
     def after_failure(self, run: PassRun, exc: Exception) -> Exception:
-        from .dump import write_reproducer
         if isinstance(exc, VerificationError):
             log.error("pass %s produced an invalid graph", run.spec)
         directory = self.directory or (self.fallback() if self.fallback else None)

@@ -52,19 +52,24 @@ import torch
 import torch.fx
 
 from graph_ir.analysis import memory_profile
-from graph_ir.analysis.collectives import collective_kind, is_communication_op
+from graph_ir.analysis.collectives import collective_kind, group_name_of, is_communication_op
 from graph_ir.analysis.cost import node_cost
-from graph_ir.analysis.memory import aliases_input
-from graph_ir.meta import nbytes
+from graph_ir.analysis.gradients import GradientNotFound, find_gradients
+from graph_ir.analysis.memory import aliases_input, saved_activations
+from graph_ir.analysis.structure import find_blocks
+from graph_ir.meta import ACCUMULATOR_PREFIX, GRADIENT_OF, Region, module_path_of, nbytes, region_of
 from graph_ir.mesh import MeshDesc
 from graph_ir.pipeline_info import pipeline_split_of
 from graph_ir.program import EVERY_MICROBATCH, Program
 from graph_ir.train_graph import TrainGraph
 
+from . import schedules as sched
 from .compile import compile_program
 from .cost_model import DeviceProfile, get_profile, node_time
 from .cost_model.collectives import collective_node_time
+from .pass_manager import is_registered
 from .plan import Plan
+from .stage_balance import balance
 
 GB = 1e9   # decimal, as device memory is sold (64 GB)
 MEMORY_TERMS = ("params", "param_copies", "grads", "optimizer_state", "activations", "buffers", "step_state")
@@ -207,7 +212,6 @@ def graph_step_time(graph: torch.fx.Graph, profile: DeviceProfile, *, world_size
 
 def param_copy_bytes(tg: TrainGraph) -> int:
     """Saved-for-backward bytes that are dtype casts of a parameter (autocast's bf16 weights)."""
-    from graph_ir.analysis.memory import saved_activations
     params = {n.target for s, n in zip(tg.signature.inputs, tg.placeholders()) if s.kind == "param"}
     by_name = {n.name: n for n in tg.graph.nodes}
     return sum(size for name, size in saved_activations(tg.graph).items()
@@ -413,7 +417,6 @@ def _op_name(node: torch.fx.Node) -> str:
 
 
 def _axis_of_collective(node: torch.fx.Node, mesh: MeshDesc) -> str | None:
-    from graph_ir.analysis.collectives import group_name_of
     name = group_name_of(node)
     for axis in mesh.axes:
         if mesh.group_name(axis) == name:
@@ -429,8 +432,6 @@ def _segment_map(tg: TrainGraph) -> dict[torch.fx.Node, str]:
     after the last ``post``, between two blocks the earlier one; backward mirrored (it runs the
     other way). Backward nodes carry the module path of the forward op they differentiate.
     """
-    from graph_ir.analysis.structure import find_blocks
-    from graph_ir.meta import Region, module_path_of, region_of
     structure = find_blocks(tg.graph)
     seg: dict[torch.fx.Node, str] = {}
     for region, before, after in ((Region.FORWARD, PRE, POST), (Region.BACKWARD, POST, PRE)):
@@ -451,7 +452,6 @@ def _segment_map(tg: TrainGraph) -> dict[torch.fx.Node, str]:
 
 def _param_segments(tg: TrainGraph, seg: dict) -> dict[str, tuple[str, ...]]:
     """Parameter (and buffer) name -> the segments whose forward reads it (a tied weight: two)."""
-    from graph_ir.meta import Region, region_of
     out: dict[str, tuple[str, ...]] = {}
     for spec, node in zip(tg.signature.inputs, tg.placeholders()):
         if spec.kind not in ("param", "buffer"):
@@ -476,7 +476,6 @@ def _param_segments(tg: TrainGraph, seg: dict) -> dict[str, tuple[str, ...]]:
 
 def _owner(name: str, params: dict[str, tuple[str, ...]]) -> tuple[str, ...] | None:
     """The segments of the parameter a state input belongs to (``<param>:<key>``, accumulators)."""
-    from graph_ir.meta import ACCUMULATOR_PREFIX
     if name.startswith(ACCUMULATOR_PREFIX):
         name = name[len(ACCUMULATOR_PREFIX):]
     if name in params:
@@ -524,8 +523,6 @@ _FIG_KEYS = ("params", "grads", "optimizer_state", "buffers", "step_state", "par
 
 def segment_figures(program: Program, plan: Plan, profile: DeviceProfile) -> Segments:
     """Attribute the compiled pp = 1 program's memory and time to pre / block / post segments."""
-    from graph_ir.analysis.gradients import GradientNotFound, find_gradients
-    from graph_ir.meta import GRADIENT_OF, Region, region_of
     mesh = program.mesh
     with_forward = [n for n, g in program if any(region_of(x) == Region.FORWARD and x.op == "call_function"
                                                  for x in g.graph.nodes)]
@@ -581,7 +578,6 @@ def segment_figures(program: Program, plan: Plan, profile: DeviceProfile) -> Seg
             add(params.get(name, (PRE,)), "accumulate_s", 2 * profile.op_overhead + 5 * size / profile.memory_bandwidth)
         break   # one graph holds the update
     # saved activations and low-precision weight copies, per microbatch
-    from graph_ir.analysis.memory import saved_activations
     by_name = {n.name: n for n in main.graph.nodes}
     for name, size in saved_activations(main.graph).items():
         node = by_name[name]
@@ -665,7 +661,6 @@ def _layers_per_stage(layers: int, n_stages: int, unit_costs: list[float]) -> li
                               "(rule: at least one layer per stage)")
     if layers % n_stages == 0:
         return [layers // n_stages] * n_stages
-    from .stage_balance import balance
     return [len(r) for r in balance(unit_costs, n_stages).ranges()]
 
 
@@ -680,7 +675,6 @@ def simulate_pipeline(segments: Segments, plan: Plan, *, pp: int, layers: int, p
     ``plan.microbatches`` is the pipeline's microbatch count. Returns the Simulation of the rank
     with the largest peak; ``Simulation.stages`` has every pipeline rank.
     """
-    from . import schedules as sched
     name = _SCHEDULE_ALIASES.get(schedule, schedule)
     m = plan.microbatches
     try:
@@ -723,7 +717,6 @@ def _pipeline_result(stage_figs: list[dict], costs: list, plan: Plan, *, pp: int
                      profile: DeviceProfile, dp_exposed: float, flops: float, tokens_per_microbatch: int,
                      capacity_bytes: float | None, path: str) -> "Simulation":
     """Replay the schedule with per-stage costs; per pipeline rank its memory (static + held activations)."""
-    from . import schedules as sched
     m = plan.microbatches
     timeline = sched.simulate(name, pp, m, costs, v_eff, link=_pp_link(profile, plan))
     held = timeline.peak_activation_bytes([f["activations"] for f in stage_figs])
@@ -770,8 +763,6 @@ def _graph_seconds(tg: TrainGraph, plan: Plan, profile: DeviceProfile, mesh: Mes
 
 def stage_program_figures(program: Program, plan: Plan, profile: DeviceProfile) -> tuple[list[dict], list]:
     """Per stage of a ``pipeline_split`` program: its bytes by term and its per-microbatch seconds."""
-    from graph_ir.meta import ACCUMULATOR_PREFIX, GraphAttr
-    from . import schedules as sched
     info = pipeline_split_of(program)
     mesh = program.mesh
     figs, costs = [], []
@@ -822,7 +813,6 @@ def stage_program_figures(program: Program, plan: Plan, profile: DeviceProfile) 
 
 
 def _pp_plan(flat: Plan, pp: int, schedule: str, v: int, split="cost") -> Plan:
-    from .pass_manager import is_registered
     if not is_registered("pipeline_split"):
         raise SimulationError("no pipeline_split pass is registered")
     extra = {"pipeline_virtual_stages": v} if v > 1 else {}
@@ -835,8 +825,6 @@ def simulate_stage_programs(captured: TrainGraph, plan: Plan, *, profile: Device
                             tokens_per_microbatch: int, capacity_bytes: float | None = None,
                             layers: int | None = None) -> "Simulation":
     """A pp > 1 plan from the real stage programs ``pipeline_split`` compiles (the captured depth)."""
-    from . import schedules as sched
-    from graph_ir.analysis.structure import find_blocks
     depth = len(find_blocks(captured.graph).blocks)
     if layers is not None and layers != depth:
         raise SimulationError(f"the stage programs are compiled at the captured depth ({depth} blocks), "
