@@ -10,7 +10,7 @@ Layout (``NNN`` is the pass's position; ``000`` is the captured graph)::
     DIR/NNN_<pass>.constants.pt graph constants, where the graph has any
     DIR/program.txt, .json      the compiled Program: its graphs, schedule, flows, placements
     DIR/simulation.json         this rank's memory by term and step time on the plan's device profile
-                                (written by the planning layer, cann_passes.simulate.write_simulation)
+                                (written by the planning layer, cann_passes.figures.write_simulation)
     DIR/<graph>/...             the same files for each further graph of the program (the grad
                                 and apply graphs of accumulation), from the pass that made it on;
                                 they run on DIR/inputs.pt

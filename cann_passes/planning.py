@@ -27,7 +27,7 @@ from .cost_model import get_profile
 from .pass_manager import PassContext, PassFailure, PassManager, Pipeline
 from .pass_pipeline import build_pipeline
 from .plan import Plan, PlanError
-from .simulate import stage_program_figures, write_simulation
+from .figures import stage_program_figures, write_simulation
 
 log = logging.getLogger("cann_passes")
 
@@ -75,7 +75,7 @@ def choose_pipeline_schedule(captured: TrainGraph, plan: Plan, mesh: MeshDesc, b
 
     The passes before ``pipeline_split`` do not depend on the schedule, so they run once; then
     per candidate the split (its own stage count and in-flight microbatches), the stage graphs
-    priced by the cost model (:func:`cann_passes.simulate.stage_program_figures`: forward, input
+    priced by the cost model (:func:`cann_passes.figures.stage_program_figures`: forward, input
     and weight gradient seconds, bytes sent, static and per-microbatch bytes) and torch's action
     list replayed with those costs (:func:`cann_passes.schedules.simulate`). A rank's memory is
     its stages' static bytes plus the peak of the activations they hold together, against the

@@ -455,10 +455,10 @@ def _profile(name: str) -> DeviceProfile:
 
 def _budget_bytes(budget: float | None, base: int) -> float:
     if budget is None:
-        raise ValueError("recompute option 'budget' is required when policy is 'budget' "
-                         "(a fraction <= 1.0 of the saved bytes, or bytes when > 1)")
+        raise PassOptionError("recompute", "budget", "is required when policy is 'budget' (a fraction <= 1.0 "
+                              "of the saved bytes, or bytes when > 1)", budget)
     if budget < 0:
-        raise ValueError(f"recompute option 'budget' = {budget}: must be >= 0")
+        raise PassOptionError("recompute", "budget", "must be >= 0", budget)
     return budget * base if budget <= 1.0 else budget
 
 
@@ -497,14 +497,7 @@ def recompute_pass(graph: TrainGraph, ctx: PassContext, *, policy: str = "budget
     globs) and ``attention_ops`` (``aten.<op>``) name the model's blocks and attention where
     detection from the graph cannot find them.
     """
-    if policy not in POLICIES:
-        raise ValueError(f"recompute option 'policy' = {policy!r}: must be one of {', '.join(POLICIES)}")
-    if solver not in SOLVERS:
-        raise ValueError(f"recompute option 'solver' = {solver!r}: must be one of {', '.join(SOLVERS)}")
-    if every_n < 1:
-        raise ValueError(f"recompute option 'every_n' = {every_n}: must be >= 1")
-    if policy != "budget" and budget is not None:
-        raise ValueError(f"recompute option 'budget' applies only to policy 'budget' (policy is {policy!r})")
+    _check_options(policy, solver, every_n, budget)
     device = _profile(profile)
     before = memory_profile(graph.graph).saved_bytes
     builder = _Builder(graph, device, bans, ctx.world_size)
@@ -528,19 +521,7 @@ def recompute_pass(graph: TrainGraph, ctx: PassContext, *, policy: str = "budget
         _apply_selective(builder, problem, cores)
         ctx.stat("attention_cores", len(cores))
     else:
-        # Values alive anyway (the loss) that backward reads count against the budget too.
-        kept = {builder.node_of[i].name for i, v in enumerate(problem.values) if v.kept and i in builder.node_of}
-        kept_bytes = sum(b for name, b in saved_activations(graph.graph).items() if name in kept)
-        start = time.perf_counter()
-        floor = min_bytes(problem).bytes + kept_bytes
-        ctx.stat("floor_seconds", time.perf_counter() - start)
-        limit = _budget_bytes(budget, before)
-        if limit < floor:
-            ctx.stat("budget_raised_to_floor", True)
-        limit = max(limit, floor)
-        ctx.stat("budget_bytes", int(limit))
-        ctx.stat("floor_bytes", floor)
-        limit -= kept_bytes
+        limit = _budget_limit(graph, builder, problem, budget, before, ctx)
     start = time.perf_counter()
     sol = solve(problem, limit, solver)
     ctx.stat("solve_seconds", time.perf_counter() - start)
@@ -548,11 +529,47 @@ def recompute_pass(graph: TrainGraph, ctx: PassContext, *, policy: str = "budget
     rewriter.run()
     eliminate_dead_code(graph.graph)
     graph.graph.lint()
-    after = memory_profile(graph.graph)
     ctx.explain(_explain(builder, problem, sol, policy))
-    recomputed = [n for n in graph.graph.nodes if n.meta.get(RECOMPUTE)]
     ctx.stat("policy", policy)
     ctx.stat("solver", sol.solver)
+    _report(graph, rewriter, device, ctx, policy, before)
+    return graph
+
+
+def _check_options(policy: str, solver: str, every_n: int, budget: float | None) -> None:
+    if policy not in POLICIES:
+        raise PassOptionError("recompute", "policy", f"must be one of {', '.join(POLICIES)}", policy)
+    if solver not in SOLVERS:
+        raise PassOptionError("recompute", "solver", f"must be one of {', '.join(SOLVERS)}", solver)
+    if every_n < 1:
+        raise PassOptionError("recompute", "every_n", "must be >= 1", every_n)
+    if policy != "budget" and budget is not None:
+        raise PassOptionError("recompute", "budget", f"applies only to policy 'budget' (policy is {policy!r})",
+                              budget)
+
+
+def _budget_limit(graph: TrainGraph, builder: _Builder, problem: Problem, budget: float | None, before: int,
+                  ctx: PassContext) -> float:
+    """The solver's byte limit: the budget, raised to the fewest bytes any selection keeps; values
+    alive anyway (the loss) that backward reads count against the budget too."""
+    kept = {builder.node_of[i].name for i, v in enumerate(problem.values) if v.kept and i in builder.node_of}
+    kept_bytes = sum(b for name, b in saved_activations(graph.graph).items() if name in kept)
+    start = time.perf_counter()
+    floor = min_bytes(problem).bytes + kept_bytes
+    ctx.stat("floor_seconds", time.perf_counter() - start)
+    limit = _budget_bytes(budget, before)
+    if limit < floor:
+        ctx.stat("budget_raised_to_floor", True)
+    limit = max(limit, floor)
+    ctx.stat("budget_bytes", int(limit))
+    ctx.stat("floor_bytes", floor)
+    return limit - kept_bytes
+
+
+def _report(graph: TrainGraph, rewriter: _Rewriter, device: DeviceProfile, ctx: PassContext, policy: str,
+            before: int) -> None:
+    after = memory_profile(graph.graph)
+    recomputed = [n for n in graph.graph.nodes if n.meta.get(RECOMPUTE)]
     ctx.stat("saved_bytes_before", before)
     ctx.stat("saved_bytes_after", after.saved_bytes)
     ctx.stat("recomputed_nodes", len(recomputed))
@@ -571,8 +588,7 @@ def recompute_pass(graph: TrainGraph, ctx: PassContext, *, policy: str = "budget
         message = (f"recompute policy {policy!r} saved no activation bytes ({before} before and after): "
                    "nothing it selects is needed by the backward")
         ctx.stat("warning", message)
-        warnings.warn(message, stacklevel=2)
-    return graph
+        warnings.warn(message, stacklevel=3)
 
 
 def _nothing_found(policy: str, graph: TrainGraph, structure: Structure) -> str:
