@@ -227,7 +227,16 @@ class CompiledStep:
         microbatches; with ``plan.accumulate_target`` the batch is one microbatch and the optimizer
         runs once the accumulated samples reach the target (see ``step.accumulation``)."""
         with self._no_state_left_on_failure():
-            return self._step(batch)
+            loss = self._step(batch)
+        self._clear_grads()
+        return loss
+
+    def _clear_grads(self) -> None:
+        """``p.grad`` is None after a step: the step's gradients live inside the graph, and a gradient
+        left from an earlier eager backward would be stale (what ``optimizer.zero_grad()`` leaves)."""
+        for param in self.model.parameters():
+            if param.grad is not None:
+                param.grad = None
 
     @contextlib.contextmanager
     def _no_state_left_on_failure(self):

@@ -376,11 +376,11 @@ def _sgd_rule(optimizer) -> UpdateRule:
 
 
 def _adam_rule(optimizer) -> UpdateRule:
-    decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(
-        optimizer.param_groups[0].get("decoupled_weight_decay", False))
+    # Per group, as torch.optim reads it in step(): AdamW's groups default to decoupled decay.
+    default = isinstance(optimizer, torch.optim.AdamW)
 
     def update(param, grad, state, h, group):
-        return _adam_update(param, grad, state, h, group, decoupled)
+        return _adam_update(param, grad, state, h, group, bool(group.get("decoupled_weight_decay", default)))
 
     return UpdateRule(_adam_keys, _adam_init, update, baked=("amsgrad", "maximize", "decoupled_weight_decay"),
                       inputs=("lr", "betas", "eps", "weight_decay"), structure=_nonzero("weight_decay"))

@@ -79,6 +79,17 @@ def _ban_reason(node: torch.fx.Node, bans: tuple[str, ...]) -> str:
     return ""
 
 
+def _check_bans(graph: TrainGraph, bans: tuple[str, ...]) -> None:
+    """A ban that names neither an op nor a module path of the forward would be ignored: refused."""
+    forward = list(graph.compute_nodes(Region.FORWARD))
+    for ban in bans:
+        if not any(_ban_reason(n, (ban,)) for n in forward):
+            paths = sorted({module_path_of(n) for n in forward} - {""})
+            sample = ", ".join([p for p in paths if p.count(".") <= 1][:6])
+            raise PassOptionError("recompute", "bans", f"{ban!r} names no op ('aten.<op>' or 'aten.<op>.<overload>') "
+                                  f"and no module path of the forward (module paths include: {sample})", bans)
+
+
 def _elementwise_time(profile: DeviceProfile, elements: int, moved: int, ops: int) -> float:
     return ops * profile.op_overhead + max(elements / profile.vector_rate(torch.float32),
                                            moved / profile.memory_bandwidth)
@@ -498,6 +509,7 @@ def recompute_pass(graph: TrainGraph, ctx: PassContext, *, policy: str = "budget
     detection from the graph cannot find them.
     """
     _check_options(policy, solver, every_n, budget)
+    _check_bans(graph, bans)
     device = _profile(profile)
     before = memory_profile(graph.graph).saved_bytes
     builder = _Builder(graph, device, bans, ctx.world_size)

@@ -86,3 +86,16 @@ def test_hyperparameter_inputs_bind_by_key_and_tuple_index():
     assert _hparam(opt, "betas.1:group1") == pytest.approx(0.9)
     with pytest.raises(BindingError, match="betas.2:group0"):
         _hparam(opt, "betas.2:group0")
+
+
+def test_after_a_step_no_parameter_holds_a_gradient_from_an_earlier_eager_backward():
+    from cann_passes import Plan, compile_for_npu
+    from tests.conftest import mlp_batches, tiny_mlp
+    model, loss_fn = tiny_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = mlp_batches(2)
+    loss_fn(model, batches[0]).backward()          # an eager backward the user ran before compiling
+    assert all(p.grad is not None for p in model.parameters())
+    step = compile_for_npu(model, Plan(backend="eager", compile_cache="off"), optimizer=opt, loss_fn=loss_fn)
+    step(batches[1])
+    assert all(p.grad is None for p in model.parameters())

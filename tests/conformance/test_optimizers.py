@@ -183,3 +183,28 @@ def test_turning_on_weight_decay_or_momentum_after_compiling_recompiles_and_matc
     assert len(step._compiled) == 2
     assert got == want
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+def _two_groups(make, first: dict, second: dict | None = None):
+    def build(params):
+        params = list(params)
+        return make([{"params": params[:2], **first}, {"params": params[2:], **(second or {})}])
+    return build
+
+
+PER_GROUP = {
+    "adam_decoupled_in_one_group": _two_groups(lambda g: O.Adam(g, lr=1e-2, weight_decay=0.1),
+                                               {"decoupled_weight_decay": True}),
+    "nadam_decoupled_in_one_group": _two_groups(lambda g: O.NAdam(g, lr=1e-2, weight_decay=0.1),
+                                                {"decoupled_weight_decay": True}),
+    "sgd_nesterov_in_one_group": _two_groups(lambda g: O.SGD(g, lr=0.05, momentum=0.9),
+                                             {"nesterov": True}),
+    "adamw_maximize_and_amsgrad_in_one_group": _two_groups(lambda g: O.AdamW(g, lr=1e-3, weight_decay=0.1),
+                                                           {"maximize": True}, {"amsgrad": True}),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(PER_GROUP))
+def test_each_param_groups_own_options_apply_to_that_group_as_in_torch_optim(kind):
+    got, want, diff, *_ = _train(PER_GROUP[kind], steps=3)
+    assert got == want and diff == 0.0

@@ -300,3 +300,12 @@ class TestRecomputeAgainstMegatron:
                                  "profile=ascend_910b}")
         assert b_ctx.stats["saved_bytes_after"] <= given
         assert b_ctx.stats["recompute_time_s"] <= sel_ctx.stats["recompute_time_s"] * 1.0001
+
+
+def test_a_ban_that_names_nothing_in_the_model_is_refused_by_its_plan_field():
+    from cann_passes import PlanError
+    from cann_passes.compile import compile_program
+    tg, _ = _captured()
+    with pytest.raises(PlanError, match=r"plan field 'recompute_bans'.*'no_such_module' names no op"):
+        compile_program(tg, Plan(recompute="full", recompute_bans=("no_such_module",), backend="eager"))
+    compile_program(tg, Plan(recompute="full", recompute_bans=("aten.addmm",), backend="eager"))
