@@ -225,6 +225,8 @@ def cache_key(model, optimizer, loss_fn, batch, plan, mesh: MeshDesc, backend: s
              # The backend's passes depend on it (required_passes), so the cached program does.
              "required_passes": list(required_passes(backend)),
              "torch": {"default_dtype": str(torch.get_default_dtype()), "grad": torch.is_grad_enabled(),
+                       "autocast": [[d, torch.is_autocast_enabled(d), str(torch.get_autocast_dtype(d))]
+                                    for d in ("cpu", "cuda")],
                        "deterministic": torch.are_deterministic_algorithms_enabled()}}
     text = json.dumps(facts, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest(), facts

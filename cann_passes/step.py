@@ -52,7 +52,7 @@ from .pass_manager import PassContext, PassRecord, Pipeline
 from .plan import Plan
 from .planning import compile_planned
 from .runtime import accumulation, distributed, pipeline_parallel, user_state
-from .runtime.binding import ShardStore, StepState, bind_inputs, source_token, write_back
+from .runtime.binding import ShardStore, StepState, autocast_off, bind_inputs, source_token, write_back
 
 log = logging.getLogger("cann_passes")
 
@@ -109,6 +109,13 @@ def _batch_key(batch: Any) -> tuple:
                              else type(t) for t in leaves))
 
 
+def _autocast_state() -> tuple:
+    """The caller's autocast: a step called inside ``torch.autocast`` is captured under it (its casts
+    become nodes of the graph), so each autocast state is a compilation of its own."""
+    return tuple((device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+                 for device in ("cpu", "cuda"))
+
+
 class CompiledStep:
     """``step(batch) -> loss``: one whole training step per call."""
 
@@ -152,7 +159,7 @@ class CompiledStep:
         """What a compilation is specialised on: the batch's structure and shapes, which parameters
         train, every module's training mode, and the hyperparameters baked into the graph."""
         return (_batch_key(batch), tuple(p.requires_grad for p in self.model.parameters()),
-                tuple(m.training for m in self.model.modules()), self._baked_hparams())
+                tuple(m.training for m in self.model.modules()), self._baked_hparams(), _autocast_state())
 
     def compile(self, batch: Any) -> Compilation:
         """Compile for this batch's structure and shapes (done by the first call anyway)."""
@@ -215,7 +222,8 @@ class CompiledStep:
                            self._init_state)
 
     def _run(self, graph: TrainGraph, runner, batch: Any) -> torch.Tensor | None:
-        outputs = runner(*self._inputs(graph, batch))
+        with autocast_off():
+            outputs = runner(*self._inputs(graph, batch))
         self.metrics = write_back(graph, outputs, self.model, self.optimizer, self.step_state, self.shards)
         if self.shards.params():
             self.model_stale = True
@@ -242,13 +250,19 @@ class CompiledStep:
     def _no_state_left_on_failure(self):
         """Capture initialises optimizer state before tracing (as torch.optim would on its first
         step); a step that then fails has updated nothing, so that state is dropped and the
-        optimizer is left exactly as the user gave it."""
+        optimizer is left exactly as the user gave it. Every module attribute holding a parameter
+        or buffer holds the same object afterwards (a failure inside tracing, which binds tracing
+        tensors to the modules, cannot leave one there)."""
         had_state = {id(p) for p, s in self.optimizer.state.items() if s}
+        held = [(m, dict(m._parameters), dict(m._buffers)) for m in self.model.modules()]
         try:
             yield
         except BaseException:
             for param in [p for p, s in self.optimizer.state.items() if s and id(p) not in had_state]:
                 del self.optimizer.state[param]
+            for module, params, buffers in held:
+                module._parameters.update(params)
+                module._buffers.update(buffers)
             raise
 
     def _step(self, batch: Any) -> torch.Tensor:

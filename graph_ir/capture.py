@@ -185,6 +185,26 @@ def _update_keeping_dtype(rule: UpdateRule, p, g, state, h, group):
     return new_p.reshape(()), {k: v if k in rule.scalar_state else v.reshape(()) for k, v in new_s.items()}
 
 
+def _every_holder(model: torch.nn.Module, bound: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``bound`` (parameter and buffer names -> values) for every module attribute that holds one
+    of those tensors, once per (module, attribute).
+
+    A tied weight (one Parameter in two modules) is bound in each; a module reachable at two paths
+    (``self.a = self.b = nn.Linear(...)``) once: binding it under both paths would swap the same
+    attribute twice, and restoring would then leave the tracing tensor in the model.
+    """
+    named = dict(model.named_parameters()) | dict(model.named_buffers())
+    value_of = {id(named[name]): value for name, value in bound.items()}
+    out, seen = {}, set()
+    for path, module in model.named_modules(remove_duplicate=False):
+        for leaf, tensor in (*module._parameters.items(), *module._buffers.items()):
+            if tensor is None or id(tensor) not in value_of or (id(module), leaf) in seen:
+                continue
+            seen.add((id(module), leaf))
+            out[f"{path}.{leaf}" if path else leaf] = value_of[id(tensor)]
+    return out
+
+
 def _make_step_fn(model, optimizer, loss_fn, layout: StepLayout, rule: UpdateRule):
     n_train, n_frozen, n_buf = len(layout.trainable), len(layout.frozen), len(layout.buffers)
     groups = optimizer.param_groups
@@ -205,7 +225,7 @@ def _make_step_fn(model, optimizer, loss_fn, layout: StepLayout, rule: UpdateRul
             # and the copies, returned as aux, are the buffers' new values.
             new_buffers = {n: b.clone() for n, b in zip(layout.buffers, buffers)}
             bound = dict(zip(layout.trainable, params)) | frozen_params | new_buffers
-            with _reparametrize_module(model, bound, tie_weights=True, strict=False):
+            with _reparametrize_module(model, _every_holder(model, bound), strict=False):
                 with _module_path_annotations(model):
                     loss = loss_fn(model, batch)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:

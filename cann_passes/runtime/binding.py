@@ -9,6 +9,8 @@ cuts it from the full tensor: nothing here compares shapes to guess.
 """
 from __future__ import annotations
 
+import contextlib
+
 from typing import Any, Callable
 
 import torch
@@ -184,3 +186,12 @@ def write_back(graph: TrainGraph, outputs, model: torch.nn.Module, optimizer: to
             elif kind == OutputKind.METRIC:
                 metrics[spec.name] = value.detach()
     return metrics
+
+
+def autocast_off() -> contextlib.ExitStack:
+    """What a lowered graph runs under: its dtypes are explicit (autocast's casts, where it was
+    captured under autocast, are nodes of the graph), so a caller's autocast must not cast again."""
+    stack = contextlib.ExitStack()
+    for device in ("cpu", "cuda"):
+        stack.enter_context(torch.autocast(device, enabled=False))
+    return stack

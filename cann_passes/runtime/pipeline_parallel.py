@@ -42,7 +42,7 @@ from graph_ir.pipeline_info import pipeline_split_of
 from graph_ir.program import Program
 from graph_ir.signature import OutputKind, StepSignature
 
-from .binding import bind_inputs, write_back
+from .binding import autocast_off, bind_inputs, write_back
 
 
 class PipelineRuntimeError(RuntimeError):
@@ -83,7 +83,8 @@ class StageExecutor:
                 flat.append(_as_recorded(held[spec], node.meta.get("val")))
             else:
                 flat.append(next(bound))
-        outputs = self.runners[part](*flat)
+        with autocast_off():
+            outputs = self.runners[part](*flat)
         # Metrics (loss scaling's overflow flag and scale, the clip's norm) come from this rank's
         # apply graphs; a microbatch graph's would be its last microbatch's.
         self.step.metrics.update(write_back(graph, outputs, self.step.model, self.step.optimizer,
