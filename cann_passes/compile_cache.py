@@ -44,6 +44,7 @@ import torch.utils._pytree as pytree
 
 from graph_ir import TrainGraph
 from graph_ir.capture import StepLayout
+from graph_ir.guards import rebuild
 from graph_ir.mesh import MeshDesc
 from graph_ir.meta import GraphAttr
 from graph_ir.program import Flow, Program, Run
@@ -58,7 +59,7 @@ log = logging.getLogger("cann_passes")
 
 ENV_VAR = "CANN_PASSES_COMPILE_CACHE"
 DEFAULT_DIR = os.path.join("~", ".cache", "cann_recipes_train", "compile")
-FORMAT = 2
+FORMAT = 3
 _OFF = ("off", "0", "false", "no", "none", "")
 
 
@@ -240,6 +241,7 @@ class Entry:
     program: Program
     layout: StepLayout
     records: list[PassRecord]
+    guards: list = dataclasses.field(default_factory=list)   # rebuilt against the live model and loss
 
 
 def _layout_json(layout: StepLayout) -> dict:
@@ -287,8 +289,9 @@ class CompileCache:
     def path(self, key: str) -> str:
         return os.path.join(self.directory, key[:2], key)
 
-    def load(self, key: str | None) -> Entry | None:
-        """The entry for ``key``; None when there is none or it cannot be used (logged)."""
+    def load(self, key: str | None, model=None, loss_fn=None) -> Entry | None:
+        """The entry for ``key``; None when there is none or it cannot be used (logged), or when a
+        Python value its trace read (its guards) is not what ``model`` and ``loss_fn`` hold now."""
         if key is None:
             return None
         path = self.path(key)
@@ -304,6 +307,15 @@ class CompileCache:
             log.warning("compile cache: ignoring entry %s (%s: %s); compiling anew", path,
                         type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
             return None
+        if model is not None:
+            guards = rebuild(entry.guards, model, loss_fn)
+            now = None if guards is None else [g.fingerprint() for g in guards]
+            if now != [g["fingerprint"] for g in entry.guards]:
+                log.info("compile cache: entry %s was traced with other Python values (%s); compiling anew",
+                         path, "a guarded value is gone" if now is None else next(
+                             g.where for g, d, n in zip(guards, entry.guards, now) if d["fingerprint"] != n))
+                return None
+            entry.guards = guards
         log.info("compile cache: hit %s", path)
         entry.program.attrs[GraphAttr.COMPILE_CACHE] = "hit"
         return entry
@@ -326,12 +338,19 @@ class CompileCache:
                            for f in prog["flows"]], dict(prog["attrs"]))
         verify_program(program)
         records = [PassRecord(**r) for r in data["records"]]
-        return Entry(captured, program, _layout_from_json(data["layout"]), records)
+        return Entry(captured, program, _layout_from_json(data["layout"]), records, data["guards"])
 
-    def store(self, key: str, facts: dict, captured: TrainGraph, program: Program, layout: StepLayout) -> str | None:
-        """Write the entry for ``key`` (atomically); returns its path, or None if it could not be written."""
+    def store(self, key: str, facts: dict, captured: TrainGraph, program: Program, layout: StepLayout,
+              guards: list = ()) -> str:
+        """Write the entry for ``key`` (atomically), with the fingerprint of every guarded value; returns
+        what happened ("stored <key>", or why not: a guarded value no other process could compare)."""
         if key is None:
-            return None
+            return "not keyable"
+        fingerprints = [g.fingerprint() for g in guards]
+        if None in fingerprints:
+            where = guards[fingerprints.index(None)].where
+            log.info("compile cache: not stored: %s has no value another process could compare", where)
+            return f"not stored ({where} cannot be compared across processes)"
         path = self.path(key)
         try:
             data = {"format": FORMAT, "key": key, "facts": facts,
@@ -343,7 +362,8 @@ class CompileCache:
                                            "input": f.input.to_json()} for f in program.flows],
                                 "mesh": program.mesh.to_json(), "attrs": program.attrs},
                     "layout": _layout_json(layout),
-                    "records": [r.to_json() | {"explanation": r.explanation} for r in program.records]}
+                    "records": [r.to_json() | {"explanation": r.explanation} for r in program.records],
+                    "guards": [g.descriptor() | {"fingerprint": f} for g, f in zip(guards, fingerprints)]}
             text = json.dumps(data, default=str)
             constants = {name: c for name, c in (("captured", _constants(captured)),
                                                  *((n, _constants(g)) for n, g in program.graphs.items())) if c}
@@ -362,8 +382,8 @@ class CompileCache:
             self.evict()
         except Exception as exc:
             log.warning("compile cache: could not write %s (%s: %s)", path, type(exc).__name__, exc)
-            return None
-        return path
+            return f"not stored ({type(exc).__name__})"
+        return f"stored {key[:16]}"
 
     def evict(self, max_bytes: int = MAX_BYTES) -> None:
         """Remove the oldest entries until the cache holds at most ``max_bytes``."""

@@ -36,6 +36,7 @@ import torch.utils._pytree as pytree
 
 from graph_ir import TrainGraph, capture_train_step, gather_inputs
 from graph_ir.capture import initial_optimizer_state
+from graph_ir.guards import GuardRecorder
 from graph_ir.analysis import GraphCost, MemoryProfile
 from graph_ir.capture import StepLayout
 from graph_ir.mesh import MeshDesc
@@ -73,6 +74,14 @@ class Compilation:
     cost: GraphCost
     memory: MemoryProfile
     context: PassContext = field(repr=False, default=None)
+    # The Python values the trace read and baked in (graph_ir.guards), checked before every call.
+    guards: list = field(repr=False, default_factory=list)
+    # The persistent compile cache: "hit <key>", "stored <key>", or why it was not used.
+    cache: str = ""
+
+    def failed_guard(self):
+        """The first guard that no longer holds, or None."""
+        return next((g for g in self.guards if not g.holds()), None)
 
     @property
     def graph(self) -> TrainGraph:
@@ -125,6 +134,7 @@ class CompiledStep:
         self.rule = rule_for(optimizer)  # refuses unsupported optimizers before any work
         self.backend = resolve_backend(plan.backend)
         self._compiled: dict[tuple, Compilation] = {}
+        self.recompile_reasons: list[str] = []
         self.step_state = StepState()
         self.metrics: dict[str, torch.Tensor] = {}
         self.steps_run = 0
@@ -162,9 +172,17 @@ class CompiledStep:
                 tuple(m.training for m in self.model.modules()), self._baked_hparams(), _autocast_state())
 
     def compile(self, batch: Any) -> Compilation:
-        """Compile for this batch's structure and shapes (done by the first call anyway)."""
-        key = self.cache_key(batch)
-        if key not in self._compiled:
+        """Compile for this batch's structure and shapes (done by the first call anyway); a
+        compilation whose guards no longer hold (a Python value the trace read has changed) is not
+        used: the step compiles anew and says why in ``recompile_reasons``."""
+        base = self.cache_key(batch)
+        variants = [k for k in self._compiled if k[0] == base]
+        key = next((k for k in variants if self._compiled[k].failed_guard() is None), None)
+        if key is None:
+            if variants:   # said of the compilation this step ran most recently
+                self.recompile_reasons.append(self._compiled[variants[-1]].failed_guard().describe_change())
+                log.info("recompiling: %s", self.recompile_reasons[-1])
+            key = (base, len(variants))
             self._compiled[key] = self._compile(batch)
         # Most recently used last: ``step.last`` is the compilation the last call ran.
         self._compiled[key] = self._compiled.pop(key)
@@ -176,23 +194,27 @@ class CompiledStep:
         # the program come from the compile cache (single process; cann_passes/compile_cache.py).
         cache = compile_cache.for_step(self)
         key, facts = cache.key(self, batch) if cache else (None, None)
-        entry = cache.load(key) if cache else None
+        entry = cache.load(key, self.model, self.loss_fn) if cache else None
+        cache_note = "off" if cache is None else "not keyable" if key is None else ""
         if entry is not None:
-            captured, layout, program = entry.captured, entry.layout, entry.program
+            captured, layout, program, guards = entry.captured, entry.layout, entry.program, entry.guards
             initial_optimizer_state(self.model, self.optimizer, layout, self.rule)
             program.captured, program.records = captured, entry.records
             program.context = compile_cache.context_for(self.mesh)
             capture_seconds = time.perf_counter() - t0
+            cache_note = f"hit {key[:16]}"
         else:
+            recorder = GuardRecorder()
             with accumulation.full_shape_state(self.model, self.optimizer, self.shards), _Flag(self, "capturing"):
-                captured, layout = capture_train_step(self.model, self.optimizer, self.loss_fn, batch)
+                captured, layout = capture_train_step(self.model, self.optimizer, self.loss_fn, batch, guards=recorder)
                 directory = dump_dir_from(self.plan.dump_dir)
                 inputs = gather_inputs(self.model, self.optimizer, layout, batch) if directory else None
+            guards = recorder.guards()
             capture_seconds = time.perf_counter() - t0
             program = compile_planned(captured, self.plan, self.mesh, backend=self.backend, dump_dir=directory,
                                       inputs=inputs)
-            if cache:
-                cache.store(key, facts, captured, program, layout)
+            if cache and key is not None:
+                cache_note = cache.store(key, facts, captured, program, layout, guards)
         t1 = time.perf_counter()
         lowering = get_lowering(self.backend)
         with compile_cache.lowering_context(self.backend):
@@ -206,7 +228,8 @@ class CompiledStep:
                  sum(r.seconds for r in program.records), compile_seconds)
         return Compilation(captured, program, layout, Pipeline.parse(program.attrs[GraphAttr.PASS_PIPELINE]), self.backend,
                            program.records, runners, capture_seconds, compile_seconds,
-                           ctx.analyses.get("cost", main), ctx.analyses.get("memory", main), ctx)
+                           ctx.analyses.get("cost", main), ctx.analyses.get("memory", main), ctx, guards,
+                           cache_note)
 
     # -- running ------------------------------------------------------------------------------
     def _init_state(self, name: str) -> None:
@@ -323,7 +346,10 @@ class CompiledStep:
     def summary(self) -> str:
         comp = self.last
         lines = [f"pipeline: {comp.pipeline}", f"backend: {comp.backend}",
-                 f"capture: {comp.captured.num_nodes()} nodes in {comp.capture_seconds:.2f}s"]
+                 f"capture: {comp.captured.num_nodes()} nodes in {comp.capture_seconds:.2f}s",
+                 f"compile cache: {comp.cache or 'miss'}; {len(comp.guards)} guards on Python values the trace read; "
+                 f"{len(self._compiled)} compilation(s)"]
+        lines += [f"  recompiled: {reason}" for reason in self.recompile_reasons]
         for r in comp.records:
             lines.append(f"  {r.index:>3} {r.spec:<40} {r.seconds * 1e3:8.1f} ms  "
                          f"{'changed' if r.changed else 'unchanged':<9} nodes {r.nodes_before} -> {r.nodes_after}")

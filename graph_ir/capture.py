@@ -34,6 +34,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 
 from .build import eliminate_dead_code
+from .guards import GuardRecorder
 from .meta import MODULE_PATH, REGION, Region
 from .optimizers import UpdateRule, rule_for
 from .signature import InputKind, OutputKind, Spec, StepSignature, state_name
@@ -338,6 +339,7 @@ def _inline_constants(gm: torch.fx.GraphModule) -> None:
     module of its first use. Others stay ``get_attr`` reads of the graph module.
     """
     aten = torch.ops.aten
+    inlined: set[str] = set()
     for node in list(gm.graph.nodes):
         if node.op != "get_attr":
             continue
@@ -363,7 +365,10 @@ def _inline_constants(gm: torch.fx.GraphModule) -> None:
             else:
                 user.replace_input_with(node, full)
         gm.graph.erase_node(node)
-        delattr(gm, node.target)
+        inlined.add(node.target)
+    # An attribute is dropped once no read of it is left: one tensor can be read by several get_attr nodes.
+    for name in inlined - {n.target for n in gm.graph.nodes if n.op == "get_attr"}:
+        delattr(gm, name)
 
 
 def _prune_unmutated_buffers(gm: torch.fx.GraphModule, signature: StepSignature) -> None:
@@ -582,8 +587,8 @@ def _trace(step, flat: list, layout: StepLayout) -> torch.fx.GraphModule:
 
 
 def capture_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn,
-                       batch: Any, *, name: str = "step",
-                       unused: frozenset[str] = frozenset()) -> tuple[TrainGraph, StepLayout]:
+                       batch: Any, *, name: str = "step", unused: frozenset[str] = frozenset(),
+                       guards: "GuardRecorder | None" = None) -> tuple[TrainGraph, StepLayout]:
     """Capture ``loss_fn(model, batch)`` + backward + ``optimizer`` update as one TrainGraph.
 
     The optimizer's state is initialised in torch.optim's own format where it is
@@ -599,7 +604,10 @@ def capture_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     created = initial_optimizer_state(model, optimizer, layout, rule)
     signature = build_signature(layout)
     flat = gather_inputs(model, optimizer, layout, batch)
-    gm = _trace(_make_step_fn(model, optimizer, loss_fn, layout, rule), flat, layout)
+    with guards.attributes(model) if guards is not None else contextlib.nullcontext():
+        gm = _trace(_make_step_fn(model, optimizer, loss_fn, layout, rule), flat, layout)
+    if guards is not None:
+        guards.functions(model, loss_fn)
     _finish_metadata(gm)
     newly_unused = _unused_parameters(gm, signature, layout)
     if newly_unused:
@@ -607,7 +615,7 @@ def capture_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         for param_name in newly_unused & created:
             optimizer.state.pop(params[param_name], None)
         return capture_train_step(model, optimizer, loss_fn, batch, name=name,
-                                  unused=unused | frozenset(newly_unused))
+                                  unused=unused | frozenset(newly_unused), guards=guards)
     _inline_constants(gm)
     _functionalize_batch_norm(gm)
     _prune_unmutated_buffers(gm, signature)
