@@ -257,6 +257,10 @@ class CompiledStep:
         """One optimizer step on ``batch``; with ``plan.microbatches`` N the batch is split into N
         microbatches; with ``plan.accumulate_target`` the batch is one microbatch and the optimizer
         runs once the accumulated samples reach the target (see ``step.accumulation``)."""
+        if torch.is_inference_mode_enabled():
+            raise RuntimeError("a training step cannot run under torch.inference_mode(): it differentiates the "
+                               "loss and updates the parameters in place, which inference tensors forbid; call "
+                               "the step outside the inference_mode block")
         with self._no_state_left_on_failure():
             loss = self._step(batch)
         self._clear_grads()

@@ -128,3 +128,13 @@ def test_a_step_called_inside_autocast_compiles_for_it_and_matches_eager_autocas
     assert step(c).item() == pytest.approx(eager_steps(reference, ref_optimizer, _loss, [c]).losses[0], rel=2e-2)
     assert len(step._compiled) == 2     # one compilation per autocast state, none for leaving it
     assert all(torch.allclose(p, q, atol=2e-2) for p, q in zip(model.parameters(), reference.parameters()))
+
+
+def test_a_step_under_inference_mode_is_refused_on_one_line_and_changes_nothing():
+    model, optimizer = _fresh()
+    step = compile_for_npu(model, Plan(backend="eager", compile_cache="off"), optimizer=optimizer, loss_fn=_loss)
+    before = _state(model, optimizer)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match=r"^a training step cannot run under "
+                                                                   r"torch.inference_mode\(\)"):
+        step(_batches(1)[0])
+    assert _same(before, _state(model, optimizer)) and not step._compiled
