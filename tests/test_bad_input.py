@@ -301,13 +301,14 @@ def test_a_pipeline_built_from_a_plan_agrees_with_that_plan():
 
 
 def test_a_plan_written_as_json_reads_back_equal():
-    """Dumps and reproducers carry the plan as JSON; replaying one rebuilds the same plan."""
-    plan = Plan(precision="bf16", pipeline="cleanup,autocast,recompute{policy=full},grad_accumulation{microbatches=2}",
+    """A plan written as JSON (a dump's plan, a recipe's config) reads back as the same plan."""
+    plan = Plan(precision="bf16", pipeline='cleanup,autocast{overrides="lm_head=fp32"},recompute{policy=full,bans=attn},'
+                                          'grad_accumulation{microbatches=2}',
                 recompute="full", recompute_bans=["attn"], autocast_overrides={"lm_head": "fp32"},
                 microbatches=2, verify=False)
     assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
     with pytest.raises(PlanError, match="'microbatches' = 2: needs the pass 'grad_accumulation'"):
-        plan.replace(pipeline="cleanup,autocast,recompute{policy=full}")
+        plan.replace(pipeline='cleanup,autocast{overrides="lm_head=fp32"},recompute{policy=full,bans=attn}')
 
 
 # -- plan files --------------------------------------------------------------------------------
