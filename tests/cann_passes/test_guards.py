@@ -173,3 +173,18 @@ def test_the_persistent_cache_serves_a_second_process_only_the_graph_of_its_own_
         other = run(*args)
         assert not other["hit"], args
         assert other["loss"] == pytest.approx(other["want"], abs=1e-6), args
+
+
+def test_a_transformers_llama_follows_an_attention_scaling_changed_after_step_one_as_eager_does():
+    from tests.zoo import build, causal_lm_batch
+    entry = build("llama", layers=1)
+    model, reference = entry.model, copy.deepcopy(entry.model)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    step = compile_for_npu(model, Plan(backend="eager", compile_cache="off"),
+                           optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=entry.loss_fn)
+    batches = [causal_lm_batch(i) for i in range(2)]
+    assert step(batches[0]).item() == eager_steps(reference, ref_optimizer, entry.loss_fn, batches[:1]).losses[0]
+    for m in (model, reference):
+        m.model.layers[0].self_attn.scaling *= 0.5
+    assert step(batches[1]).item() == eager_steps(reference, ref_optimizer, entry.loss_fn, batches[1:]).losses[0]
+    assert step.recompile_reasons[0].startswith("attribute model.layers.0.self_attn.scaling of the model changed")
