@@ -34,6 +34,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 
 from .build import eliminate_dead_code
+from .custom_autograd import capturing_custom_autograd
 from .guards import GuardRecorder
 from .meta import MODULE_PATH, REGION, Region
 from .optimizers import UpdateRule, rule_for
@@ -553,7 +554,7 @@ def _trace(step, flat: list, layout: StepLayout) -> torch.fx.GraphModule:
     try:
         # A lazy GraphModule: capture edits the graph afterwards, code is generated once, when run.
         with fx_traceback.preserve_node_meta(), _tracing_state(), _refusing_checkpoint(), \
-                _quiet_fake_tensor_log(), _use_lazy_graph_module(True):
+                capturing_custom_autograd(), _quiet_fake_tensor_log(), _use_lazy_graph_module(True):
             return make_fx(torch.func.functionalize(step), tracing_mode="fake",
                            _allow_non_fake_inputs=True)(*flat)
     except CaptureError as exc:

@@ -25,7 +25,10 @@ API::
 (GPT2LMHeadModel), llama (GQA: 4 query heads, 2 key/value heads), mistral, qwen2,
 bert (BertForMaskedLM), t5 (T5ForConditionalGeneration), vit
 (ViTForImageClassification), clip (CLIPModel, contrastive loss through
-``return_loss=True``).
+``return_loss=True``), and three mixtures of experts with transformers' default experts
+implementation (a ``grouped_mm`` custom op with its registered backward) and the router's
+load-balancing loss in the loss (``output_router_logits=True``): mixtral, qwen2_moe (with a
+shared expert), olmoe; 4 experts, top-2.
 
 Batches: token models get right padding on some rows (``attention_mask`` 0,
 ``labels`` -100 there); ``pad=False`` gives an all-ones mask. ``make_batch`` is
@@ -58,7 +61,9 @@ BATCH, SEQ = 4, 12
 IMAGE, PATCH, CHANNELS, CLASSES = 16, 8, 3, 5
 PAD_ID = 0
 
-MODELS = ("gpt", "gpt2", "llama", "mistral", "qwen2", "bert", "t5", "vit", "clip")
+MODELS = ("gpt", "gpt2", "llama", "mistral", "qwen2", "bert", "t5", "vit", "clip",
+          "mixtral", "qwen2_moe", "olmoe")
+EXPERTS, TOP_K = 4, 2
 
 
 @dataclass
@@ -185,10 +190,10 @@ def _build_gpt2(layers, **kw):
     return GPT2LMHeadModel(cfg), hf_loss, causal_lm_batch, True, ("transformer.h",)
 
 
-def _decoder(config_cls, model_cls):
+def _decoder(config_cls, model_cls, **defaults):
     def build(layers, **kw):
         import transformers
-        cfg = getattr(transformers, config_cls)(**(_decoder_kwargs(layers) | kw))
+        cfg = getattr(transformers, config_cls)(**(_decoder_kwargs(layers) | defaults | kw))
         return getattr(transformers, model_cls)(cfg), hf_loss, causal_lm_batch, True, ("model.layers",)
     return build
 
@@ -235,6 +240,13 @@ _BUILDERS = {
     "llama": _decoder("LlamaConfig", "LlamaForCausalLM"),
     "mistral": _decoder("MistralConfig", "MistralForCausalLM"),
     "qwen2": _decoder("Qwen2Config", "Qwen2ForCausalLM"),
+    "mixtral": _decoder("MixtralConfig", "MixtralForCausalLM", num_local_experts=EXPERTS,
+                        num_experts_per_tok=TOP_K, output_router_logits=True),
+    "qwen2_moe": _decoder("Qwen2MoeConfig", "Qwen2MoeForCausalLM", num_experts=EXPERTS,
+                          num_experts_per_tok=TOP_K, moe_intermediate_size=FFN // 2,
+                          shared_expert_intermediate_size=FFN // 2, output_router_logits=True),
+    "olmoe": _decoder("OlmoeConfig", "OlmoeForCausalLM", num_experts=EXPERTS, num_experts_per_tok=TOP_K,
+                      output_router_logits=True),
     "bert": _build_bert, "t5": _build_t5, "vit": _build_vit, "clip": _build_clip,
 }
 
