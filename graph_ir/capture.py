@@ -257,6 +257,23 @@ def _make_step_fn(model, optimizer, loss_fn, layout: StepLayout, rule: UpdateRul
     return step
 
 
+class _RefusedWithLine(CaptureError):
+    """A refusal that names the model's source line (found by tracing again with stack traces)."""
+
+
+def _refuse_generator(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
+    """A ``torch.Generator`` the model passes to a random op: tracing copies it into the graph, so
+    the step would draw from the copy while the model's own generator stood still."""
+    if node.op != "get_attr" or not isinstance(getattr(gm, node.target, None), torch.Generator):
+        return
+    user = next(iter(node.users), node)
+    raise _RefusedWithLine(
+        f"a torch.Generator passed to {user.target} {_source_line(user)}: a captured step cannot draw "
+        "from a generator object of the model (its state would not advance as in eager); draw from "
+        "the default generator (seeded by torch.manual_seed), or make the noise outside the step "
+        "and pass it in the batch")
+
+
 def _refuse_data_dependent_shape(node: torch.fx.Node) -> None:
     """A value whose shape depends on the data (boolean-mask indexing, nonzero, unique) cannot be
     one static graph: refused here, naming the model's line from the node's stack trace."""
@@ -265,18 +282,34 @@ def _refuse_data_dependent_shape(node: torch.fx.Node) -> None:
     vals = vals if isinstance(vals, (tuple, list)) else [vals]
     if not any(isinstance(v, torch.Tensor) and free_unbacked_symbols(v) for v in vals):
         return
-    where = "in the model or loss_fn"
-    for line in reversed((node.meta.get("stack_trace") or "").splitlines()):
-        line = line.strip()
-        if line.startswith("File ") and not any(d in line for d in _LIBRARY_DIRS + tuple(
-                os.path.join(_OWN_DIRS[0], d) for d in ("graph_ir", "cann_passes"))):
+    raise _RefusedWithLine(
+        f"data-dependent shape {_source_line(node)} ({node.target}): the step is captured as one graph "
+        "with static shapes, and this value's shape depends on tensor data (boolean-mask indexing, "
+        "nonzero, unique); use a mask of the full shape instead (torch.where, multiplying by the mask)")
+
+
+def _source_line(node: torch.fx.Node) -> str:
+    """``at file.py:N (`code`)``: the innermost frame of the node's stack trace in the model's or the
+    loss's source (not torch's, not ours)."""
+    lines = [line.strip() for line in (node.meta.get("stack_trace") or "").splitlines()]
+    own = tuple(os.path.join(_OWN_DIRS[0], d) for d in ("graph_ir", "cann_passes"))
+    for i in reversed(range(len(lines))):
+        line = lines[i]
+        if line.startswith("File ") and not any(d in line for d in _LIBRARY_DIRS + own):
             path, _, rest = line[len("File "):].partition(", line ")
-            where = f"at {os.path.basename(path.strip(chr(34)))}:{rest.split(',')[0]}"
-            break
-    raise CaptureError(
-        f"data-dependent shape {where} ({node.target}): the step is captured as one graph with static "
-        "shapes, and this value's shape depends on tensor data (boolean-mask indexing, nonzero, unique); "
-        "use a mask of the full shape instead (torch.where, multiplying by the mask)")
+            code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
+            return f"at {os.path.basename(path.strip(chr(34)))}:{rest.split(',')[0]}" + \
+                (f" (`{code}`)" if code else "")
+    return "in the model or loss_fn"
+
+
+def _trace_with_stack_traces(step_fn, flat: list, layout: StepLayout, loss_fn) -> torch.fx.GraphModule:
+    # make_fx keeps the frames of functions named ``forward``; the loss function's are kept too.
+    from torch.fx.proxy import _register_stack_trace_anchor
+    fn = getattr(loss_fn, "__func__", loss_fn)
+    if hasattr(fn, "__code__"):
+        _register_stack_trace_anchor(fn)
+    return _trace(step_fn, flat, layout, stack_traces=True)
 
 
 def _finish_metadata(gm: torch.fx.GraphModule) -> None:
@@ -287,6 +320,7 @@ def _finish_metadata(gm: torch.fx.GraphModule) -> None:
         if node.op in ("placeholder", "output"):
             node.meta[REGION] = Region.IO.value
             continue
+        _refuse_generator(gm, node)
         node.meta[REGION] = custom.get(REGION, Region.FORWARD.value)
         path = custom.get(MODULE_PATH, "")
         seq = node.meta.get("seq_nr")
@@ -550,13 +584,13 @@ def _quiet_fake_tensor_log():
         logger.setLevel(level)
 
 
-def _trace(step, flat: list, layout: StepLayout) -> torch.fx.GraphModule:
+def _trace(step, flat: list, layout: StepLayout, stack_traces: bool = False) -> torch.fx.GraphModule:
     try:
         # A lazy GraphModule: capture edits the graph afterwards, code is generated once, when run.
         with fx_traceback.preserve_node_meta(), _tracing_state(), _refusing_checkpoint(), \
                 capturing_custom_autograd(), _quiet_fake_tensor_log(), _use_lazy_graph_module(True):
             return make_fx(torch.func.functionalize(step), tracing_mode="fake",
-                           _allow_non_fake_inputs=True)(*flat)
+                           _allow_non_fake_inputs=True, record_stack_traces=stack_traces)(*flat)
     except CaptureError as exc:
         frame = _user_frame(exc)
         if frame is None or "torch.utils.checkpoint" not in str(exc):
@@ -605,11 +639,21 @@ def capture_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     created = initial_optimizer_state(model, optimizer, layout, rule)
     signature = build_signature(layout)
     flat = gather_inputs(model, optimizer, layout, batch)
+    step_fn = _make_step_fn(model, optimizer, loss_fn, layout, rule)
     with guards.attributes(model) if guards is not None else contextlib.nullcontext():
-        gm = _trace(_make_step_fn(model, optimizer, loss_fn, layout, rule), flat, layout)
+        gm = _trace(step_fn, flat, layout)
     if guards is not None:
         guards.functions(model, loss_fn)
-    _finish_metadata(gm)
+    try:
+        _finish_metadata(gm)
+    except _RefusedWithLine as first:
+        # Refused: traced once more, now recording where each op came from, to name the line.
+        # Stack traces cost every node a walk of the Python stack, so only this path pays.
+        try:
+            _finish_metadata(_trace_with_stack_traces(step_fn, flat, layout, loss_fn))
+        except _RefusedWithLine as named:
+            raise CaptureError(str(named)) from None
+        raise CaptureError(str(first)) from None
     newly_unused = _unused_parameters(gm, signature, layout)
     if newly_unused:
         params = dict(model.named_parameters())

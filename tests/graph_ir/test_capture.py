@@ -183,3 +183,65 @@ def test_a_batch_that_does_not_fit_the_model_is_one_line_naming_it():
 def test_a_batch_on_meta_is_refused_naming_the_leaf():
     with pytest.raises(CaptureError, match=r"batch\[0\] of shape \(8, 12\) is on device meta"):
         _capture_with(tiny_mlp()[0], tiny_mlp()[1], (_XY[0].to("meta"), _XY[1].to("meta")))
+
+
+class _MaskedMean(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(12, 5)
+
+    def forward(self, x):
+        out = self.lin(x)
+        return out[out > 0]    # mask-line
+
+
+def _mask_loss(model, batch):
+    out = model(batch[0])
+    return out[batch[1] > 2].sum()    # loss-mask-line
+
+
+def _sum_loss(model, batch):
+    return model(batch[0]).sum()
+
+
+@pytest.mark.parametrize("model, loss_fn, line", [
+    (_MaskedMean, _sum_loss, _line(_MaskedMean.forward, "mask-line")),
+    (lambda: tiny_mlp()[0], _mask_loss, _line(_mask_loss, "loss-mask-line")),
+], ids=["in_forward", "in_loss_fn"])
+def test_boolean_mask_indexing_is_refused_naming_the_line_and_its_code(model, loss_fn, line):
+    with pytest.raises(CaptureError) as info:
+        _capture_with(model(), loss_fn)
+    text = str(info.value)
+    assert "\n" not in text and "data-dependent shape" in text and line in text and "[" in text, text
+
+
+def test_electras_boolean_mask_in_its_loss_is_refused_naming_transformers_line():
+    from transformers import ElectraConfig, ElectraForPreTraining
+    from tests.zoo import mlm_batch
+    cfg = ElectraConfig(vocab_size=96, embedding_size=16, hidden_size=32, num_hidden_layers=1,
+                        num_attention_heads=4, intermediate_size=64, max_position_embeddings=64, pad_token_id=0)
+    batch = mlm_batch(0)
+    batch["labels"] = (batch["labels"] > 0).long()
+    with pytest.raises(CaptureError, match=r"data-dependent shape at modeling_electra.py:\d+ \(`active_logits = "):
+        _capture_with(ElectraForPreTraining(cfg), lambda m, b: m(**b).loss, batch)
+
+
+class _NoisyWithGenerator(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(12, 5)
+        self.g = torch.Generator().manual_seed(3)
+
+    def forward(self, x):
+        return self.lin(x + torch.randn(x.shape, generator=self.g))    # generator-line
+
+
+def test_a_generator_object_in_forward_is_refused_on_one_line_and_its_state_is_untouched():
+    model = _NoisyWithGenerator()
+    before = model.g.get_state()
+    with pytest.raises(CaptureError) as info:
+        _capture_with(model, tiny_mlp()[1])
+    text = str(info.value)
+    assert "\n" not in text and "torch.Generator" in text and \
+        _line(_NoisyWithGenerator.forward, "generator-line") in text and "torch.manual_seed" in text
+    assert torch.equal(model.g.get_state(), before)
