@@ -12,8 +12,13 @@ What is recorded:
 - every read of a module's instance attribute (its ``__dict__``) during the trace, except
   ``nn.Module``'s own bookkeeping (hooks, ``_parameters``, ``_modules``, ...); parameters,
   buffers and submodules are the graph's inputs or the model's structure, keyed elsewhere;
-- the globals and closure cells that ``loss_fn`` and every module's ``forward`` name directly.
-  Helpers those call are not followed: a value read only inside a helper is not guarded.
+- every read, through such an attribute, of a plain object's attributes (a model's config:
+  ``self.config.scale``, including properties and transformers' aliased names) whose value is a
+  number, string, tensor or a container of them: an edit of the object in place is seen, not
+  only its replacement;
+- the globals and closure cells that ``loss_fn`` and every module's ``forward`` name, and those
+  of the functions and methods they name that are the user's own code (not torch's, not an
+  installed library's), followed three calls deep.
 
 A value is compared by what it is: numbers, strings, ``None``, dtypes and devices, and tuples,
 lists and dicts of them by value; a plain tensor by identity and version counter (replaced or
@@ -28,7 +33,9 @@ import enum
 import hashlib
 import inspect
 import logging
+import os
 import re
+import sysconfig
 import types
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -144,6 +151,31 @@ def _reader_of_attribute(module: torch.nn.Module, name: str) -> Callable[[], Any
     return lambda: object.__getattribute__(module, "__dict__").get(name, _MISSING)
 
 
+def _reader_of_object_attribute(obj, cls: type, name: str) -> Callable[[], Any]:
+    # Through the class's own __getattribute__: properties and aliases read as the model reads them.
+    return lambda: cls.__getattribute__(obj, name)
+
+
+def _is_plain_object(value: Any) -> bool:
+    """An object whose attributes the trace may read (a config): a Python class's instance with a
+    ``__dict__``, not a tensor, module, function, class or anything callable."""
+    return (hasattr(value, "__dict__") and not callable(value) and type(value).__flags__ & (1 << 9)
+            and not isinstance(value, (torch.Tensor, torch.nn.Module, types.ModuleType, type, enum.Enum,
+                                       logging.Logger)))
+
+
+def _is_value(value: Any) -> bool:
+    """What an object-attribute guard compares by value (an object, compared by identity, would fail
+    for a property that builds a new one at each read)."""
+    if isinstance(value, _PLAIN) or (isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter)):
+        return True
+    if isinstance(value, (tuple, list)) and len(value) <= 64:
+        return all(_is_value(v) for v in value)
+    if isinstance(value, dict) and len(value) <= 64:
+        return all(isinstance(k, _PLAIN) and _is_value(v) for k, v in value.items())
+    return False
+
+
 def _reader_of_global(fn, name: str) -> Callable[[], Any]:
     namespace = fn.__globals__
     return lambda: namespace.get(name, _MISSING)
@@ -161,21 +193,52 @@ def _function_of(fn):
     return fn if isinstance(fn, types.FunctionType) else None
 
 
-def _names_of(fn) -> list[tuple[str, str, Callable[[], Any]]]:
-    """(kind, name, reader) of the globals and closure cells ``fn`` names directly."""
-    fn = _function_of(fn)
-    if fn is None:
-        return []
-    out = []
-    code = fn.__code__
-    for name in code.co_names:
-        # Globals only: a builtin (len, range) is no value of the user's.
-        if name in fn.__globals__:
-            out.append(("global", name, _reader_of_global(fn, name)))
-    for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
-        if name == "__class__":
-            continue
-        out.append(("closure", name, _reader_of_cell(cell)))
+_NOT_USERS = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}) + (
+    os.path.dirname(torch.__file__),)
+_HELPER_DEPTH = 3
+
+
+def _is_users_code(fn) -> bool:
+    filename = os.path.abspath(fn.__code__.co_filename)
+    return not filename.startswith(_NOT_USERS) and not fn.__code__.co_filename.startswith("<frozen")
+
+
+def _names_of(fn, cls: type | None = None) -> list[tuple[str, str, Callable[[], Any]]]:
+    """(kind, name, reader) of the globals and closure cells ``fn`` names, and of those of the user's
+    own functions it names (a helper ``h``'s global ``X`` is ``h.X``); ``cls`` gives methods too."""
+    out: list = []
+    seen: set = set()
+
+    def walk(fn, prefix: str, depth: int) -> None:
+        fn = _function_of(fn)
+        if fn is None or fn in seen:
+            return
+        seen.add(fn)
+        code = fn.__code__
+        helpers = []
+        for name in code.co_names:
+            # Globals only: a builtin (len, range) is no value of the user's.
+            if name in fn.__globals__:
+                out.append(("global", prefix + name, _reader_of_global(fn, name)))
+                helpers.append((name, fn.__globals__[name]))
+            elif cls is not None and isinstance(inspect.getattr_static(cls, name, None), types.FunctionType):
+                helpers.append((name, inspect.getattr_static(cls, name)))    # self.helper(...)
+        for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
+            if name == "__class__":
+                continue
+            out.append(("closure", prefix + name, _reader_of_cell(cell)))
+            try:
+                helpers.append((name, cell.cell_contents))
+            except ValueError:
+                pass
+        if depth >= _HELPER_DEPTH:
+            return
+        for name, value in helpers:
+            helper = _function_of(value)
+            if helper is not None and _is_users_code(helper):
+                walk(helper, f"{prefix}{name}.", depth + 1)
+
+    walk(fn, "", 0)
     return out
 
 
@@ -207,7 +270,7 @@ class GuardRecorder:
             if forward in seen:
                 continue
             seen.add(forward)
-            for kind, name, read in _names_of(forward):
+            for kind, name, read in _names_of(forward, type(module)):
                 self._add(kind, f"forward of {type(module).__qualname__}", name, read)
 
     @contextlib.contextmanager
@@ -219,28 +282,46 @@ class GuardRecorder:
         swapped = []
         recorder = self
 
+        watched: dict[type, type] = {}
+
+        def watch(obj, cls: type, hook) -> None:
+            if cls not in watched:   # one recording subclass per class, named as the class
+                watched[cls] = type(cls.__name__, (cls,), {"__getattribute__": hook,
+                                                           "__module__": cls.__module__,
+                                                           "__qualname__": cls.__qualname__})
+            try:
+                # object's own setter: a frozen dataclass's __setattr__ refuses every name.
+                object.__setattr__(obj, "__class__", watched[cls])
+            except TypeError:    # a layout the subclass cannot take (slots): its reads go unrecorded
+                return
+            swapped.append((obj, cls))
+
         def getattribute(self, name):
             value = object.__getattribute__(self, name)
             if name not in _MODULE_INTERNALS and not name.startswith("__"):
                 instance = object.__getattribute__(self, "__dict__")
                 if name in instance and not isinstance(value, (torch.nn.Module, types.MethodType)):
-                    recorder._add("attribute", paths.get(id(self), ""), name, _reader_of_attribute(self, name))
+                    path = paths.get(id(self), "")
+                    recorder._add("attribute", path, name, _reader_of_attribute(self, name))
+                    if _is_plain_object(value) and id(value) not in paths:
+                        paths[id(value)] = f"{path}.{name}" if path else name
+                        watch(value, type(value), object_getattribute)
             return value
 
-        watched: dict[type, type] = {}
+        def object_getattribute(self, name):
+            cls = type(self).__mro__[1]      # the object's own class (its recording subclass is first)
+            value = cls.__getattribute__(self, name)
+            if not name.startswith("__") and _is_value(value):
+                recorder._add("attribute", paths[id(self)], name, _reader_of_object_attribute(self, cls, name))
+            return value
+
         for module in {id(m): m for m in model.modules()}.values():
-            cls = type(module)
-            if cls not in watched:   # one recording subclass per class, named as the class
-                watched[cls] = type(cls.__name__, (cls,), {"__getattribute__": getattribute,
-                                                           "__module__": cls.__module__,
-                                                           "__qualname__": cls.__qualname__})
-            swapped.append((module, cls))
-            module.__class__ = watched[cls]
+            watch(module, type(module), getattribute)
         try:
             yield
         finally:
-            for module, cls in swapped:
-                module.__class__ = cls
+            for obj, cls in reversed(swapped):
+                object.__setattr__(obj, "__class__", cls)
 
     def guards(self) -> list[Guard]:
         return list(self._reads.values())
@@ -254,16 +335,16 @@ def rebuild(descriptors: list[dict], model: torch.nn.Module, loss_fn) -> list[Gu
     for kind, name, read in _names_of(loss_fn):
         readers[(kind, "loss_fn", name)] = read
     for _, module in model.named_modules():
-        for kind, name, read in _names_of(type(module).forward):
+        for kind, name, read in _names_of(type(module).forward, type(module)):
             readers[(kind, f"forward of {type(module).__qualname__}", name)] = read
     for d in descriptors:
         key = (d["kind"], d["owner"], d["name"])
         if d["kind"] == "attribute":
-            try:
-                module = model.get_submodule(d["owner"]) if d["owner"] else model
-            except AttributeError:
+            owner = _resolve(model, d["owner"])
+            if owner is _MISSING:
                 return None
-            read = _reader_of_attribute(module, d["name"])
+            read = (_reader_of_attribute(owner, d["name"]) if isinstance(owner, torch.nn.Module)
+                    else _reader_of_object_attribute(owner, type(owner), d["name"]))
         elif key in readers:
             read = readers[key]
         else:
@@ -272,6 +353,19 @@ def rebuild(descriptors: list[dict], model: torch.nn.Module, loss_fn) -> list[Gu
         if key not in recorder._reads:
             return None
     return recorder.guards()
+
+
+def _resolve(model: torch.nn.Module, path: str) -> Any:
+    """The module or plain object at a dotted ``path`` of submodules and instance attributes."""
+    obj: Any = model
+    for part in path.split(".") if path else ():
+        if isinstance(obj, torch.nn.Module) and part in obj._modules:
+            obj = obj._modules[part]
+        else:
+            obj = object.__getattribute__(obj, "__dict__").get(part, _MISSING)
+            if obj is _MISSING:
+                return _MISSING
+    return obj
 
 
 def signature_of(fn) -> str:

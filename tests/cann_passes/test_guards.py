@@ -188,3 +188,94 @@ def test_a_transformers_llama_follows_an_attention_scaling_changed_after_step_on
         m.model.layers[0].self_attn.scaling *= 0.5
     assert step(batches[1]).item() == eager_steps(reference, ref_optimizer, entry.loss_fn, batches[1:]).losses[0]
     assert step.recompile_reasons[0].startswith("attribute model.layers.0.self_attn.scaling of the model changed")
+
+
+HELPER_WEIGHT = 1.0
+METHOD_SHIFT = 0.0
+
+
+def _weighted(logits, targets):
+    return HELPER_WEIGHT * torch.nn.functional.cross_entropy(logits, targets)
+
+
+def _helper_loss(model, batch):
+    return _weighted(model(batch[0]), batch[1])     # HELPER_WEIGHT is read only in the helper
+
+
+class _Config:
+    def __init__(self):
+        self.scale = 1.0
+        self.modes = ("plain",)
+
+
+class _ConfiguredModel(_Model):
+    def __init__(self):
+        super().__init__()
+        self.config = _Config()
+
+    def _shift(self, x):
+        return x + METHOD_SHIFT                        # a global read only in a method forward calls
+
+    def forward(self, x):
+        out = super().forward(x) * self.config.scale
+        if "doubled" in self.config.modes:
+            out = out * 2
+        return self._shift(out)
+
+
+def test_a_global_read_only_in_a_helper_the_loss_calls_recompiles_when_it_changes():
+    global HELPER_WEIGHT
+    twins = _Twins(_helper_loss)
+    a, b = _batches(2)
+    twins.both(a)
+    try:
+        HELPER_WEIGHT = 0.5
+        twins.both(b)
+    finally:
+        HELPER_WEIGHT = 1.0
+    assert twins.step.recompile_reasons == ["global '_weighted.HELPER_WEIGHT' of loss_fn changed (now 0.5)"]
+
+
+@pytest.mark.parametrize("change, reason", [
+    (lambda m: setattr(m.config, "scale", 0.5), "attribute config.scale of the model changed (now 0.5)"),
+    (lambda m: setattr(m.config, "modes", ("plain", "doubled")), "attribute config.modes of the model changed"),
+    (lambda m: globals().__setitem__("METHOD_SHIFT", 0.25), "global '_shift.METHOD_SHIFT' of forward of"),
+], ids=["config-float-in-place", "config-tuple-in-place", "global-in-a-method"])
+def test_an_object_attribute_or_a_methods_global_recompiles_when_edited_in_place(change, reason):
+    torch.manual_seed(0)
+    model = _ConfiguredModel()
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    step = compile_for_npu(model, Plan(backend="eager", compile_cache="off"),
+                           optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=_global_loss)
+    a, b = _batches(2)
+    try:
+        assert step(a).item() == eager_steps(reference, optimizer, _global_loss, [a]).losses[0]
+        change(model)
+        change(reference)
+        assert step(b).item() == eager_steps(reference, optimizer, _global_loss, [b]).losses[0]
+    finally:
+        globals()["METHOD_SHIFT"] = 0.0
+    assert len(step.recompile_reasons) == 1 and step.recompile_reasons[0].startswith(reason), step.recompile_reasons
+    assert type(model.config) is _Config      # the recording class is gone after capture
+
+
+def test_a_transformers_config_switched_to_another_attention_implementation_recompiles():
+    from tests.zoo import build, causal_lm_batch
+    entry = build("llama", layers=1)
+    model, reference = entry.model, copy.deepcopy(entry.model)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    step = compile_for_npu(model, Plan(backend="eager", compile_cache="off"),
+                           optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=entry.loss_fn)
+    batches = [causal_lm_batch(i) for i in range(2)]
+    step(batches[0])
+    eager_steps(reference, ref_optimizer, entry.loss_fn, batches[:1])
+    implementation = model.config._attn_implementation
+    other = "eager" if implementation != "eager" else "sdpa"
+    for m in (model, reference):
+        m.set_attn_implementation(other)
+    got = step(batches[1]).item()
+    want = eager_steps(reference, ref_optimizer, entry.loss_fn, batches[1:]).losses[0]
+    assert got == pytest.approx(want, rel=1e-6)
+    assert len(step.recompile_reasons) == 1 and "_attn_implementation" in step.recompile_reasons[0], \
+        step.recompile_reasons
