@@ -11,6 +11,8 @@ with AdamW, every row from the same initial weights:
 - ``compile``: ``torch.compile(model)``, eager AdamW;
 - ``compile+opt``: ``torch.compile(model)`` and ``torch.compile(opt.step)``;
 - ``ours-eager`` / ``ours-inductor``: the compiled whole step on each backend;
+- ``ours-eager-unguarded``: ``ours-eager`` with its guards dropped after compiling, so the
+  two rows side by side show what checking the guards costs per call;
 - ``ours-inductor+onednn``: inductor with the opt-in ``linear_on_onednn`` pass.
 
 Rows run in interleaved rounds (every row once per round, in a rotating
@@ -50,8 +52,8 @@ from cann_passes import Plan, compile_for_npu
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise",
               "aten::_scaled_dot_product_flash_attention_for_cpu",
               "aten::_scaled_dot_product_flash_attention_for_cpu_backward")
-ROWS = ("eager", "foreach", "fused", "compile", "compile+opt", "ours-eager", "ours-inductor",
-        "ours-inductor+onednn")
+ROWS = ("eager", "foreach", "fused", "compile", "compile+opt", "ours-eager", "ours-eager-unguarded",
+        "ours-inductor", "ours-inductor+onednn")
 
 
 @dataclass
@@ -190,10 +192,16 @@ def make_row(name: str, case: Case) -> Row:
     if name.startswith("ours-"):
         opt = _adamw(model)
         backend, _, extra = name[len("ours-"):].partition("+")
-        plan = Plan(backend=backend, extra_passes=("linear_on_onednn",) if extra == "onednn" else ())
+        unguarded = backend.endswith("-unguarded")
+        plan = Plan(backend=backend.removesuffix("-unguarded"),
+                    extra_passes=("linear_on_onednn",) if extra == "onednn" else ())
         step = compile_for_npu(model, plan, optimizer=opt, loss_fn=case.loss_fn)
         t0 = time.perf_counter()
         step.compile(case.batch)
+        if unguarded:
+            # The same step with its guards dropped: what checking them costs per call.
+            for compilation in step._compiled.values():
+                compilation.guards = []
         step(case.batch)
         return Row(name, step, time.perf_counter() - t0)
     opt = _adamw(model, **({"foreach": True} if name == "foreach" else {"fused": True} if name == "fused"

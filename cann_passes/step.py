@@ -181,12 +181,39 @@ class CompiledStep:
         if key is None:
             if variants:   # said of the compilation this step ran most recently
                 self.recompile_reasons.append(self._compiled[variants[-1]].failed_guard().describe_change())
+            elif self._compiled:
+                self.recompile_reasons.append(self._key_change(next(reversed(self._compiled))[0], base))
+            if self.recompile_reasons and (variants or self._compiled):
                 log.info("recompiling: %s", self.recompile_reasons[-1])
             key = (base, len(variants))
             self._compiled[key] = self._compile(batch)
         # Most recently used last: ``step.last`` is the compilation the last call ran.
         self._compiled[key] = self._compiled.pop(key)
         return self._compiled[key]
+
+    def _key_change(self, before: tuple, now: tuple) -> str:
+        """What differs between two :meth:`cache_key` values, in the user's words."""
+        (batch_a, grads_a, modes_a, hparams_a, autocast_a), (batch_b, grads_b, modes_b, hparams_b, autocast_b) = \
+            before, now
+
+        def first(names: list[str]) -> str:
+            return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        if batch_a != batch_b:
+            return f"the batch's structure, shapes or dtypes changed (now {batch_b})"
+        if grads_a != grads_b:
+            names = [n for (n, p), a, b in zip(self.model.named_parameters(), grads_a, grads_b) if a != b]
+            return f"requires_grad changed for {first(names)}"
+        if modes_a != modes_b:
+            paths = [n or "the model" for (n, m), a, b in zip(self.model.named_modules(), modes_a, modes_b) if a != b]
+            state = "train" if modes_b[0] else "eval"
+            return f"training mode changed for {first(paths)} (the model is now in {state} mode)"
+        if hparams_a != hparams_b:
+            groups = [str(i) for i, (a, b) in enumerate(zip(hparams_a, hparams_b)) if a != b] or ["(count)"]
+            return f"an optimizer option baked into the graph changed in param group {first(groups)}"
+        if autocast_a != autocast_b:
+            on = [f"{device} {str(dtype).replace('torch.', '')}" for device, enabled, dtype in autocast_b if enabled]
+            return f"the caller's autocast changed (now {', '.join(on) if on else 'off'})"
+        return "the step's specialisation changed"
 
     def _compile(self, batch: Any) -> Compilation:
         t0 = time.perf_counter()

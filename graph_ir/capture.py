@@ -207,9 +207,55 @@ def _every_holder(model: torch.nn.Module, bound: dict[str, torch.Tensor]) -> dic
     return out
 
 
+def _refuse_module_backward_hooks(model: torch.nn.Module) -> None:
+    """Full backward hooks hang on autograd nodes of each call (``grad_fn`` hooks), which a
+    functional trace does not have; torch's own message for them says nothing of the model."""
+    import torch.nn.modules.module as module_globals
+    if module_globals._global_backward_hooks or module_globals._global_backward_pre_hooks:
+        raise CaptureError("a global module backward hook (register_module_full_backward_hook) cannot be "
+                           "captured: the step's backward is one graph; remove it, or put a tensor hook "
+                           "(tensor.register_hook) on the value in forward")
+    for path, module in model.named_modules():
+        if module._backward_hooks or module._backward_pre_hooks:
+            raise CaptureError(
+                f"module '{path or type(model).__name__}' has a full backward hook "
+                "(register_full_backward_hook / register_full_backward_pre_hook), which cannot be captured: "
+                "the step's backward is one graph; put a tensor hook (tensor.register_hook) on its output "
+                "in forward, or on its parameters, instead")
+
+
+def _gradient_hooks(model: torch.nn.Module, layout: StepLayout) -> dict[str, list]:
+    """Each trainable parameter's ``register_hook`` hooks, refusing what a graph cannot run."""
+    params = dict(model.named_parameters())
+    hooks = {}
+    for name in layout.trainable:
+        p = params[name]
+        if getattr(p, "_post_accumulate_grad_hooks", None):
+            raise CaptureError(
+                f"parameter '{name}' has a post-accumulate-grad hook (register_post_accumulate_grad_hook): "
+                "it runs Python on p.grad after backward, which a captured step, whose gradients are "
+                "values of its graph, cannot call; remove the hook (the plan's grad_clip_norm or "
+                "accumulation replace the usual ones)")
+        if p._backward_hooks:
+            hooks[name] = list(p._backward_hooks.values())
+    return hooks
+
+
+def _run_gradient_hooks(hooks, grad: torch.Tensor) -> torch.Tensor:
+    # A leaf's tensor hooks see its gradient before it is accumulated, in registration order,
+    # each replacing it when it returns a tensor: traced here, they become nodes of the backward.
+    for hook in hooks:
+        result = hook(grad)
+        if result is not None:
+            grad = result
+    return grad
+
+
 def _make_step_fn(model, optimizer, loss_fn, layout: StepLayout, rule: UpdateRule):
     n_train, n_frozen, n_buf = len(layout.trainable), len(layout.frozen), len(layout.buffers)
     groups = optimizer.param_groups
+    grad_hooks = _gradient_hooks(model, layout)
+    _refuse_module_backward_hooks(model)
 
     def step(*flat):
         it = iter(flat)
@@ -244,6 +290,7 @@ def _make_step_fn(model, optimizer, loss_fn, layout: StepLayout, rule: UpdateRul
             loss, vjp_fn, new_buffers = torch.func.vjp(loss_of, *trainable, has_aux=True)
         with fx_traceback.annotate({REGION: Region.BACKWARD.value}):
             grads = vjp_fn(torch.ones_like(loss))
+            grads = [_run_gradient_hooks(grad_hooks.get(name, ()), g) for name, g in zip(layout.trainable, grads)]
         new_params, new_states = [], []
         with fx_traceback.annotate({REGION: Region.OPTIMIZER.value}):
             for name, p, g, s in zip(layout.trainable, trainable, grads, states):
@@ -644,6 +691,7 @@ def capture_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         gm = _trace(step_fn, flat, layout)
     if guards is not None:
         guards.functions(model, loss_fn)
+        guards.structure(model)
     try:
         _finish_metadata(gm)
     except _RefusedWithLine as first:

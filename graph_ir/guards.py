@@ -18,7 +18,10 @@ What is recorded:
   only its replacement;
 - the globals and closure cells that ``loss_fn`` and every module's ``forward`` name, and those
   of the functions and methods they name that are the user's own code (not torch's, not an
-  installed library's), followed three calls deep.
+  installed library's), followed three calls deep;
+- the module tree and its hooks, as one number: which module each submodule slot holds, the
+  forward / backward (pre-)hooks of every module and the global ones, and which parameters
+  have gradient hooks (a swapped activation module or a hook registered after capture recompiles).
 
 A value is compared by what it is: numbers, strings, ``None``, dtypes and devices, and tuples,
 lists and dicts of them by value; a plain tensor by identity and version counter (replaced or
@@ -103,7 +106,7 @@ def _fingerprint(value: Any, depth: int = 0) -> str | None:
 class Guard:
     """One Python value the trace read: where it lives and what it was."""
 
-    kind: str                        # "attribute" | "global" | "closure"
+    kind: str                        # "attribute" | "global" | "closure" | "structure"
     owner: str                       # a module path ("" the model), or "loss_fn" / "forward:<path>"
     name: str
     read: Callable[[], Any]          # the value now
@@ -111,6 +114,8 @@ class Guard:
 
     @property
     def where(self) -> str:
+        if self.kind == "structure":
+            return "the model's submodules or hooks (a module swapped, a hook registered or removed)"
         if self.kind == "attribute":
             return f"attribute {self.owner + '.' if self.owner else ''}{self.name} of the model"
         return f"{self.kind} {self.name!r} of {self.owner}"
@@ -123,6 +128,8 @@ class Guard:
 
     def fingerprint(self) -> str | None:
         try:
+            if self.kind == "structure":    # the value itself holds object ids, which differ per process
+                return self.read.portable()
             return _fingerprint(self.read())
         except Exception:
             return None
@@ -132,6 +139,8 @@ class Guard:
             now = self.read()
         except Exception as exc:
             return f"{self.where} can no longer be read ({type(exc).__name__})"
+        if self.kind == "structure":
+            return f"{self.where} changed"
         return f"{self.where} changed (now {_short(now)})"
 
     def descriptor(self) -> dict:
@@ -311,8 +320,10 @@ class GuardRecorder:
         def object_getattribute(self, name):
             cls = type(self).__mro__[1]      # the object's own class (its recording subclass is first)
             value = cls.__getattribute__(self, name)
-            if not name.startswith("__") and _is_value(value):
-                recorder._add("attribute", paths[id(self)], name, _reader_of_object_attribute(self, cls, name))
+            # A copy made while tracing (config.to_dict deep-copies) has the recording class but no path.
+            path = paths.get(id(self))
+            if path is not None and not name.startswith("__") and _is_value(value):
+                recorder._add("attribute", path, name, _reader_of_object_attribute(self, cls, name))
             return value
 
         for module in {id(m): m for m in model.modules()}.values():
@@ -323,8 +334,48 @@ class GuardRecorder:
             for obj, cls in reversed(swapped):
                 object.__setattr__(obj, "__class__", cls)
 
+    def structure(self, model: torch.nn.Module) -> None:
+        """The model's module tree and every hook on it: a submodule swapped for another, or a hook
+        registered or removed after capture (which the trace ran, or did not), recompiles."""
+        self._add("structure", "", "modules and hooks", _reader_of_structure(model))
+
     def guards(self) -> list[Guard]:
         return list(self._reads.values())
+
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _reader_of_structure(model: torch.nn.Module) -> Callable[[], Any]:
+    """One number for the module tree and its hooks (module, global and parameter-gradient hooks),
+    read from dicts listed once: hooks and submodules are added to and removed from these
+    dicts in place, so a call costs one pass over them, no walk of the model."""
+    import torch.nn.modules.module as module_globals
+    modules = list({id(m): m for m in model.modules()}.values())
+    children = [m._modules for m in modules]
+    hooks = [getattr(m, name) for m in modules for name in _HOOK_DICTS]
+    hooks += [getattr(module_globals, "_global" + name) for name in _HOOK_DICTS]
+    params = [p for m in modules for p in m._parameters.values() if p is not None]
+
+    def hooked() -> tuple:
+        return tuple(bool(p._backward_hooks) or bool(getattr(p, "_post_accumulate_grad_hooks", None))
+                     for p in params)
+
+    def read() -> int:
+        return hash((tuple(id(c) for d in children for c in d.values()),
+                     tuple(map(len, hooks)), tuple(next(reversed(d)) for d in hooks if d), hooked()))
+
+    def portable() -> str | None:
+        # Across processes: each slot's module class and how many hooks each dict holds; a hook's
+        # function has no such form, so a model with hooks is not cached.
+        users = any(not getattr(h, "is_compiled_steps_own", False) for d in hooks for h in d.values())
+        if users or any(hooked()):
+            return None
+        text = repr([(name, type(c).__module__, type(c).__qualname__) for d in children for name, c in d.items()])
+        return "structure:" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    read.portable = portable
+    return read
 
 
 def rebuild(descriptors: list[dict], model: torch.nn.Module, loss_fn) -> list[Guard] | None:
@@ -337,6 +388,7 @@ def rebuild(descriptors: list[dict], model: torch.nn.Module, loss_fn) -> list[Gu
     for _, module in model.named_modules():
         for kind, name, read in _names_of(type(module).forward, type(module)):
             readers[(kind, f"forward of {type(module).__qualname__}", name)] = read
+    readers[("structure", "", "modules and hooks")] = _reader_of_structure(model)
     for d in descriptors:
         key = (d["kind"], d["owner"], d["name"])
         if d["kind"] == "attribute":

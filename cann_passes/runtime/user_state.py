@@ -46,8 +46,12 @@ def install(step) -> None:
         if live is not None and live.model_stale and not live.capturing:
             live.sync_model()
 
+    def sync_before_forward(module, args):
+        sync_before_reading()
+    sync_before_forward.is_compiled_steps_own = True   # graph_ir.guards: not a hook of the user's
+
     step.model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: sync_before_reading())
-    step.model.register_forward_pre_hook(lambda module, args: sync_before_reading())
+    step.model.register_forward_pre_hook(sync_before_forward)
     step.optimizer.register_state_dict_post_hook(lambda optimizer, state: _sharded_optimizer_state(ref(), state))
     step.optimizer.register_load_state_dict_pre_hook(lambda optimizer, state: _full_loaded_state(state))
 
