@@ -87,6 +87,14 @@ def make_backend(plan: Plan):
             return make_boxed_func(get_lowering(lowering_name).compile(graph, example_inputs, plan))
         return compile_graph
 
-    backend_fn = aot_autograd(fw_compiler=compiler(Region.FORWARD), bw_compiler=compiler(Region.BACKWARD))
+    # Inductor lowers only graphs already decomposed by its own table (an op with a decomposition
+    # has no lowering of its own, and compile_fx_inner refuses to fall back on it), as
+    # torch.compile's inductor backend decomposes them while AOTAutograd traces.
+    decompositions = {}
+    if lowering_name == "inductor":
+        from torch._inductor.decomposition import select_decomp_table
+        decompositions = select_decomp_table()
+    backend_fn = aot_autograd(fw_compiler=compiler(Region.FORWARD), bw_compiler=compiler(Region.BACKWARD),
+                              decompositions=decompositions)
     backend_fn.records = records  # what each compiled graph went through
     return backend_fn
