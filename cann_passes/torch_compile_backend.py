@@ -3,14 +3,27 @@
 For users who keep their own training loop and optimizer: Dynamo captures
 the model, AOTAutograd splits forward and backward, and each half becomes a
 TrainGraph (every node tagged with its region) that runs through the same
-pass manager and lowering as a whole step. Passes that need the whole step
-(optimizer sharding, gradient all-reduce placement) do not apply here; the
-pipeline is the plan's ``pipeline`` text, else ``cleanup`` plus the plan's
-extra passes. A plan that asks for a whole-step capability (precision,
-recompute, parallelism, accumulation) is refused here rather than ignored:
-those passes rewrite the step, which this backend never sees whole.
+pass manager and lowering as a whole step. The pipeline is the plan's
+``pipeline`` text, else ``cleanup`` plus the plan's extra passes.
+
+Two whole-step capabilities have a form here, built on AOTAutograd's own machinery:
+
+- ``precision`` bf16 / fp16: AOTAutograd traces under ``torch.autocast`` of that dtype, so the
+  graphs hold exactly the casts eager autocast makes (weights stay the user's fp32; fp16 needs
+  the user's ``torch.amp.GradScaler``, as in eager).
+- ``recompute``: chosen on the joint graph before it is split. ``selective`` tags every
+  attention core (graph_ir.analysis.structure.attention_cores; random ops excepted) as
+  must-recompute, the tags ``torch.utils.checkpoint`` gives its regions, so the partitioner keeps
+  their inputs and recomputes them in backward; ``full`` and ``budget`` hand AOTAutograd's
+  min-cut partitioner an activation memory budget (0, or the plan's ``recompute_budget``).
+
+The rest needs the optimizer in the graph or the whole step (parallelism, ZeRO,
+accumulation, clipping, loss scaling, block-structured recompute) and is refused by field,
+never ignored.
 """
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx
@@ -49,7 +62,9 @@ def _module_path(stack: dict) -> str:
     return path.replace("[", ".").replace("]", "").replace("'", "")
 
 
-_APPLIES = {"backend", "pipeline", "extra_passes", "verify", "device_profile", "torchair", "dump_dir"}
+_APPLIES = {"backend", "pipeline", "extra_passes", "verify", "device_profile", "torchair", "dump_dir",
+            "precision", "recompute", "recompute_budget", "recompute_bans", "attention_ops"}
+_RECOMPUTE_HERE = ("none", "selective", "full", "budget")
 
 
 def _refuse_whole_step_fields(plan: Plan) -> None:
@@ -58,6 +73,82 @@ def _refuse_whole_step_fields(plan: Plan) -> None:
         if name not in _APPLIES and value != getattr(default, name):
             raise PlanError(name, "applies to whole compiled steps (compile_for_npu), not to the "
                             "torch.compile backend's forward/backward graphs", value)
+    if plan.recompute not in _RECOMPUTE_HERE:
+        raise PlanError("recompute", f"the torch.compile backend takes {', '.join(_RECOMPUTE_HERE)} "
+                        "(the other policies need the model's block structure: compile_for_npu)", plan.recompute)
+    if plan.recompute == "budget" and plan.recompute_budget is not None and plan.recompute_budget > 1:
+        raise PlanError("recompute_budget", "is a fraction of the saved activations (<= 1.0) with the "
+                        "torch.compile backend", plan.recompute_budget)
+
+
+_AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _joint_regions(joint: torch.fx.GraphModule) -> None:
+    """Forward / backward region of every joint-graph node: backward is what the tangents reach."""
+    backward: set = set()
+    for node in joint.graph.nodes:
+        if node.op == "placeholder":
+            is_tangent = "tangents" in node.name
+            node.meta[REGION] = Region.IO.value
+            if is_tangent:
+                backward.add(node)
+        elif node.op == "output":
+            node.meta[REGION] = Region.IO.value
+        else:
+            if any(a in backward for a in node.all_input_nodes):
+                backward.add(node)
+            node.meta[REGION] = (Region.BACKWARD if node in backward else Region.FORWARD).value
+
+
+def _tag_attention_cores(joint: torch.fx.GraphModule, plan: Plan) -> int:
+    """Mark each attention core's nodes must-recompute; how many nodes."""
+    from torch.utils.checkpoint import CheckpointPolicy
+    from graph_ir.analysis.effects import random_op
+    from graph_ir.analysis.structure import attention_cores
+    bans = tuple(plan.recompute_bans)
+    tagged = 0
+    for core in attention_cores(joint.graph, plan.attention_ops):
+        # Never a random op, even one drawing nothing (SDPA, dropout at p=0): the partitioner would
+        # thread RNG state through it; nor the outputs of one (it is saved whole).
+        kept = {n for n in core if n.op == "call_function" and (random_op(n.target) or any(
+            str(n.target).startswith(b) or b in str(n.target) for b in bans))}
+        for node in core:
+            if node.op != "call_function" or node in kept or (
+                    node.target is operator.getitem and node.args[0] in kept):
+                continue
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            # One region id for all: cores never touch (projections lie between), and unequal ids
+            # would make the partitioner save a multi-output op (SDPA) where two cores share a value.
+            node.meta["ac_graph_id"] = 0
+            tagged += 1
+    return tagged
+
+
+def make_partition(plan: Plan, lowering_name: str, partitions: list):
+    """AOTAutograd's ``partition_fn`` for the plan's recompute; notes what it kept in ``partitions``."""
+    from torch._functorch import config as functorch_config
+    from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+
+    def partition(joint_module, joint_inputs, *, num_fwd_outputs, **kwargs):
+        tagged = 0
+        budget = None
+        if plan.recompute == "selective":
+            _joint_regions(joint_module)
+            tagged = _tag_attention_cores(joint_module, plan)
+        elif plan.recompute == "full":
+            budget = 0.0
+        elif plan.recompute == "budget":
+            budget = plan.recompute_budget if plan.recompute_budget is not None else 0.5
+        use_min_cut = lowering_name == "inductor" or budget is not None
+        split = min_cut_rematerialization_partition if use_min_cut else default_partition
+        with functorch_config.patch(activation_memory_budget=1.0 if budget is None else budget):
+            fw, bw = split(joint_module, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+        saved = len(fw.graph.output_node().args[0]) - num_fwd_outputs
+        partitions.append({"saved_values": saved, "tagged_for_recompute": tagged,
+                           "partitioner": split.__name__, "activation_memory_budget": budget})
+        return fw, bw
+    return partition
 
 
 def make_backend(plan: Plan):
@@ -94,7 +185,22 @@ def make_backend(plan: Plan):
     if lowering_name == "inductor":
         from torch._inductor.decomposition import select_decomp_table
         decompositions = select_decomp_table()
-    backend_fn = aot_autograd(fw_compiler=compiler(Region.FORWARD), bw_compiler=compiler(Region.BACKWARD),
-                              decompositions=decompositions)
-    backend_fn.records = records  # what each compiled graph went through
+    partitions: list = []
+    aot_kwargs = {}
+    if plan.recompute != "none" or lowering_name == "inductor":
+        aot_kwargs["partition_fn"] = make_partition(plan, lowering_name, partitions)
+    aot_backend = aot_autograd(fw_compiler=compiler(Region.FORWARD), bw_compiler=compiler(Region.BACKWARD),
+                               decompositions=decompositions, **aot_kwargs)
+    dtype = _AUTOCAST.get(plan.precision)
+
+    def backend_fn(gm, example_inputs):
+        if dtype is None:
+            return aot_backend(gm, example_inputs)
+        device = next((t.device.type for t in example_inputs if isinstance(t, torch.Tensor)), "cpu")
+        # AOTAutograd traces here: autocast's dispatch key inserts eager autocast's casts.
+        with torch.autocast(device, dtype=dtype):
+            return aot_backend(gm, example_inputs)
+
+    backend_fn.records = records        # what each compiled graph went through
+    backend_fn.partitions = partitions  # per joint graph: what the partition kept (recompute)
     return backend_fn
