@@ -278,6 +278,8 @@ USAGES = [
           refusal=r"^data-dependent shape at usage_fuzz\.py:\d+ \(`return out \+ out\[out\.sum\(-1\) > 0\]\.mean\(\)`\)"),
     Usage("step under inference_mode", around=torch.inference_mode, around_from=0,
           refusal=r"^a training step cannot run under torch\.inference_mode\(\)"),
+    Usage("step under torch.no_grad (eager's backward refuses it too)", around=torch.no_grad, around_from=0,
+          refusal=r"^element 0 of tensors does not require grad and does not have a grad_fn$"),
     Usage("recompute ban matching nothing", plan={"recompute": "selective", "recompute_bans": ["no_such_module"]},
           refusal=r"recompute_bans"),
 ]
