@@ -3,8 +3,11 @@
 A recipe keeps its own model, data, loss, optimizer and evaluation; this module holds the parts
 that are the same for all of them, written once, with the public API only:
 
-- :func:`add_training_args`: ``--plan --steps --batch-size --lr --backend --seed --threads``;
-- :func:`load_plan`: the plan file (a bad one exits with its one-line error) and ``--backend``;
+- :func:`add_training_args`: ``--plan --steps --batch-size --lr --backend --seed --threads``,
+  each checked by its type (a bad value is one line, exit status 2) and shown with its default
+  in ``--help``; :func:`writable_dir` checks an output directory before training starts;
+- :func:`load_plan`: the plan file (a bad one, or a multi-rank plan without torchrun, exits with
+  one line, status 2) and ``--backend``;
 - :func:`launch`: runs ``train(world)`` in one process, or under torchrun / a ``dp > 1`` plan
   inside ``init_distributed`` (``world`` is then the rank's view of the mesh, else ``None``);
 - :func:`warmup_cosine`: linear warmup then cosine decay to a floor; the compiled step reads the
@@ -21,6 +24,7 @@ import contextlib
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -33,27 +37,85 @@ from tqdm import tqdm
 from cann_passes import Plan, PlanError
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1 (a bad one is argparse's one line, exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
+    return value
+
+
+def backend_name(text: str) -> str:
+    try:
+        Plan(backend=text)
+    except PlanError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("plan field 'backend' = ")) from None
+    return text
+
+
+def writable_dir(path: str | Path, flag: str, prog: str) -> Path:
+    """``path`` as a directory this process can write into, made now, or the one-line refusal
+    (exit status 2) naming ``flag``: checked before training, so no run finishes unable to save."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        usage_error(prog, f"{flag} {str(path)!r} is not a writable directory ({exc.strerror or exc})")
+    return path
+
+
+def usage_error(prog: str, message: str) -> None:
+    """Bad input to a command: one line on stderr, exit status 2 (argparse's convention)."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def add_training_args(p: argparse.ArgumentParser, *, plan: str | Path, steps: int, batch_size: int,
                       lr: float) -> argparse.ArgumentParser:
+    p.formatter_class = argparse.ArgumentDefaultsHelpFormatter    # every --help line shows its default
     p.add_argument("--plan", default=str(plan), help="plan file (YAML or JSON)")
-    p.add_argument("--steps", type=int, default=steps)
-    p.add_argument("--batch-size", type=int, default=batch_size)
-    p.add_argument("--lr", type=float, default=lr)
-    p.add_argument("--backend", default=None, help="override the plan's backend (eager, inductor)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=positive_int, default=steps, help="optimizer steps")
+    p.add_argument("--batch-size", type=positive_int, default=batch_size, help="global batch size (rows)")
+    p.add_argument("--lr", type=positive_float, default=lr, help="peak learning rate (warmup, then cosine)")
+    p.add_argument("--backend", type=backend_name, default=None,
+                   help="override the plan's backend (auto, eager, inductor, torchair)")
+    p.add_argument("--seed", type=int, default=0, help="initial weights and data order")
     # The CPU-sized models' ops are too small to share across cores, and on a busy machine a
     # second intra-op thread mostly waits for one: BERT's command ran 3.7x faster with one.
-    p.add_argument("--threads", type=int, default=1,
-                   help="intra-op CPU threads per process (torch.set_num_threads); default 1")
+    p.add_argument("--threads", type=positive_int, default=1,
+                   help="intra-op CPU threads per process (torch.set_num_threads)")
     return p
 
 
 def load_plan(args: argparse.Namespace, prog: str) -> Plan:
     try:
         plan = Plan.load(args.plan)
+        plan = plan.replace(backend=args.backend) if args.backend else plan
     except PlanError as exc:     # a bad plan file is the user's input: one line, not a traceback
-        raise SystemExit(f"{prog}: {exc}") from None
-    return plan.replace(backend=args.backend) if args.backend else plan
+        usage_error(prog, str(exc))
+    ranks_needed = plan.dp * plan.tp * plan.pp
+    if ranks_needed > 1 and "WORLD_SIZE" not in os.environ:
+        module = prog.removeprefix("python -m ") if prog.startswith("python -m ") else "<recipe>"
+        usage_error(prog, f"the plan {args.plan} runs on {ranks_needed} ranks (dp={plan.dp}, tp={plan.tp}, "
+                          f"pp={plan.pp}); launch it with `.venv/bin/torchrun --standalone --nproc-per-node "
+                          f"{ranks_needed} -m {module} --plan {args.plan} ...`")
+    return plan
 
 
 def launch(plan: Plan, train: Callable[[Any], Any], threads: int | None = None):
@@ -61,7 +123,7 @@ def launch(plan: Plan, train: Callable[[Any], Any], threads: int | None = None):
     with ``threads`` intra-op threads (restored afterwards) when given."""
     from cann_passes.runtime.distributed import init_distributed
     if threads is not None and threads < 1:
-        raise SystemExit(f"--threads must be at least 1, got {threads}")
+        usage_error("recipe", f"--threads must be at least 1, got {threads}")
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1 or plan.dp * plan.tp * plan.pp > 1
     previous = torch.get_num_threads()
     try:

@@ -19,17 +19,18 @@ import os
 import torch
 
 from cann_passes import Plan, compile_for_npu
-from recipes.common import add_training_args, launch, load_plan, train_loop, warmup_cosine
+from recipes.common import add_training_args, launch, load_plan, positive_int, train_loop, warmup_cosine
 from recipes.data import TextBatches, load_corpus, train_val_split
 from recipes.models.gpt import GPT, gpt_loss, gpt_small_cpu
 
+PROG = "python -m recipes.train_gpt"
 DEFAULT_PLAN = os.path.join(os.path.dirname(__file__), "plans", "gpt_fp32.yaml")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     add_training_args(p, plan=DEFAULT_PLAN, steps=200, batch_size=16, lr=3e-3)
-    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--seq-len", type=positive_int, default=128, help="tokens per row")
     return p.parse_args(argv)
 
 
@@ -43,7 +44,7 @@ def evaluate(model, batches, n: int = 8) -> float:
 
 def main(argv=None) -> float:
     args = parse_args(argv)
-    plan = load_plan(args, "train_gpt")
+    plan = load_plan(args, PROG)
     return launch(plan, lambda world: train(args, plan, world), threads=args.threads)
 
 

@@ -221,6 +221,9 @@ def _graph_main(argv) -> int:
         from cann_passes.lowering.ge_offline import write_ge_report
 
         return 0 if _print_report(write_ge_report(args.target)) else 1
+    looks_like_path = "/" in args.target or args.target.startswith(".") or args.target.endswith((".pt", ".pth"))
+    if looks_like_path and ":" not in args.target and not Path(args.target).exists():
+        ap.error(f"TARGET {args.target!r}: no such dump directory or file")
     if args.out is None:
         ap.error("--out is required unless TARGET is a dump directory")
     _make_out(args.out)

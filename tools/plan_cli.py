@@ -33,9 +33,11 @@ import argparse
 import dataclasses
 import importlib
 import itertools
+import os
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -356,6 +358,22 @@ def parse(argv):
     return p.parse_args(argv)
 
 
+def _check_writable(path: str, flag: str) -> None:
+    parent = Path(path).expanduser().parent
+    blocker = next((p for p in [parent, *parent.parents] if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        raise UsageError(f"{flag} {path!r}: {str(blocker)!r} is not a directory")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        probe = parent / f".cann-plan-write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise UsageError(f"{flag} {path!r}: cannot write into {str(parent)!r} ({exc.strerror or exc})") from None
+    if Path(path).is_dir():
+        raise UsageError(f"{flag} {path!r}: is a directory; give a file name")
+
+
 def check(args) -> ModelSpec:
     if args.list:
         return None
@@ -375,6 +393,16 @@ def check(args) -> ModelSpec:
         raise UsageError(f"--min-headroom {args.min_headroom}: must be a fraction in [0, 1)")
     if not 0 < args.budget <= 1:
         raise UsageError(f"--budget {args.budget}: must be a fraction in (0, 1]")
+    if args.top < 1:
+        raise UsageError(f"--top {args.top}: must be >= 1")
+    # Outputs are checked before the search: a result is never lost to an unwritable path.
+    _check_writable(args.out, "--out")
+    if args.breakdown is not None:
+        suffix = Path(args.breakdown).suffix.lower().lstrip(".")
+        if suffix not in ("png", "svg", "pdf"):
+            raise UsageError(f"--breakdown {args.breakdown!r}: the picture is written as .png, .svg or .pdf "
+                             f"(got {'.' + suffix if suffix else 'no suffix'})")
+        _check_writable(args.breakdown, "--breakdown")
     args.zero_stages = _ints(args.zero, "zero")
     if any(z > 3 for z in args.zero_stages):
         raise UsageError(f"--zero '{args.zero}': ZeRO stages are 0..3")

@@ -19,7 +19,8 @@ import torch
 
 from cann_passes import Plan, compile_for_npu
 from recipes.bert.model import BertForMaskedLM, bert_small_cpu, masked_accuracy, mlm_loss
-from recipes.common import add_training_args, launch, load_plan, train_loop, warmup_cosine, write_convergence
+from recipes.common import (add_training_args, positive_int, launch, load_plan, train_loop, warmup_cosine, writable_dir,
+                            write_convergence)
 from recipes.data import load_corpus, train_val_split
 from recipes.data.mlm import MaskedLMBatches, most_frequent_token, unigram_accuracy
 
@@ -34,7 +35,7 @@ def parse_args(argv=None):
     add_training_args(p, plan=PLANS / "fp32.yaml", steps=400, batch_size=16, lr=2e-3)
     p.add_argument("--model", choices=("recipe", "transformers"), default="recipe")
     p.add_argument("--attention", choices=("explicit", "sdpa"), default="explicit")
-    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--seq-len", type=positive_int, default=32)
     p.add_argument("--out", default="out/bert", help="where loss.png and metrics.json go")
     return p.parse_args(argv)
 
@@ -65,6 +66,7 @@ def evaluate(model, batches, unigram_token: int, n: int = 8) -> dict:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     plan = load_plan(args, PROG)
+    writable_dir(args.out, "--out", PROG)
     return launch(plan, lambda world: train(args, plan, world), threads=args.threads)
 
 

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 
 from cann_passes import Plan, compile_for_npu
-from recipes.common import add_training_args, launch, load_plan, train_loop, warmup_cosine
+from recipes.common import add_training_args, launch, load_plan, train_loop, warmup_cosine, writable_dir
 from recipes.data.images import ImageTextBatches
 
 
@@ -80,6 +80,8 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float,
 def main(recipe: Recipe, argv=None) -> dict:
     args = parse_args(recipe, argv)
     plan = load_plan(args, f"python -m recipes.{recipe.name}")
+    if args.figure and args.figure.lower() != "none":
+        writable_dir(Path(args.figure).parent, "--figure", f"python -m recipes.{recipe.name}")
     return launch(plan, lambda world: train(recipe, args, plan, world), threads=args.threads)
 
 

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from cann_passes import Plan, compile_for_npu
-from recipes.common import add_training_args, launch, load_plan, train_loop, warmup_cosine, write_convergence
+from recipes.common import (add_training_args, positive_int, launch, load_plan, train_loop, warmup_cosine, writable_dir,
+                            write_convergence)
 from recipes.data import TextBatches, load_corpus, train_val_split
 from recipes.llama.model import LlamaForCausalLM, llama_loss, llama_small_cpu
 
@@ -32,7 +33,7 @@ def parse_args(argv=None):
     p.add_argument("--model", choices=("recipe", "transformers"), default="recipe",
                    help="our LlamaForCausalLM, or transformers' built from the same config")
     p.add_argument("--attention", choices=("explicit", "sdpa"), default="explicit")
-    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--seq-len", type=positive_int, default=128)
     p.add_argument("--out", default="out/llama", help="where loss.png and metrics.json go")
     return p.parse_args(argv)
 
@@ -57,6 +58,7 @@ def evaluate(model, batches, n: int = 8) -> float:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     plan = load_plan(args, PROG)
+    writable_dir(args.out, "--out", PROG)
     return launch(plan, lambda world: train(args, plan, world), threads=args.threads)
 
 

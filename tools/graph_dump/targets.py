@@ -56,6 +56,16 @@ def _gpt_config(preset: Callable, overrides: dict[str, Any]):
     unknown = sorted(set(overrides) - known - {"batch_size"})
     if unknown:
         raise TargetError(f"--set {unknown[0]}: not a GPTConfig field; fields are {', '.join(sorted(known))}")
+    kinds = {"int": int, "float": float, "bool": bool}
+    declared = {f.name: kinds.get(f.type if isinstance(f.type, str) else getattr(f.type, "__name__", ""))
+                for f in dataclasses.fields(GPTConfig)}
+    for key, value in overrides.items():
+        want = declared.get(key)
+        fits = want is None or (isinstance(value, want) and not (want is not bool and isinstance(value, bool))) \
+            or (want is float and isinstance(value, int) and not isinstance(value, bool))
+        if not fits:
+            raise TargetError(f"--set {key}={value!r}: GPTConfig.{key} is {'an' if want is int else 'a'} "
+                              f"{want.__name__}")
     return preset(**{k: v for k, v in overrides.items() if k in known})
 
 

@@ -1,0 +1,79 @@
+"""Every recipe command refuses bad input on one line with exit status 2, before any training, and
+writes nothing."""
+from __future__ import annotations
+
+import pytest
+
+
+def _mains():
+    from recipes import train_gpt
+    from recipes.align import RECIPE as ALIGN
+    from recipes.bert.train import main as bert
+    from recipes.clip import RECIPE as CLIP
+    from recipes.clip.train import main as clip_main
+    from recipes.flamingo import RECIPE as FLAMINGO
+    from recipes.llama.train import main as llama
+    return {"train_gpt": train_gpt.main, "llama": llama, "bert": bert,
+            "clip": lambda argv: clip_main(CLIP, argv), "align": lambda argv: clip_main(ALIGN, argv),
+            "flamingo": lambda argv: clip_main(FLAMINGO, argv)}
+
+
+BAD = [
+    (["--steps", "0"], "argument --steps: must be at least 1, got 0"),
+    (["--steps", "ten"], "argument --steps: must be a whole number, got 'ten'"),
+    (["--batch-size", "0"], "argument --batch-size: must be at least 1, got 0"),
+    (["--lr", "-1"], "argument --lr: must be a positive finite number, got -1"),
+    (["--lr", "nan"], "argument --lr: must be a positive finite number, got nan"),
+    (["--backend", "inductr"], "argument --backend: 'inductr': must be one of 'auto', 'eager', 'inductor', 'torchair'"),
+    (["--threads", "0"], "argument --threads: must be at least 1, got 0"),
+    (["--plan", "/nonexistent/plan.yaml"], "plan file '/nonexistent/plan.yaml': cannot be read"),
+]
+RECIPES = ["train_gpt", "llama", "bert", "clip", "align", "flamingo"]
+
+
+def _refused(recipe, argv, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)       # anything a refused command wrote would land here
+    with pytest.raises(SystemExit) as info:
+        _mains()[recipe](argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2
+    assert list(tmp_path.iterdir()) == []
+    return err
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("argv, message", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_a_bad_flag_is_one_line_and_exit_status_2(recipe, argv, message, capsys, tmp_path, monkeypatch):
+    err = _refused(recipe, argv, capsys, tmp_path, monkeypatch)
+    # argparse prints its usage above its one error line; a refusal of ours is the one line alone
+    assert err[-1].endswith(message) or message in err[-1], err
+    assert err[-1].startswith(f"python -m recipes.{recipe}: error: "), err
+    assert all(line.startswith(("usage:", " ")) for line in err[:-1]), err
+
+
+@pytest.mark.parametrize("recipe, flag", [("llama", "--out"), ("bert", "--out"), ("clip", "--figure")])
+def test_an_unwritable_output_is_refused_before_training(recipe, flag, capsys, tmp_path, monkeypatch):
+    target = "/dev/null/x" if flag == "--out" else "/dev/null/x/loss.png"
+    err = _refused(recipe, [flag, target, "--steps", "1"], capsys, tmp_path, monkeypatch)
+    assert err == [f"python -m recipes.{recipe}: error: {flag} '/dev/null/x' is not a writable directory "
+                   "(Not a directory)"]
+
+
+def test_a_multi_rank_plan_without_torchrun_says_how_to_launch_it(capsys, tmp_path, monkeypatch):
+    from pathlib import Path
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    plan = str(Path(__file__).resolve().parents[2] / "recipes" / "plans" / "gpt_dp2_zero1.yaml")
+    err = _refused("train_gpt", ["--plan", plan], capsys, tmp_path, monkeypatch)
+    assert len(err) == 1 and "runs on 2 ranks (dp=2, tp=1, pp=1); launch it with `.venv/bin/torchrun " \
+        "--standalone --nproc-per-node 2 -m recipes.train_gpt" in err[0], err
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_help_shows_every_default(recipe, capsys):
+    with pytest.raises(SystemExit) as info:
+        _mains()[recipe](["--help"])
+    assert info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for flag in ("--steps", "--batch-size", "--lr", "--seed", "--threads", "--plan"):
+        assert flag in out
+    assert out.count("(default:") >= 6, out
