@@ -294,7 +294,7 @@ def ge_legal(torchair, tmp_path_factory):
 @pytest.fixture(scope="module")
 def ge_sdpa(torchair, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("ge_sdpa"))
-    stdout = _main_stdout(["run", "gpt-tiny", "--set", "attention=sdpa", "--pipeline", "cleanup", "--ge",
+    stdout = _main_stdout(["run", "gpt-tiny", "--set", "attention=sdpa", "--pipeline", "cleanup", "--ge-as-dumped",
                            "--no-svg", "--out", out])
     return out, stdout
 
@@ -367,10 +367,26 @@ class TestGeSection:
         assert 'id="no-ge"' in open(os.path.join(directory, "index.html")).read()
 
 
+def test_report_ge_on_another_backends_dump_lowers_what_torchair_would_compile(torchair, gpt_dump, tmp_path):
+    # The eager pipeline has no npu_legalize: lowered as dumped, AdamW's lerp and friends would be
+    # counted unsupported though the torchair backend rewrites them.
+    directory = str(tmp_path / "copy")
+    shutil.copytree(gpt_dump.directory, directory)
+    assert "npu_legalize" not in DumpDir(directory).pipeline
+    out = _main_stdout(["report", directory, "--ge", "--no-svg"])
+    report = json.load(open(os.path.join(directory, "ge", "report.json")))
+    assert report["legalized"] and report["ok"] and report["unsupported"] == [], report["unsupported"]
+    assert "GE lowering (offline, torchair converters after npu_legalize (the dump's pipeline has none)): ok" in out
+    assert all("has no npu_legalize: lowered after npu_legalize,cleanup" in g["notes"][0]
+               for g in report["graphs"].values())
+    as_dumped = _main_stdout(["report", directory, "--ge-as-dumped", "--no-svg"])
+    assert "unsupported" in as_dumped.split("GE lowering")[1].splitlines()[0]
+
+
 def test_ge_unavailable_is_a_note_not_a_failure(gpt_dump, tmp_path, monkeypatch):
     from cann_passes.lowering import ge_offline
 
-    def unavailable(directory):
+    def unavailable(directory, **_options):
         raise ge_offline.TorchairUnavailable("could not download torch_npu==2.13.0 wheel\nmore detail")
 
     monkeypatch.setattr(ge_offline, "write_ge_report", unavailable)

@@ -85,7 +85,7 @@ def capture_and_dump(target, plan, directory: str):
 
 def run_target(target_name: str, out: str, *, plan_file: str | None = None, pipeline: str | None = None,
                steps: int = 1, backend: str | None = None, capture_only: bool = False,
-               overrides: list[str] = (), svg: bool = True, ge: bool = False) -> RunResult:
+               overrides: list[str] = (), svg: bool = True, ge: bool | str = False) -> RunResult:
     from cann_passes import compile_for_npu
     from .targets import resolve
     result = RunResult(out)
@@ -111,11 +111,13 @@ def run_target(target_name: str, out: str, *, plan_file: str | None = None, pipe
 
 # -- report ----------------------------------------------------------------------------------------
 
-def report(directory: str, *, svg: bool = True, ge: bool = False) -> str:
+def report(directory: str, *, svg: bool = True, ge: bool | str = False) -> str:
     """Diffs, Graphviz files and index.html for a dump directory; returns the page's path.
 
-    ``ge``: first lower the final graph(s) to GE offline (``DIR/ge/``); the page shows a
-    ``DIR/ge/report.json`` whether written now or earlier by ``cann-lower-check DIR``.
+    ``ge``: first lower the final graph(s) to GE offline (``DIR/ge/``), through the torchair
+    pipeline's ``npu_legalize`` where the dump's own pipeline has none (``"as-dumped"``: the graphs
+    exactly as dumped); the page shows a ``DIR/ge/report.json`` whether written now or earlier by
+    ``cann-lower-check DIR``.
     """
     from .artifacts import write_diffs, write_graphviz
     from .dumpdir import DumpDir
@@ -123,7 +125,7 @@ def report(directory: str, *, svg: bool = True, ge: bool = False) -> str:
     dump = DumpDir(directory)
     if ge:
         from .ge import lower
-        lower(directory)
+        lower(directory, legalize=ge != "as-dumped")
     diffs = write_diffs(dump)
     svgs = write_graphviz(dump, svg=svg)
     for p in dump.passes[:-1]:     # big graphs: keep only the final one loaded
@@ -167,7 +169,9 @@ def replay(directory: str, out: str | None = None, verify: str = "deep") -> str:
 # -- the command line ------------------------------------------------------------------------------
 
 _GE_HELP = ("also lower the final graph to a GE GraphDef with torchair's converters, offline (no NPU), "
-            "into DIR/ge/, and add a GE section to the page")
+            "into DIR/ge/, and add a GE section to the page; a graph compiled for another backend is "
+            "first put through npu_legalize, as the torchair backend compiles it")
+_GE_AS_DUMPED_HELP = "as --ge, but lower the final graph exactly as dumped (no npu_legalize added)"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -194,11 +198,13 @@ def _parser() -> argparse.ArgumentParser:
                      help="recipe option, e.g. --set n_layer=8 --set batch_size=4")
     run.add_argument("--no-svg", action="store_true", help="skip rendering Graphviz SVGs")
     run.add_argument("--ge", action="store_true", help=_GE_HELP)
+    run.add_argument("--ge-as-dumped", action="store_true", help=_GE_AS_DUMPED_HELP)
 
     rep = sub.add_parser("report", help="add diffs, Graphviz and index.html to a dump directory")
     rep.add_argument("dir")
     rep.add_argument("--no-svg", action="store_true")
     rep.add_argument("--ge", action="store_true", help=_GE_HELP)
+    rep.add_argument("--ge-as-dumped", action="store_true", help=_GE_AS_DUMPED_HELP)
 
     diff = sub.add_parser("diff", help="compare two dump directories pass by pass")
     diff.add_argument("dir_a")
@@ -225,7 +231,7 @@ def _parser() -> argparse.ArgumentParser:
 def _run_command(args) -> None:
     result = run_target(args.target, args.out, plan_file=args.plan, pipeline=args.pipeline, steps=args.steps,
                         backend=args.backend, capture_only=args.capture_only, overrides=args.overrides,
-                        svg=not args.no_svg, ge=args.ge)
+                        svg=not args.no_svg, ge="as-dumped" if args.ge_as_dumped else args.ge)
     for i, loss in enumerate(result.losses, start=1):
         print(f"step {i}: loss {loss:.6f}")
     s = result.seconds
@@ -243,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "run":
             _run_command(args)
         elif args.command == "report":
-            print(report(args.dir, svg=not args.no_svg, ge=args.ge))
+            print(report(args.dir, svg=not args.no_svg, ge="as-dumped" if args.ge_as_dumped else args.ge))
         elif args.command == "diff":
             from .compare import compare
             sys.stdout.write(compare(args.dir_a, args.dir_b))

@@ -30,11 +30,11 @@ def clear_ge(directory: str) -> None:
             os.remove(os.path.join(ge_dir, name))
 
 
-def lower(directory: str) -> str | None:
+def lower(directory: str, *, legalize: bool = True) -> str | None:
     """Write ``DIR/ge/``; on failure say why in one line and return None (the page has no GE section)."""
     from cann_passes.lowering.ge_offline import write_ge_report
     try:
-        path = write_ge_report(directory)
+        path = write_ge_report(directory, legalize=legalize)
     except (RuntimeError, FileNotFoundError) as exc:    # TorchairUnavailable is a RuntimeError
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"cann-graph-dump: no GE lowering section: {first}")
@@ -42,7 +42,8 @@ def lower(directory: str) -> str | None:
     with open(path, encoding="utf-8") as f:
         data = json.load(f)
     bad = len(data["unsupported"])
-    print(f"GE lowering (offline, torchair converters): {'ok' if not bad else f'{bad} unsupported'}, "
+    how = " after npu_legalize (the dump's pipeline has none)" if data.get("legalized") else ""
+    print(f"GE lowering (offline, torchair converters{how}): {'ok' if not bad else f'{bad} unsupported'}, "
           f"{sum(data['op_histogram'].values())} GE ops -> {path}")
     return path
 

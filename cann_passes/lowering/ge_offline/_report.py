@@ -122,9 +122,19 @@ def lower_graph_to_files(gm: torch.fx.GraphModule, name: str, out_dir) -> "objec
     return report
 
 
-def write_ge_report(dump_dir) -> str:
+def _legalized(tg):
+    from ...pass_manager import PassContext, PassManager
+    from graph_ir.mesh import MeshDesc
+    from graph_ir.meta import GraphAttr
+    mesh = tg.attrs.get(GraphAttr.MESH)
+    return PassManager("npu_legalize,cleanup").run(tg, PassContext(mesh=MeshDesc.from_json(mesh) if mesh else None))
+
+
+def write_ge_report(dump_dir, *, legalize: bool = True) -> str:
     """Lower every final graph of ``dump_dir``; write ``DIR/ge/*.ge.txt`` and ``DIR/ge/report.json``.
 
+    A dump compiled for another backend (its pipeline has no ``npu_legalize``) is lowered after
+    ``npu_legalize,cleanup``, as the torchair backend compiles it (``legalize=False``: as dumped).
     Returns the path of ``report.json``. Raises ``FileNotFoundError`` when the directory has no
     ``NNN_*.json`` dump and ``TorchairUnavailable`` when torchair cannot be loaded.
     """
@@ -132,15 +142,26 @@ def write_ge_report(dump_dir) -> str:
     if not graphs:
         raise FileNotFoundError(f"{dump_dir} holds no NNN_<pass>.json graph dump")
     out = Path(dump_dir) / "ge"
+    pipeline_file = Path(dump_dir) / "pipeline.txt"
+    pipeline = pipeline_file.read_text().strip() if pipeline_file.exists() else ""
+    legalize = legalize and "npu_legalize" not in pipeline
     entries = {}
     for name, source in graphs.items():
         tg = load_dumped_graph(source)
-        entries[name] = report_entry(lower_graph_to_files(tg.gm, name, out), source.relative_to(dump_dir))
+        if legalize:
+            tg = _legalized(tg)
+        entry = report_entry(lower_graph_to_files(tg.gm, name, out), source.relative_to(dump_dir))
+        if legalize:
+            # Another backend's graph: what torchair would be given is this graph after the
+            # torchair pipeline's own rewrite, so that is what is lowered (and said).
+            entry["notes"].insert(0, f"the dump's pipeline ({pipeline or 'unknown'}) has no npu_legalize: "
+                                     "lowered after npu_legalize,cleanup, as the torchair backend compiles it")
+        entries[name] = entry
     total: dict[str, int] = {}
     for entry in entries.values():
         for op, n in entry["op_histogram"].items():
             total[op] = total.get(op, 0) + n
-    data = {"ok": all(e["ok"] for e in entries.values()), "graphs": entries,
+    data = {"ok": all(e["ok"] for e in entries.values()), "graphs": entries, "legalized": legalize,
             "op_histogram": dict(sorted(total.items())),
             "unsupported": [dict(u, graph=g) for g, e in entries.items() for u in e["unsupported"]]}
     path = out / "report.json"
