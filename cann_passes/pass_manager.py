@@ -53,6 +53,9 @@ class PassOption:
     name: str
     type: type
     default: Any
+    # Literal["a", "b"] in the signature: the values the pipeline text may give (checked when parsed,
+    # so a plan naming another is refused when it is made, not after capture).
+    choices: tuple | None = None
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,12 @@ class PassFailure(RuntimeError):
 _REGISTRY: dict[str, PassInfo] = {}
 
 
+def _choices(annotation: Any) -> tuple | None:
+    if typing.get_origin(annotation) is typing.Literal:
+        return typing.get_args(annotation)
+    return None
+
+
 def _option_type(annotation: Any) -> type:
     if isinstance(annotation, str):  # unresolved "float | None"-style text
         first = annotation.split("|")[0].strip()
@@ -114,6 +123,8 @@ def _option_type(annotation: Any) -> type:
     origin = typing.get_origin(annotation)
     if origin is tuple:   # tuple[str, ...]: a list option, ``a;b;c`` in pipeline text
         return tuple
+    if origin is typing.Literal:
+        return type(typing.get_args(annotation)[0])
     if origin is not None:  # Optional[X] / X | None -> X
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
         return args[0] if args else str
@@ -121,6 +132,14 @@ def _option_type(annotation: Any) -> type:
 
 
 def _convert(pass_name: str, option: PassOption, value: Any) -> Any:
+    converted = _convert_type(pass_name, option, value)
+    if option.choices is not None and converted not in option.choices:
+        raise PipelineError(f"pass '{pass_name}' option '{option.name}' = {value!r}: must be one of "
+                            f"{', '.join(map(repr, option.choices))}")
+    return converted
+
+
+def _convert_type(pass_name: str, option: PassOption, value: Any) -> Any:
     if option.type is tuple:
         items = value.split(";") if isinstance(value, str) else list(value or ())
         if not all(isinstance(item, str) for item in items):
@@ -167,7 +186,8 @@ def register_pass(name: str | None = None, *, preserves: tuple[str, ...] = (), o
         for p in params[2:]:
             if p.default is inspect.Parameter.empty:
                 raise PipelineError(f"pass '{pass_name}' option '{p.name}' needs a default")
-            options[p.name] = PassOption(p.name, _option_type(hints.get(p.name, p.annotation)), p.default)
+            annotation = hints.get(p.name, p.annotation)
+            options[p.name] = PassOption(p.name, _option_type(annotation), p.default, _choices(annotation))
         _REGISTRY[pass_name] = PassInfo(pass_name, fn, options, tuple(preserves),
                                         inspect.getdoc(fn) or "", on)
         return fn

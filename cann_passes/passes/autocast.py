@@ -41,7 +41,7 @@ A module path beats an op name; the longest matching path wins.
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.fx
@@ -503,7 +503,7 @@ def count_casts(graph: torch.fx.Graph) -> int:
 
 
 @register_pass("autocast", preserves=())
-def autocast_pass(graph: TrainGraph, ctx: PassContext, *, dtype: str = "bf16", policy: str = "cuda",
+def autocast_pass(graph: TrainGraph, ctx: PassContext, *, dtype: Literal[tuple(LOW_DTYPES)] = "bf16", policy: str = "cuda",
                   narrow_saved: bool = True, bias_in_fp32: bool = False,
                   overrides: tuple[str, ...] = ()) -> TrainGraph:
     """Matmul-class ops in ``dtype``, numerically sensitive ops in fp32, master weights fp32.

@@ -18,6 +18,8 @@ the process group exists; the pass records it in ``graph.attrs``.
 """
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 from graph_ir import TrainGraph
@@ -57,7 +59,7 @@ def _all_reduce_bucket(tg: TrainGraph, bucket: list[str], grads: dict[str, torch
 
 @register_pass("data_parallel", preserves=())
 def data_parallel_pass(graph: TrainGraph, ctx: PassContext, *, bucket_mb: float = 25.0,
-                       algo: str = "auto") -> TrainGraph:
+                       algo: Literal[ALGOS] = "auto") -> TrainGraph:
     """Bucketed gradient all-reduce over the mesh's ``dp`` dimension; loss averaged over ranks."""
     if algo not in ALGOS:
         raise DistributedRewriteError(f"data_parallel option algo={algo!r} must be one of {ALGOS}")

@@ -51,7 +51,7 @@ checkpoint carries them, as ``GradScaler.state_dict()`` does). Metrics: ``loss_s
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.fx
@@ -221,7 +221,7 @@ def _check_options(mode: str, init: float, growth_interval: int, growth_factor: 
 
 
 @register_pass("loss_scale", preserves=())
-def loss_scale_pass(graph: TrainGraph, ctx: PassContext, *, mode: str = "dynamic", init: float = 65536.0,
+def loss_scale_pass(graph: TrainGraph, ctx: PassContext, *, mode: Literal[MODES] = "dynamic", init: float = 65536.0,
                     growth_interval: int = 2000, growth_factor: float = 2.0,
                     backoff_factor: float = 0.5) -> TrainGraph:
     """Scale the backward seed, unscale gradients, skip overflowing steps, update the scale."""

@@ -42,6 +42,8 @@ state, which the update keeps at zero; its bytes are reported in
 """
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 from graph_ir import TrainGraph
@@ -391,7 +393,7 @@ def _master_sharded(graph: TrainGraph, stage: int, master: str, pp: int) -> bool
 
 @register_pass("optimizer_shard", preserves=())
 def optimizer_shard_pass(graph: TrainGraph, ctx: PassContext, *, stage: int = 1,
-                         bucket_mb: float = 25.0, master: str = "whole") -> TrainGraph:
+                         bucket_mb: float = 25.0, master: Literal[MASTER_OPTIONS] = "whole") -> TrainGraph:
     """ZeRO stage 1/2/3 over the mesh's ``dp`` dimension (see the module docstring)."""
     if stage not in (1, 2, 3):
         raise DistributedRewriteError(f"optimizer_shard option stage={stage} must be 1, 2 or 3")

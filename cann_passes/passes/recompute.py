@@ -34,6 +34,7 @@ import math
 import operator
 import time
 import warnings
+from typing import Literal
 
 import torch
 import torch.fx
@@ -497,8 +498,8 @@ def _explain(b: _Builder, problem: Problem, sol, policy: str) -> list[dict]:
 
 
 @register_pass("recompute", preserves=())
-def recompute_pass(graph: TrainGraph, ctx: PassContext, *, policy: str = "budget",
-                   budget: float | None = None, every_n: int = 1, solver: str = "auto",
+def recompute_pass(graph: TrainGraph, ctx: PassContext, *, policy: Literal[POLICIES] = "budget",
+                   budget: float | None = None, every_n: int = 1, solver: Literal[SOLVERS] = "auto",
                    profile: str = "auto", bans: tuple[str, ...] = (), blocks: tuple[str, ...] = (),
                    attention_ops: tuple[str, ...] = ()) -> TrainGraph:
     """Keep a subset of forward activations for backward; recompute the rest in backward.

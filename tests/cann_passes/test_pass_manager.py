@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Literal
 
 import pytest
 import torch
@@ -147,3 +148,21 @@ def test_compile_for_npu_names_a_missing_optimizer():
     model, loss_fn = tiny_mlp()
     with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
         compile_for_npu(model, Plan(), optimizer=None, loss_fn=loss_fn)
+
+
+def test_a_literal_option_is_checked_when_the_pipeline_is_parsed_so_a_plan_refuses_it_at_once():
+    from cann_passes import Plan, PlanError
+    from cann_passes.pass_manager import Pipeline, PipelineError, _REGISTRY, register_pass
+
+    @register_pass("pick_one_of_two")
+    def pick(graph, ctx, *, flavour: Literal["sweet", "sour"] = "sweet"):
+        return graph
+
+    try:
+        assert dict(Pipeline.parse("pick_one_of_two{flavour=sour}").passes[0].options)["flavour"] == "sour"
+        with pytest.raises(PipelineError, match=r"option 'flavour' = 'bitter': must be one of 'sweet', 'sour'"):
+            Pipeline.parse("pick_one_of_two{flavour=bitter}")
+    finally:
+        _REGISTRY.pop("pick_one_of_two")
+    with pytest.raises(PlanError, match=r"pass 'autocast' option 'dtype' = 'bf61': must be one of 'bf16', 'fp16'"):
+        Plan(pipeline="cleanup,autocast{dtype=bf61}")

@@ -93,8 +93,12 @@ class TestDataParallel:
         assert shapes[0] == shapes[1] and len(shapes[0]) == 2
         assert "data_parallel{" in programs[0].attrs[GraphAttr.PASS_PIPELINE]
 
+    def test_an_unknown_algo_is_refused_when_the_pipeline_is_parsed(self):
+        from cann_passes.pass_manager import PipelineError
+        with pytest.raises(PipelineError, match="option 'algo' = 'butterfly': must be one of 'auto', 'ring', 'tree'"):
+            PassManager("data_parallel{algo=butterfly}")
+
     @pytest.mark.parametrize("text, mesh, words", [
-        ("data_parallel{algo=butterfly}", MESH, "algo='butterfly' must be one of"),
         ("data_parallel{bucket_mb=0}", MESH, "bucket_mb=0.0 must be > 0"),
         ("optimizer_shard,data_parallel", MESH, "reduce gradients twice"),
         ("data_parallel", None, "needs ctx.mesh"),
