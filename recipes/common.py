@@ -66,18 +66,29 @@ def backend_name(text: str) -> str:
     return text
 
 
-def writable_dir(path: str | Path, flag: str, prog: str) -> Path:
-    """``path`` as a directory this process can write into, made now, or the one-line refusal
-    (exit status 2) naming ``flag``: checked before training, so no run finishes unable to save."""
-    path = Path(path)
+def unwritable(directory: str | Path) -> str | None:
+    """Why this process cannot write into ``directory`` (made now if missing), or None."""
+    directory = Path(directory).expanduser()
+    blocker = next((p for p in [directory, *directory.parents] if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        return f"{str(blocker)!r} is not a directory"
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".write-test-{os.getpid()}"
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".write-test-{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as exc:
-        usage_error(prog, f"{flag} {str(path)!r} is not a writable directory ({exc.strerror or exc})")
-    return path
+        return f"cannot write into {str(directory)!r} ({exc.strerror or exc})"
+    return None
+
+
+def writable_dir(path: str | Path, flag: str, prog: str) -> Path:
+    """``path`` as a directory this process can write into, made now, or the one-line refusal
+    (exit status 2) naming ``flag``: checked before training, so no run finishes unable to save."""
+    problem = unwritable(path)
+    if problem is not None:
+        usage_error(prog, f"{flag} {str(path)!r}: {problem}")
+    return Path(path)
 
 
 def usage_error(prog: str, message: str) -> None:

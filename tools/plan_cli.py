@@ -33,7 +33,6 @@ import argparse
 import dataclasses
 import importlib
 import itertools
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -359,17 +358,10 @@ def parse(argv):
 
 
 def _check_writable(path: str, flag: str) -> None:
-    parent = Path(path).expanduser().parent
-    blocker = next((p for p in [parent, *parent.parents] if p.exists()), None)
-    if blocker is not None and not blocker.is_dir():
-        raise UsageError(f"{flag} {path!r}: {str(blocker)!r} is not a directory")
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        probe = parent / f".cann-plan-write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise UsageError(f"{flag} {path!r}: cannot write into {str(parent)!r} ({exc.strerror or exc})") from None
+    from recipes.common import unwritable
+    problem = unwritable(Path(path).parent)
+    if problem is not None:
+        raise UsageError(f"{flag} {path!r}: {problem}")
     if Path(path).is_dir():
         raise UsageError(f"{flag} {path!r}: is a directory; give a file name")
 
