@@ -86,13 +86,23 @@ def write_graph(directory: str, stem: str, tg, *, extra: dict[str, Any] | None =
     return os.path.join(directory, stem)
 
 
-def write_reproducer(directory: str, tg, pass_text: str, index: int) -> str:
+def write_reproducer(directory: str, tg, pass_text: str, index: int, pass_fn=None) -> str:
     """The graph a failing pass was given and the one-pass pipeline that fails on it: nothing
-    else, since a pass reads only its graph, its options and the mesh (in the graph's attrs)."""
+    else, since a pass reads only its graph, its options and the mesh (in the graph's attrs).
+    ``pass.json`` says where the pass is defined, so a replay in another process can register a
+    user's pass before running it."""
+    import inspect
     path = os.path.join(directory, f"reproducer_{index:03d}")
     write_graph(path, "input", tg)
     with open(os.path.join(path, "pipeline.txt"), "w", encoding="utf-8") as f:
         f.write(pass_text + "\n")
+    if pass_fn is not None:
+        try:
+            source = os.path.abspath(inspect.getfile(pass_fn))
+        except (TypeError, OSError):
+            source = None
+        with open(os.path.join(path, "pass.json"), "w", encoding="utf-8") as f:
+            json.dump({"module": getattr(pass_fn, "__module__", None), "file": source}, f)
     return path
 
 

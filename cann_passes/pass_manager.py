@@ -641,7 +641,7 @@ class Reproducer(Instrument):
             given = run.given
         graph = given.main if isinstance(given, Program) else given
         try:
-            path = write_reproducer(directory, graph, run.spec.text(), run.index)
+            path = write_reproducer(directory, graph, run.spec.text(), run.index, run.info.fn)
         except Exception:  # never hide the pass's own error behind a dump error
             log.exception("could not write the reproducer")
             path = None

@@ -104,7 +104,7 @@ def test_failing_pass_is_named_with_a_reproducer(tmp_path):
     assert open(os.path.join(err.reproducer_dir, "pipeline.txt")).read().strip() == "test_broken"
     assert os.path.exists(os.path.join(err.reproducer_dir, "input.py"))
     # the graph and the pipeline text are the whole reproducer: passes read nothing else
-    assert sorted(os.listdir(err.reproducer_dir)) == ["input.json", "input.py", "pipeline.txt"]
+    assert sorted(os.listdir(err.reproducer_dir)) == ["input.json", "input.py", "pass.json", "pipeline.txt"]
 
 
 def test_pass_producing_an_invalid_graph_fails_verification_by_name(tmp_path):

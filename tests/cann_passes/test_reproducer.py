@@ -71,7 +71,7 @@ def test_replaying_a_reproducer_directory_alone_fails_the_same_way_on_the_same_g
     directory = failure.reproducer_dir
     # the graph and the pipeline text are the whole reproducer
     assert {f for f in os.listdir(directory) if not f.endswith(".constants.pt")} == \
-        {"input.json", "input.py", "pipeline.txt"}
+        {"input.json", "input.py", "pipeline.txt", "pass.json"}
     with pytest.raises(PassFailure) as again:
         replay(directory, verify="shallow")
     assert again.value.pass_name == name
@@ -82,3 +82,36 @@ def test_replaying_a_reproducer_directory_alone_fails_the_same_way_on_the_same_g
     with open(os.path.join(directory, "input.json"), encoding="utf-8") as f:
         loaded = from_json(json.load(f))
     assert loaded.fingerprint() == fingerprint
+
+
+_USER_PASS = """
+from cann_passes.pass_manager import register_pass
+
+
+@register_pass("explode_here")
+def explode(graph, ctx, *, why: str = "boom"):
+    raise RuntimeError(f"explode_here: {why}")
+
+
+if __name__ == "__main__":
+    raise SystemExit("the script's own main must not run on replay")
+"""
+
+
+def test_replay_registers_a_users_pass_from_the_file_it_was_defined_in(tmp_path):
+    import importlib.util
+
+    from cann_passes.pass_manager import _REGISTRY
+    source = tmp_path / "my_passes_script.py"
+    source.write_text(_USER_PASS)
+    spec = importlib.util.spec_from_file_location("user_script", source)
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    _REGISTRY["explode_here"].fn.__module__ = "__main__"      # as if defined in a script the user ran
+    try:
+        failure, _ = _fail(_mlp_step(), "cleanup,explode_here{why=late}", MeshDesc.single(), tmp_path / "r")
+        del _REGISTRY["explode_here"]      # a fresh process: the pass is not registered
+        with pytest.raises(PassFailure) as again:
+            replay(failure.reproducer_dir, verify="shallow")
+        assert again.value.pass_name == "explode_here" and str(again.value.__cause__) == "explode_here: late"
+    finally:
+        _REGISTRY.pop("explode_here", None)

@@ -156,6 +156,7 @@ def replay(directory: str, out: str | None = None, verify: str = "deep") -> str:
     with open(graph_file, encoding="utf-8") as f:
         graph = from_json(json.load(f), constants)
     pipeline = open(pipeline_file, encoding="utf-8").read().strip()
+    _import_pass_module(directory)
     dump = DumpWriter(out, pipeline) if out else None
     manager = PassManager(pipeline, verify_level=verify, dump=dump)
     # The graph and the pipeline text are the whole reproducer: passes read nothing else but the
@@ -164,6 +165,38 @@ def replay(directory: str, out: str | None = None, verify: str = "deep") -> str:
     manager.run(graph, PassContext(mesh=MeshDesc.from_json(mesh) if mesh else None))
     return "\n".join(f"{r.index} {r.spec}: {'changed' if r.changed else 'unchanged'}, "
                      f"nodes {r.nodes_before} -> {r.nodes_after}" for r in manager.records)
+
+
+def _import_pass_module(directory: str) -> None:
+    """Register the failing pass where it is a user's: import the module it was defined in, or,
+    for a script run as ``__main__``, load that file under another name (its ``if __name__ ==
+    "__main__":`` block does not run)."""
+    import importlib
+    import importlib.util
+    import json
+    info_file = os.path.join(directory, "pass.json")
+    if not os.path.isfile(info_file):
+        return
+    with open(info_file, encoding="utf-8") as f:
+        info = json.load(f)
+    module, source = info.get("module"), info.get("file")
+    if module and module != "__main__":
+        try:
+            importlib.import_module(module)
+            return
+        except ImportError:
+            pass
+    if source and os.path.isfile(source):
+        spec = importlib.util.spec_from_file_location("cann_replayed_passes", source)
+        loaded = importlib.util.module_from_spec(spec)
+        sys.path.insert(0, os.path.dirname(source))
+        try:
+            spec.loader.exec_module(loaded)
+        finally:
+            sys.path.remove(os.path.dirname(source))
+        return
+    raise DumpError(f"the failing pass was defined in {module or source}, which cannot be imported here; "
+                    "import it (or run the replay from the directory it lives in)")
 
 
 # -- the command line ------------------------------------------------------------------------------
