@@ -216,11 +216,14 @@ def _graph_main(argv) -> int:
     ap.add_argument("target", help="DUMP_DIR | pkg.module:factory | FILE.pt | demo (or: run TARGET ...)")
     ap.add_argument("--out", default=None, help="output directory (graph targets)")
     ap.add_argument("--name", default=None, help="graph name (default: derived from TARGET)")
+    ap.add_argument("--as-dumped", action="store_true",
+                    help="lower a dump directory's graphs exactly as dumped (by default a dump of another "
+                         "backend is first put through npu_legalize, as the torchair backend compiles it)")
     args = ap.parse_args(argv)
     if Path(args.target).is_dir():
         from cann_passes.lowering.ge_offline import write_ge_report
 
-        return 0 if _print_report(write_ge_report(args.target)) else 1
+        return 0 if _print_report(write_ge_report(args.target, legalize=not args.as_dumped)) else 1
     looks_like_path = "/" in args.target or args.target.startswith(".") or args.target.endswith((".pt", ".pth"))
     if looks_like_path and ":" not in args.target and not Path(args.target).exists():
         ap.error(f"TARGET {args.target!r}: no such dump directory or file")

@@ -170,7 +170,8 @@ def test_sharded_master_composes_with_tensor_parallelism(captured):
 
 
 def test_sharded_master_refuses_what_it_does_not_build(captured):
-    with pytest.raises(PassFailure, match="master='fp16' must be one of"):
+    from cann_passes.pass_manager import PipelineError
+    with pytest.raises(PipelineError, match="option 'master' = 'fp16': must be one of 'whole', 'sharded'"):
         _rewrite(captured, "optimizer_shard{stage=1,master=fp16}")
     with pytest.raises(PassFailure, match="master='sharded' with gradient accumulation"):
         _rewrite(captured, "grad_accumulation{microbatches=2},optimizer_shard{stage=2,master=sharded}")

@@ -115,11 +115,14 @@ def test_cli_run_and_dump_dir(tmp_path, capsys):
 
 def test_unlegalized_dump_reports_op_and_module_path(tmp_path, capsys):
     compile_recipe(GPT_TINY, Plan(pipeline="cleanup"), tmp_path, attention="sdpa")
-    assert main([str(tmp_path)]) == 1
+    assert main([str(tmp_path), "--as-dumped"]) == 1
     data = json.loads((tmp_path / "ge" / "report.json").read_text())
     found = {(u["target"], u["module_path"]) for u in data["unsupported"]}
     assert ("aten._scaled_dot_product_flash_attention_for_cpu.default", "layers.0.attn") in found
     assert "unsupported: _scaled_dot_product_flash_attention_for_cpu" in capsys.readouterr().out
+    # By default the dump is lowered as the torchair backend compiles it: npu_legalize first.
+    assert main([str(tmp_path)]) == 0
+    assert json.loads((tmp_path / "ge" / "report.json").read_text())["legalized"]
 
 
 # -- every recipe x every plan of its plans/ directory, in bf16 ---------------------------------
