@@ -179,12 +179,14 @@ class CompiledStep:
         variants = [k for k in self._compiled if k[0] == base]
         key = next((k for k in variants if self._compiled[k].failed_guard() is None), None)
         if key is None:
+            reason = None
             if variants:   # said of the compilation this step ran most recently
-                self.recompile_reasons.append(self._compiled[variants[-1]].failed_guard().describe_change())
+                reason = self._compiled[variants[-1]].failed_guard().describe_change()
             elif self._compiled:
-                self.recompile_reasons.append(self._key_change(next(reversed(self._compiled))[0], base))
-            if self.recompile_reasons and (variants or self._compiled):
-                log.info("recompiling: %s", self.recompile_reasons[-1])
+                reason = self._key_change(next(reversed(self._compiled))[0], base)
+            if reason is not None:
+                self.recompile_reasons.append(reason)
+                log.info("recompiling: %s", reason)
             key = (base, len(variants))
             self._compiled[key] = self._compile(batch)
         # Most recently used last: ``step.last`` is the compilation the last call ran.

@@ -165,10 +165,13 @@ def _reader_of_object_attribute(obj, cls: type, name: str) -> Callable[[], Any]:
     return lambda: cls.__getattribute__(obj, name)
 
 
+_HEAP_TYPE = 1 << 9     # Py_TPFLAGS_HEAPTYPE: a class defined in Python, whose instances may change class
+
+
 def _is_plain_object(value: Any) -> bool:
     """An object whose attributes the trace may read (a config): a Python class's instance with a
     ``__dict__``, not a tensor, module, function, class or anything callable."""
-    return (hasattr(value, "__dict__") and not callable(value) and type(value).__flags__ & (1 << 9)
+    return (hasattr(value, "__dict__") and not callable(value) and type(value).__flags__ & _HEAP_TYPE
             and not isinstance(value, (torch.Tensor, torch.nn.Module, types.ModuleType, type, enum.Enum,
                                        logging.Logger)))
 
