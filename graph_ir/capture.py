@@ -33,6 +33,7 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 
+from .analysis.gradients import GradientNotFound, find_gradients
 from .build import eliminate_dead_code
 from .custom_autograd import capturing_custom_autograd
 from .guards import GuardRecorder
@@ -291,6 +292,13 @@ def _make_step_fn(model, optimizer, loss_fn, layout: StepLayout, rule: UpdateRul
         with fx_traceback.annotate({REGION: Region.BACKWARD.value}):
             grads = vjp_fn(torch.ones_like(loss))
             grads = [_run_gradient_hooks(grad_hooks.get(name, ()), g) for name, g in zip(layout.trainable, grads)]
+            # Two parameters can receive one tensor as their gradient (``x + b1 + b2``); eager gives
+            # each its own ``.grad``, and so does the graph: every gradient is its parameter's value.
+            seen: set[int] = set()
+            for i, g in enumerate(grads):
+                if id(g) in seen:
+                    grads[i] = g = g.clone()
+                seen.add(id(g))
         new_params, new_states = [], []
         with fx_traceback.annotate({REGION: Region.OPTIMIZER.value}):
             for name, p, g, s in zip(layout.trainable, trainable, grads, states):
@@ -717,4 +725,15 @@ def capture_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     gm.recompile()
     tg = TrainGraph(gm, signature, {"name": name, "optimizer": type(optimizer).__name__,
                                     "model": type(model).__name__})
+    _mark_gradients(tg)
     return tg, layout
+
+
+def _mark_gradients(tg: TrainGraph) -> None:
+    """Mark each parameter's gradient now, while every parameter's is still its own node: after
+    ``cleanup`` merges equal computations (GPT-NeoX's parallel residual gives two biases one equal
+    gradient sum), name-keyed rewrites would see one value serving two parameters."""
+    try:
+        find_gradients(tg, mark=True)
+    except GradientNotFound:
+        pass     # a custom rule whose gradient is not one value: the passes that need one say so

@@ -62,7 +62,7 @@ IMAGE, PATCH, CHANNELS, CLASSES = 16, 8, 3, 5
 PAD_ID = 0
 
 MODELS = ("gpt", "gpt2", "llama", "mistral", "qwen2", "bert", "t5", "vit", "clip",
-          "mixtral", "qwen2_moe", "olmoe")
+          "mixtral", "qwen2_moe", "olmoe", "gpt_neox")
 EXPERTS, TOP_K = 4, 2
 
 
@@ -198,6 +198,17 @@ def _decoder(config_cls, model_cls, **defaults):
     return build
 
 
+def _build_gpt_neox(layers, **kw):
+    # Parallel residual: attention and MLP read the same input and their outputs are summed, so
+    # the two output biases receive one and the same gradient value.
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+    cfg = GPTNeoXConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=layers, num_attention_heads=HEADS,
+                        intermediate_size=FFN, max_position_embeddings=64, rotary_pct=0.5,
+                        use_parallel_residual=True, hidden_dropout=0.0, attention_dropout=0.0,
+                        pad_token_id=PAD_ID, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, **kw)
+    return GPTNeoXForCausalLM(cfg), hf_loss, causal_lm_batch, True, ("gpt_neox.layers",)
+
+
 def _build_bert(layers, **kw):
     from transformers import BertConfig, BertForMaskedLM
     cfg = BertConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=layers, num_attention_heads=HEADS,
@@ -247,6 +258,7 @@ _BUILDERS = {
                           shared_expert_intermediate_size=FFN // 2, output_router_logits=True),
     "olmoe": _decoder("OlmoeConfig", "OlmoeForCausalLM", num_experts=EXPERTS, num_experts_per_tok=TOP_K,
                       output_router_logits=True),
+    "gpt_neox": _build_gpt_neox,
     "bert": _build_bert, "t5": _build_t5, "vit": _build_vit, "clip": _build_clip,
 }
 

@@ -17,7 +17,7 @@ import torch.fx
 from graph_ir import TrainGraph
 from graph_ir.analysis.effects import may_merge
 from graph_ir.build import ImpurityCache, eliminate_dead_code
-from graph_ir.meta import RECOMPUTE, REGION
+from graph_ir.meta import GRADIENT_OF, RECOMPUTE, REGION
 
 from ..pass_manager import PassContext, register_pass
 
@@ -26,8 +26,10 @@ def _mergeable(node: torch.fx.Node, impure: ImpurityCache) -> bool:
     if node.op != "call_function" or impure(node) or not may_merge(node):
         return False
     # Recomputed copies are placed per block on purpose: merging two of them
-    # would keep one alive across the blocks in between.
-    return not node.meta.get(RECOMPUTE)
+    # would keep one alive across the blocks in between. Each parameter's gradient stays its own
+    # value: two parameters sharing one would leave every per-gradient rewrite (accumulators,
+    # buckets, shards, stages) with one value and two owners.
+    return not node.meta.get(RECOMPUTE) and GRADIENT_OF not in node.meta
 
 
 def _key(node: torch.fx.Node):

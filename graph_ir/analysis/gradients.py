@@ -6,7 +6,9 @@ ancestors of its updated output) reads from outside the optimizer region
 that is not a graph input and is floating point (a boolean flag such as loss
 scaling's overflow check is read too, but is no gradient). Passes that move a gradient (accumulation, a
 reduce-scatter that leaves each rank a shard) re-mark the node the update now
-reads with ``meta[GRADIENT_OF]``, and marks win.
+reads with ``meta[GRADIENT_OF]``, and marks win while the update still reads them.
+Capture marks every gradient first, so that ``cleanup`` keeps each parameter's
+its own value (two equal gradient computations are not merged).
 """
 from __future__ import annotations
 
@@ -43,7 +45,14 @@ def _floating(node: torch.fx.Node) -> bool:
 
 def find_gradients(tg, *, mark: bool = True) -> dict[str, torch.fx.Node]:
     """Trainable parameter name -> the value its optimizer update reads as its gradient."""
-    marked = {n.meta[GRADIENT_OF]: n for n in tg.graph.nodes if GRADIENT_OF in n.meta}
+    # A mark is kept only while the optimizer still reads its node: a pass that recomputed the
+    # value elsewhere (autocast's matmul in fp16, cast back to fp32 for the update) leaves the mark
+    # on a node the update no longer reads, and the analysis below finds the one it does.
+    marked, stale = {}, {}
+    for n in tg.graph.nodes:
+        if GRADIENT_OF in n.meta:
+            read = any(region_of(u) == Region.OPTIMIZER for u in n.users)
+            (marked if read else stale)[n.meta[GRADIENT_OF]] = n
     outputs = tg.output_values()
     found: dict[str, torch.fx.Node] = {}
     for i, spec in tg.signature.outputs_of(OutputKind.PARAM):
@@ -62,6 +71,8 @@ def find_gradients(tg, *, mark: bool = True) -> dict[str, torch.fx.Node]:
         found[spec.name] = reads.pop()
         if mark:
             found[spec.name].meta[GRADIENT_OF] = spec.name
+            if spec.name in stale and stale[spec.name] is not found[spec.name]:
+                stale[spec.name].meta.pop(GRADIENT_OF, None)
     return found
 
 
