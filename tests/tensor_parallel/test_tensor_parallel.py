@@ -220,6 +220,18 @@ class TestBadPlans:
         with pytest.raises(tpp.TensorParallelError, match=r"rule '\*.attention.wq=column' matches no parameter"):
             _run(graph, extra_rules="*.attention.wq=column")
 
+    def test_a_fused_rule_that_does_not_cut_whole_heads_is_refused_at_attention(self):
+        # GPT-NeoX interleaves q, k, v per head in query_key_value: 'column:3' (three contiguous
+        # parts) leaves the value split across its head features. DTensor's decomposition search on
+        # such operands does not end; the pass refuses at the attention op, naming the parameter.
+        _, graph = _capture("gpt_neox", attn_implementation="sdpa")
+        with pytest.raises(tpp.TensorParallelError,
+                           match=r"module 'gpt_neox.layers.0.attention'.*parameter "
+                                 r"'gpt_neox.layers.0.attention.query_key_value.(weight|bias)'.*whole heads"):
+            _run(graph, extra_rules="*.attention.query_key_value=column:3;*.attention.dense=row")
+        _run(graph, extra_rules="*.attention.query_key_value=column;*.attention.dense=row;"
+                                "*.mlp.dense_h_to_4h=column;*.mlp.dense_4h_to_h=row")   # whole heads: places
+
     def test_plan_fields_and_world_size(self):
         from cann_passes.runtime.distributed import check_world
         with pytest.raises(PlanError, match=r"dp x tp x pp = 1 x 2 x 1 = 2 must equal the number of processes \(4\)"):

@@ -19,6 +19,13 @@ _WEIGHT_VIEWS = (aten.t.default, aten.transpose.int, aten.permute.default, aten.
                  aten.clone.default, aten.alias.default, aten.view.default, aten._unsafe_view.default,
                  aten.reshape.default)
 
+# DTensor places these by decomposing them: on operands split other than by heads the
+# decomposition's search does not end, so such operands are refused here, at once, naming the rule.
+_ATTENTION_OPS = tuple(getattr(aten, name).default for name in (
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+    if hasattr(aten, name))
+
 _LAYOUT_OPS = (aten.t.default, aten.transpose.int, aten.view.default, aten._unsafe_view.default,
                aten.reshape.default, aten.alias.default)
 
@@ -97,6 +104,13 @@ class Rewriter(torch.fx.Interpreter, OpRules):
             # (a sum of partial sums stays partial: q/k/v's input gradients are reduced once)
             args = tuple(self._sequence_shard(a) for a in args)
         args = self._megatron_operands(target, args)
+        if target in _ATTENTION_OPS and not _whole_heads(args[:3]):
+            raise self._cannot_run(target, args[:3], TensorParallelError(
+                "attention's query, key and value must be split alike by whole heads (dim 1) or not "
+                "at all; a split of the head features means the projection's rule does not cut its "
+                "output into whole heads (a rule 'column:N' cuts it in N contiguous parts; a projection "
+                "that interleaves q, k and v per head, as GPT-NeoX's query_key_value, takes plain "
+                "'column')"))
         out = self.local_rule(target, args, kwargs)
         if out is not None:
             return out
@@ -238,3 +252,9 @@ def _weight_gradient_products(grad_places: dict) -> dict:
         if node.target in (aten.mm.default, aten.addmm.default) and ndim == 2:
             products[node] = Shard(dim)
     return products
+
+
+def _whole_heads(qkv) -> bool:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    places = {a.placements[0] if isinstance(a, DTensor) else Replicate() for a in qkv}
+    return len(places) == 1 and places.pop() in (Replicate(), Shard(1))
