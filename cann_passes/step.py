@@ -344,7 +344,9 @@ class CompiledStep:
         return self.accumulation.static_step(self, batches)
 
     def sync_model(self) -> None:
-        """ZeRO-3: all-gather the parameter shards into the model's parameters (every rank must call)."""
+        """The model's parameters become the trained ones (every rank must call: collectives): ZeRO-3
+        and tensor-parallel shards all-gathered; under pp every stage's parameters broadcast from
+        the pipeline rank that trains them."""
         params = dict(self.model.named_parameters())
         with torch.no_grad():
             for name, shard in self.param_shards.items():
@@ -353,6 +355,8 @@ class CompiledStep:
                 params[name].data = gather(shard, placement, self.world.group)
                 # The model now holds exactly what the shard holds: no need to cut it again.
                 self.shards.sources[key] = source_token(params[name])
+            if self.world is not None and self._compiled and pipeline_parallel.is_pipelined(self.last.program):
+                pipeline_parallel.share_trained_parameters(self, params)
         self.model_stale = False
 
     def optimizer_state_bytes(self) -> int:

@@ -24,7 +24,10 @@ graph that reads them (every rank is given the same batch), the gradient
 accumulators live in the step's ``StepState`` under their own names, and the
 apply graphs of this rank's stages run once after the schedule. The user's
 model keeps every parameter; each rank updates only the parameters of its own
-stages (the others keep their initial values there).
+stages, and reading the model (``model.state_dict()``, ``model(x)``) first
+broadcasts every stage's trained parameters from the rank owning it
+(:func:`share_trained_parameters`, a collective over pp), so every rank reads the
+trained model.
 
 ``run_local`` runs every stage in one process, in order, for checking the
 split without processes.
@@ -250,9 +253,31 @@ def step(step, batch: Any) -> torch.Tensor:
         loss = run_schedule(step, comp, microbatches)
     step.steps_run += 1
     step.optimizer._opt_called = True   # LR schedulers check that the optimizer stepped
-    if step.shards.params():   # tensor-parallel shards: the user's model is gathered when read
+    # Each rank trained only its stages' parameters (tensor-parallel ones as shards): the user's model
+    # is brought up to date when read, from the ranks that own them.
+    if step.shards.params() or step.world is not None:
         step.model_stale = True
     return loss
+
+
+def share_trained_parameters(step, params: dict[str, torch.Tensor]) -> None:
+    """Every rank's copy of every parameter becomes the trained value, sent by the pipeline rank
+    that updates it (its home stage's rank): one broadcast per pipeline rank and dtype over this
+    rank's pp group, a collective every rank of the group calls (like ZeRO-3's gather)."""
+    import torch.distributed as dist
+    info = pipeline_split_of(step.last.program)
+    group = step.world.group("pp")
+    owner = {name: info.stage_to_rank[stage] for name, stage in info.param_stage.items() if name in params}
+    for k in range(info.pp):
+        src = dist.get_global_rank(group, k) if group is not None else k
+        names = sorted(n for n, r in owner.items() if r == k)
+        for dtype in sorted({params[n].dtype for n in names}, key=str):
+            same = [n for n in names if params[n].dtype == dtype]
+            flat = torch.cat([params[n].detach().reshape(-1) for n in same])
+            dist.broadcast(flat, src, group=group)
+            if k != step.mesh.local_rank("pp"):
+                for n, piece in zip(same, flat.split([params[n].numel() for n in same])):
+                    params[n].data = piece.view_as(params[n]).clone()
 
 
 # -- torch.distributed.pipelining ---------------------------------------------------------------

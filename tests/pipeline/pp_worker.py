@@ -30,7 +30,7 @@ from recipes.models.gpt import GPT, gpt_loss, gpt_tiny  # noqa: E402
 STEPS, GLOBAL_BATCH, SEQ = 10, 8, 16
 FP16_STEPS = 4
 MODELS = {"gpt4": dict(n_layer=4), "heavy_head": dict(n_layer=4, vocab_size=2048)}
-ZOO = {"llama": dict(layers=2), "gpt2": dict(layers=2)}
+ZOO = {"llama": dict(layers=2), "gpt2": dict(layers=2), "gpt_neox": dict(layers=2)}
 
 
 def global_batch(name: str, i: int):
@@ -115,15 +115,20 @@ def main(out: str, model_name: str, pp: int, dp: int, tp: int, configs: list[str
                 if plan.effective_loss_scale != "none":
                     scaling.append((bool(step.metrics["loss_scale:found_inf"]),
                                     float(step.step_state.values["loss_scale:scale"])))
-            info = step.last.program.attrs[GraphAttr.PIPELINE_PARALLEL]
-            pp_rank = step.mesh.local_rank("pp")
+            # pp = 1 (data parallel with accumulation): one stage holding every parameter.
+            info = step.last.program.attrs.get(GraphAttr.PIPELINE_PARALLEL) or {
+                "stage_to_rank": [0], "param_stage": dict.fromkeys(dict(model.named_parameters()), 0),
+                "stage_seconds": [], "stages": 1}
+            pp_rank = step.mesh.local_rank("pp") if pp > 1 else 0
             mine = {s for s, r in enumerate(info["stage_to_rank"]) if r == pp_rank}
             state = model.state_dict()   # gathers tensor-parallel shards (a collective over tp)
             params = {n: state[n].detach().clone() for n, _ in model.named_parameters()
                       if set(_stages_of(info, n)) & mine}
-            events = [(e.rank, e.stage, e.microbatch, e.kind, e.start_s, e.end_s)
-                      for e in step.pipeline_timeline().events]
-            results[config] = {"losses": losses, "params": params, "events": events,
+            events = ([(e.rank, e.stage, e.microbatch, e.kind, e.start_s, e.end_s)
+                       for e in step.pipeline_timeline().events] if pp > 1 else [])
+            # every parameter, as this rank's model holds it (each broadcast from its owning stage)
+            every = {n: state[n].detach().clone() for n, _ in model.named_parameters()}
+            results[config] = {"losses": losses, "params": params, "every": every, "events": events,
                                "stage_seconds": info["stage_seconds"], "stages": info["stages"],
                                "shared": info.get("shared_params", {}), "scaling": scaling}
     torch.save(results, Path(out) / f"rank{world.rank}.pt")

@@ -128,6 +128,11 @@ def _check(ranks: list[dict], config: str, model_name: str, dp: int = 1, tp: int
         for name, want in ref_params.items():
             err = (params[name] - want).abs().max().item()
             assert err <= 1e-5, f"{config}: parameter {name} differs by {err:.2e}"
+        # and every rank's model.state_dict() is the whole trained model, not only its own stages
+        for rank, result in enumerate(ranks):
+            for name, want in ref_params.items():
+                err = (result[config]["every"][name] - want).abs().max().item()
+                assert err <= 1e-5, f"{config} rank {rank}: state_dict()[{name!r}] differs by {err:.2e}"
 
 
 PP2 = ["gpipe:sgd", "1f1b:sgd", "interleaved_1f1b:sgd:2", "zb1p:sgd", "dualpipev:sgd", "1f1b:adamw"]
@@ -225,3 +230,16 @@ def test_tied_weights_and_global_grad_clipping_across_stages_match_single_proces
             if config.startswith("gpt2/"):   # interleaved: 4 stages, the first and the last on ranks 0 and 1
                 last = 3 if "interleaved" in config else 1
                 assert ranks[0][config]["shared"] == {"transformer.wte.weight": [0, last]}
+
+
+@pytest.mark.parametrize("pp,dp", [(2, 1), (1, 2)])
+def test_gpt_neox_parallel_residual_trains_like_eager_under_pp_and_dp_with_clipping(tmp_path_factory, subtests,
+                                                                                    pp, dp):
+    """GPT-NeoX's parallel residual sums the attention and MLP outputs, so the two output biases'
+    gradients are one and the same computation: each stays its own parameter's value through the
+    accumulators (4 microbatches), the stage split, the gradient buckets and global clipping."""
+    configs = ["gpt_neox/1f1b:sgd", "gpt_neox/1f1b:adamw:clip=0.5"]
+    ranks = _launch(tmp_path_factory, f"neox_pp{pp}_dp{dp}", pp * dp, "gpt4", pp, dp, configs)
+    for config in configs:
+        with subtests.test(config=config):
+            _check(ranks, config, "gpt4", dp=dp)
