@@ -13,6 +13,9 @@ with AdamW, every row from the same initial weights:
 - ``ours-eager`` / ``ours-inductor``: the compiled whole step on each backend;
 - ``ours-eager-unguarded``: ``ours-eager`` with its guards dropped after compiling, so the
   two rows side by side show what checking the guards costs per call;
+- ``ours-eager-foreach`` / ``ours-inductor-unfused``: the update as ``_foreach_*`` ops on eager
+  (``optimizer_kernel: foreach``; eager's default leaves it per parameter, in place) / per
+  parameter on inductor (``none``; inductor's default fuses it);
 - ``ours-inductor+onednn``: inductor with the opt-in ``linear_on_onednn`` pass.
 
 Rows run in interleaved rounds (every row once per round, in a rotating
@@ -53,7 +56,7 @@ MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::
               "aten::_scaled_dot_product_flash_attention_for_cpu",
               "aten::_scaled_dot_product_flash_attention_for_cpu_backward")
 ROWS = ("eager", "foreach", "fused", "compile", "compile+opt", "ours-eager", "ours-eager-unguarded",
-        "ours-inductor", "ours-inductor+onednn")
+        "ours-eager-foreach", "ours-inductor", "ours-inductor-unfused", "ours-inductor+onednn")
 
 
 @dataclass
@@ -193,8 +196,9 @@ def make_row(name: str, case: Case) -> Row:
         opt = _adamw(model)
         backend, _, extra = name[len("ours-"):].partition("+")
         unguarded = backend.endswith("-unguarded")
-        plan = Plan(backend=backend.removesuffix("-unguarded"),
-                    extra_passes=("linear_on_onednn",) if extra == "onednn" else ())
+        kernel = "none" if backend.endswith("-unfused") else "foreach" if backend.endswith("-foreach") else "auto"
+        plan = Plan(backend=backend.removesuffix("-unguarded").removesuffix("-unfused").removesuffix("-foreach"),
+                    extra_passes=("linear_on_onednn",) if extra == "onednn" else (), optimizer_kernel=kernel)
         step = compile_for_npu(model, plan, optimizer=opt, loss_fn=case.loss_fn)
         t0 = time.perf_counter()
         step.compile(case.batch)

@@ -12,6 +12,9 @@
     optimizer_shard{stage,...}   ZeRO                        (plan.zero_stage > 0)
     grad_clip{max_norm}          global grad-norm clipping   (plan.grad_clip_norm set; after every
                                                               pass that changes what the update reads)
+    fuse_optimizer{kernel}       the update as _foreach_* ops (plan.optimizer_kernel: auto is foreach
+                                                              except on eager; pp = 1; after every pass
+                                                              that writes the update)
     <plan.extra_passes>          the user's own passes
     npu_legalize                 Ascend converter coverage   (backend torchair)
     cleanup
@@ -36,6 +39,16 @@ the flags combined over the pp group; see ``pipeline_split``). Refused by field
 (``_check_pipeline_plan``): ZeRO-3, dynamic accumulation; by ``pipeline_split``:
 clipping or loss scaling with several stages per rank, a tied weight two of
 whose stages share a rank (DualPipeV).
+
+``fuse_optimizer`` runs only at pp = 1: ``pipeline_split`` cuts the graph per stage after
+it, and a multi-tensor op over two stages' parameters would not split (the stage graphs'
+updates stay per parameter). ``foreach`` is bitwise the unfused step (on CPU each foreach op
+runs the per-tensor op per element); ``auto`` (the default) picks it for inductor and torchair
+and leaves the eager backend's update per tensor, where ``reuse_dead_operands`` writes
+parameters and state in place (it marks per-tensor pointwise ops, not ``_foreach_*``). A user's
+``torch.optim`` optimizer with ``fused=True`` is refused at capture (``graph_ir.optimizers``),
+so the default does not follow the optimizer's own flag; ``fused`` itself is refused by the
+pass (torch's fused Adam kernels take the hyperparameters as compile-time floats).
 
 A plan's ``pipeline`` field replaces all of this with its own text.
 
@@ -68,7 +81,7 @@ PLAN_FIELD_OF: dict[tuple[str, str], str] = {
     ("data_parallel", "bucket_mb"): "bucket_mb", ("data_parallel", "algo"): "allreduce_algo",
     ("optimizer_shard", "stage"): "zero_stage", ("optimizer_shard", "bucket_mb"): "bucket_mb",
     ("optimizer_shard", "master"): "zero_master",
-    ("grad_clip", "max_norm"): "grad_clip_norm",
+    ("grad_clip", "max_norm"): "grad_clip_norm", ("fuse_optimizer", "kernel"): "optimizer_kernel",
     ("pipeline_split", "stages"): "pp", ("pipeline_split", "pp"): "pp",
     ("pipeline_split", "schedule"): "pipeline_schedule", ("pipeline_split", "layers"): "pipeline_split",
     ("pipeline_split", "profile"): "device_profile",
@@ -121,6 +134,9 @@ def build_pipeline(plan: Plan, backend: str) -> Pipeline:
         steps.append(f"optimizer_shard{{stage={plan.zero_stage},bucket_mb={bucket_mb}{master}}}")
     if plan.grad_clip_norm is not None:
         steps.append(f"grad_clip{{max_norm={float(plan.grad_clip_norm)!r}}}")
+    kernel = optimizer_kernel(plan, backend)
+    if kernel != "none" and plan.pp == 1:
+        steps.append(str(spec("fuse_optimizer", kernel=kernel)))
     steps.extend(plan.extra_passes)
     if backend == "torchair" and is_registered("npu_legalize"):
         steps.append("npu_legalize")
@@ -132,6 +148,15 @@ def build_pipeline(plan: Plan, backend: str) -> Pipeline:
     if backend == "inductor":
         steps.append("spell_out_alpha")
     return Pipeline.of(*steps)
+
+
+def optimizer_kernel(plan: Plan, backend: str) -> str:
+    """``plan.optimizer_kernel`` with ``auto`` resolved: foreach, except on the eager backend, whose
+    in-place updates (``reuse_dead_operands``) are marked on per-tensor pointwise ops only: a fused
+    update there would allocate every new parameter and state tensor instead of writing in place."""
+    if plan.optimizer_kernel != "auto":
+        return plan.optimizer_kernel
+    return "none" if backend == "eager" else "foreach"
 
 
 def recompute_spec(plan: Plan):

@@ -40,12 +40,13 @@ LOSS_SCALES = ("auto", "none", "static", "dynamic", "adaptive")
 DEVICE_PROFILES = ("auto", "cpu", "ascend_910b", "ascend_a3", "a100", "h100", "h200")
 ALLREDUCE_ALGOS = ("auto", "ring", "tree")
 TP_STYLES = ("column", "row", "vocab", "replicate")
+OPTIMIZER_KERNELS = ("auto", "foreach", "fused", "none")
 
 _ENUMS = {"precision": PRECISIONS, "recompute": RECOMPUTE_POLICIES, "backend": BACKENDS,
           "pipeline_schedule": PIPELINE_SCHEDULES, "verify": VERIFY_LEVELS,
           "allreduce_algo": ALLREDUCE_ALGOS, "loss_scale": LOSS_SCALES,
           "device_profile": DEVICE_PROFILES, "grad_reduce_dtype": ("fp32", "bf16"),
-          "zero_master": ("whole", "sharded")}
+          "zero_master": ("whole", "sharded"), "optimizer_kernel": OPTIMIZER_KERNELS}
 _POSITIVE_INTS = ("dp", "tp", "pp", "microbatches", "recompute_every_n", "loss_scale_growth_interval",
                   "pipeline_virtual_stages")
 
@@ -96,6 +97,10 @@ class Plan:
     microbatches: int = 1
     accumulate_target: int | None = None       # dynamic accumulation: samples per optimizer step
     grad_clip_norm: float | None = None        # clip the global gradient 2-norm to this (grad_clip pass)
+    # The update as multi-tensor ops (fuse_optimizer, pp = 1): foreach (bitwise torch.optim's
+    # foreach=True on CPU), fused (torch's fused Adam kernels: refused, see the pass), none;
+    # auto: foreach on inductor and torchair, none on eager (whose in-place updates need per-tensor ops).
+    optimizer_kernel: str = "auto"
     pipeline_schedule: str = "1f1b"            # cann_passes.schedules; dynamic = chosen by simulation
     pipeline_virtual_stages: int = 1           # stages per rank (interleaved_1f1b >= 2, zb1p any, dualpipev 2)
     pipeline_split: str | tuple = "cost"       # "cost" (the balancer) or layers per stage (pp * v counts)
@@ -332,6 +337,10 @@ class Plan:
                             "(the whole parameters would be gathered once per microbatch)", self.zero_master)
         if self.pipeline is not None:
             return   # the text decides the passes: _check_against_pipeline_text
+        if self.optimizer_kernel in ("foreach", "fused") and self.pp > 1:
+            raise PlanError("optimizer_kernel", "applies only at pp = 1 (the pipeline stages' updates "
+                            f"stay per parameter: a multi-tensor op would span stages; pp = {self.pp})",
+                            self.optimizer_kernel)
         if self._changed("recompute_every_n") and self.recompute != "every_n_layers":
             raise PlanError("recompute_every_n", "only applies when recompute is 'every_n_layers' "
                             f"(recompute = {self.recompute!r})", self.recompute_every_n)
@@ -448,6 +457,10 @@ class Plan:
                   self.bucket_mb)
         if getattr(self, "grad_clip_norm", None) is not None:
             agree("grad_clip_norm", "grad_clip", "max_norm", self.grad_clip_norm)
+        if self.optimizer_kernel == "none" and find("fuse_optimizer") is not None:
+            refuse("optimizer_kernel", "is 'none' but there is a 'fuse_optimizer' pass")
+        elif self.optimizer_kernel in ("foreach", "fused"):
+            agree("optimizer_kernel", "fuse_optimizer", "kernel", self.optimizer_kernel)
         if self.tp > 1:
             agree("tp", "tensor_parallel")
         if self.pp > 1:

@@ -164,6 +164,22 @@ def _foreach(fn_name: str, overload: str):
     return decomposition
 
 
+def _foreach_repeated(fn_name: str):
+    """``_foreach_<op>.Tensor(xs, s)`` (one 0-dim tensor for every element, which torchair has no
+    converter for) as the converted ``.List`` overload with ``s`` repeated: the same op per element."""
+    op = getattr(aten, f"_foreach_{fn_name}").List
+
+    def decomposition(xs, scalar, **kwargs):
+        return op(xs, [scalar] * len(xs), **kwargs)
+
+    return decomposition
+
+
+def _foreach_pow_of(exponent: float):
+    # ATen's pow runs exponent 0.5 as sqrt and -1 as reciprocal, so on CPU this is bitwise the op.
+    return lambda xs: aten._foreach_pow.Scalar(xs, exponent)
+
+
 def _flat_cat(tensors):
     return torch.cat([t.reshape(-1) for t in tensors])
 
@@ -292,6 +308,14 @@ DECOMPOSITIONS: dict[Any, Callable] = {
     torch.ops.prims.convert_element_type.default: _convert_element_type,
     aten._scaled_dot_product_flash_attention_for_cpu.default: _sdpa_cpu_forward,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _sdpa_cpu_backward,
+    # fuse_optimizer's multi-tensor ops without a converter, kept multi-tensor (the generic
+    # _foreach decomposition would split them into one op per element).
+    aten._foreach_mul.Tensor: _foreach_repeated("mul"),
+    aten._foreach_div.Tensor: _foreach_repeated("div"),
+    aten._foreach_add.Tensor: _foreach_repeated("add"),
+    aten._foreach_sqrt.default: _foreach_pow_of(0.5),
+    aten._foreach_reciprocal.default: _foreach_pow_of(-1.0),
+    aten._foreach_neg.default: lambda xs: aten._foreach_mul.Scalar(xs, -1.0),
     c10d.all_reduce_coalesced.default: _all_reduce_coalesced,
     c10d.all_gather_into_tensor_coalesced.default: _all_gather_coalesced,
     c10d.reduce_scatter_tensor_coalesced.default: _reduce_scatter_coalesced,
