@@ -6,8 +6,9 @@
     torchrun --standalone --nproc-per-node 2 -m recipes.bert --plan recipes/bert/plans/zero1_dp2.yaml
 
 Shows a progress bar (loss, tokens/s); then masked-token accuracy on held-out text next to the
-unigram baseline (always answering the corpus's most frequent byte at the same positions), and
-writes ``loss.png`` and ``metrics.json`` into ``--out``.
+unigram baseline (always answering the corpus's most frequent byte at the same positions). ``--out``
+holds the run: ``config.yaml``, ``metrics.jsonl``, ``checkpoints/`` (``--save-every N``; continue with
+``--resume latest``), ``loss.png`` and ``metrics.json`` (recipes/common.py).
 """
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ import torch
 
 from cann_passes import Plan, compile_for_npu
 from recipes.bert.model import BertForMaskedLM, bert_small_cpu, masked_accuracy, mlm_loss
-from recipes.common import (add_training_args, positive_int, launch, load_plan, train_loop, warmup_cosine, writable_dir,
-                            write_convergence)
+from recipes.common import (add_training_args, launch, positive_int, prepare, schedule_steps, train_loop,
+                            warmup_cosine, write_convergence)
 from recipes.data import load_corpus, train_val_split
 from recipes.data.mlm import MaskedLMBatches, most_frequent_token, unigram_accuracy
 
@@ -32,11 +33,10 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     # 400 steps of 16 x 32 bytes: the default model leaves the unigram plateau (200 or 250 steps
     # of 32 x 32 bytes, with the schedule fitted to them, stayed on it)
-    add_training_args(p, plan=PLANS / "fp32.yaml", steps=400, batch_size=16, lr=2e-3)
+    add_training_args(p, plan=PLANS / "fp32.yaml", steps=400, batch_size=16, lr=2e-3, out="out/bert")
     p.add_argument("--model", choices=("recipe", "transformers"), default="recipe")
     p.add_argument("--attention", choices=("explicit", "sdpa"), default="explicit")
-    p.add_argument("--seq-len", type=positive_int, default=32)
-    p.add_argument("--out", default="out/bert", help="where loss.png and metrics.json go")
+    p.add_argument("--seq-len", type=positive_int, default=32, help="tokens per row")
     return p.parse_args(argv)
 
 
@@ -65,12 +65,11 @@ def evaluate(model, batches, unigram_token: int, n: int = 8) -> dict:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    plan = load_plan(args, PROG)
-    writable_dir(args.out, "--out", PROG)
-    return launch(plan, lambda world: train(args, plan, world), threads=args.threads)
+    plan, run = prepare(args, PROG)
+    return launch(plan, lambda world: train(args, plan, world, run), threads=args.threads)
 
 
-def train(args, plan: Plan, world) -> dict:
+def train(args, plan: Plan, world, run=None) -> dict:
     torch.manual_seed(args.seed)
     train_tokens, val_tokens = train_val_split(load_corpus())
     unigram_token = most_frequent_token(train_tokens)      # fitted on training text only
@@ -79,20 +78,22 @@ def train(args, plan: Plan, world) -> dict:
     before = evaluate(model, iter(val_batches), unigram_token)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     step = compile_for_npu(model, plan, optimizer=optimizer, loss_fn=mlm_loss)
-    run = train_loop(step, MaskedLMBatches(train_tokens, args.batch_size, args.seq_len, seed=args.seed),
-                     steps=args.steps, world=world,
-                     scheduler=warmup_cosine(optimizer, args.steps, warmup=args.steps // 10),
-                     desc=f"bert {plan.precision}", items_per_step=args.batch_size * args.seq_len)
+    loop = train_loop(step, MaskedLMBatches(train_tokens, args.batch_size, args.seq_len, seed=args.seed),
+                      steps=args.steps, world=world,
+                      scheduler=warmup_cosine(optimizer, schedule_steps(args), warmup=schedule_steps(args) // 10),
+                      desc=f"bert {plan.precision}", items_per_step=args.batch_size * args.seq_len,
+                      run=run, evaluate=lambda: evaluate(model, iter(val_batches), unigram_token))
     after = evaluate(model, iter(val_batches), unigram_token)
-    metrics = {"plan": str(args.plan), "model": args.model, "steps": args.steps, "losses": run.losses,
+    metrics = {"plan": str(args.plan), "model": args.model, "steps": args.steps, "losses": loop.losses, "evals": loop.evals,
                "val_loss_before": before["loss"], "val_loss_after": after["loss"],
                "masked_accuracy": after["accuracy"], "masked_accuracy_before": before["accuracy"],
                "unigram_accuracy": after["unigram_accuracy"],
-               "compile_seconds": run.compile_seconds, "train_seconds": run.train_seconds}
+               "compile_seconds": loop.compile_seconds, "train_seconds": loop.train_seconds}
     if world is None or world.rank == 0:
         print(step.summary())
-        print(f"first step (capture + compile): {run.compile_seconds:.1f}s; validation loss "
-              f"{before['loss']:.3f} -> {after['loss']:.3f}; {args.steps} steps in {run.train_seconds:.1f}s")
+        print(f"first step (capture + compile): {loop.compile_seconds:.1f}s; validation loss "
+              f"{before['loss']:.3f} -> {after['loss']:.3f}; {args.steps - loop.start_step} steps in "
+              f"{loop.train_seconds:.1f}s")
         gain = after["accuracy"] - after["unigram_accuracy"]
         print(f"held-out masked-token accuracy {after['accuracy']:.1%} (untrained {before['accuracy']:.1%}) "
               f"against the unigram baseline's {after['unigram_accuracy']:.1%} at the same positions: "

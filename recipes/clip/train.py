@@ -5,6 +5,11 @@ the rest with the public API only: ``compile_for_npu`` with a plan from the reci
 ``plans/`` directory, a progress bar with the loss and pictures/s, the held-out metrics
 before and after training, and the loss curve as a figure. Launched by torchrun with a
 ``dp > 1`` plan, every rank draws the same global batches and trains on its share.
+
+The run-management flags are the launcher's (recipes/common.py): ``--out`` (default
+``out/<recipe>``) holds ``config.yaml``, ``metrics.jsonl``, ``checkpoints/`` and ``loss.png``;
+``--save-every N`` / ``--resume latest`` continue a run bitwise; ``--eval-every N`` logs the
+held-out metrics (``val_<metric>``) every N steps.
 """
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from cann_passes import Plan, compile_for_npu
-from recipes.common import add_training_args, launch, load_plan, train_loop, warmup_cosine, writable_dir
+from recipes.common import add_training_args, launch, prepare, schedule_steps, train_loop, warmup_cosine
 from recipes.data.images import ImageTextBatches
 
 
@@ -46,11 +51,15 @@ class Recipe:
 def parse_args(recipe: Recipe, argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=f"python -m recipes.{recipe.name}",
                                 description=f"Train the {recipe.name.upper()} recipe on procedural images.")
-    add_training_args(p, plan=recipe.default_plan, steps=recipe.steps, batch_size=recipe.batch_size, lr=recipe.lr)
+    add_training_args(p, plan=recipe.default_plan, steps=recipe.steps, batch_size=recipe.batch_size, lr=recipe.lr,
+                      out=f"out/{recipe.name}")
     p.add_argument("--model", choices=list(recipe.models), default=next(iter(recipe.models)))
-    p.add_argument("--figure", default=f"out/{recipe.name}/loss.png",
-                   help="where to save the loss curve (PNG); 'none' for no figure")
-    return p.parse_args(argv)
+    p.add_argument("--figure", default=None,
+                   help="where to save the loss curve (PNG; default OUT/loss.png); 'none' for no figure")
+    args = p.parse_args(argv)
+    if args.figure is None:
+        args.figure = str(Path(args.out) / "loss.png")
+    return args
 
 
 def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float,
@@ -79,31 +88,31 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float,
 
 def main(recipe: Recipe, argv=None) -> dict:
     args = parse_args(recipe, argv)
-    plan = load_plan(args, f"python -m recipes.{recipe.name}")
-    if args.figure and args.figure.lower() != "none":
-        writable_dir(Path(args.figure).parent, "--figure", f"python -m recipes.{recipe.name}")
-    return launch(plan, lambda world: train(recipe, args, plan, world), threads=args.threads)
+    figure = () if args.figure.lower() == "none" else ((Path(args.figure).parent, "--figure"),)
+    plan, run = prepare(args, f"python -m recipes.{recipe.name}", also_writable=figure)
+    return launch(plan, lambda world: train(recipe, args, plan, world, run), threads=args.threads)
 
 
-def train(recipe: Recipe, args: argparse.Namespace, plan: Plan, world=None) -> dict:
+def train(recipe: Recipe, args: argparse.Namespace, plan: Plan, world=None, run=None) -> dict:
     torch.manual_seed(args.seed)          # the same initial weights on every rank
     model = recipe.models[args.model]()
     optimizer = make_optimizer(model, args.lr, recipe.weight_decay, recipe.lr_scale)
     step = compile_for_npu(model, plan, optimizer=optimizer, loss_fn=recipe.loss_fns[args.model])
     before = recipe.evaluate(model)
-    run = train_loop(step, ImageTextBatches(args.batch_size), steps=args.steps, world=world,
-                     scheduler=warmup_cosine(optimizer, args.steps, warmup=recipe.warmup, floor=0.05),
-                     desc=f"{recipe.name} {args.model} {plan.precision}", items_per_step=args.batch_size,
-                     rate_unit="img_s")
+    loop = train_loop(step, ImageTextBatches(args.batch_size), steps=args.steps, world=world,
+                      scheduler=warmup_cosine(optimizer, schedule_steps(args), warmup=recipe.warmup, floor=0.05),
+                      desc=f"{recipe.name} {args.model} {plan.precision}", items_per_step=args.batch_size,
+                      rate_unit="img_s", run=run, evaluate=lambda: recipe.evaluate(model))
     after = recipe.evaluate(model)
-    losses = run.losses
+    losses = loop.losses
     result = {"recipe": recipe.name, "model": args.model, "plan": str(args.plan), "steps": args.steps,
-              "losses": losses, "before": before, "after": after,
-              "compile_seconds": run.compile_seconds, "train_seconds": run.train_seconds, "step": step}
+              "losses": losses, "before": before, "after": after, "evals": loop.evals,
+              "compile_seconds": loop.compile_seconds, "train_seconds": loop.train_seconds, "step": step}
     if world is None or world.rank == 0:
         print(step.summary())
-        print(f"compile (first step): {run.compile_seconds:.1f}s; {args.steps} steps in "
-              f"{run.train_seconds:.1f}s; loss {_mean(losses[:10]):.3f} -> {_mean(losses[-10:]):.3f}")
+        print(f"compile (first step): {loop.compile_seconds:.1f}s; {args.steps - loop.start_step} steps in "
+              f"{loop.train_seconds:.1f}s; loss, mean of the first 10 steps {_mean(losses[:10]):.3f} -> "
+              f"of the last 10 {_mean(losses[-10:]):.3f}")
         for key in after:
             print(f"  held-out {key}: {before[key]:.3f} before training -> {after[key]:.3f} after")
         if recipe.verdict is not None:

@@ -27,6 +27,12 @@ BAD = [
     (["--backend", "inductr"], "argument --backend: 'inductr': must be one of 'auto', 'eager', 'inductor', 'torchair'"),
     (["--threads", "0"], "argument --threads: must be at least 1, got 0"),
     (["--plan", "/nonexistent/plan.yaml"], "plan file '/nonexistent/plan.yaml': cannot be read"),
+    (["--save-every", "0"], "argument --save-every: must be at least 1, got 0"),
+    (["--eval-every", "x"], "argument --eval-every: must be a whole number, got 'x'"),
+    (["--schedule-steps", "0"], "argument --schedule-steps: must be at least 1, got 0"),
+    (["--log", "csv"], "argument --log: invalid choice: 'csv'"),
+    (["--resume", "latest"], "--resume latest: no checkpoint under 'out/"),
+    (["--resume", "/nonexistent/ckpt"], "--resume '/nonexistent/ckpt': not a checkpoint"),
 ]
 RECIPES = ["train_gpt", "llama", "bert", "clip", "align", "flamingo"]
 
@@ -51,7 +57,7 @@ def test_a_bad_flag_is_one_line_and_exit_status_2(recipe, argv, message, capsys,
     assert all(line.startswith(("usage:", " ")) for line in err[:-1]), err
 
 
-@pytest.mark.parametrize("recipe, flag", [("llama", "--out"), ("bert", "--out"), ("clip", "--figure")])
+@pytest.mark.parametrize("recipe, flag", [(r, "--out") for r in RECIPES] + [("clip", "--figure")])
 def test_an_unwritable_output_is_refused_before_training(recipe, flag, capsys, tmp_path, monkeypatch):
     target = "/dev/null/x" if flag == "--out" else "/dev/null/x/loss.png"
     err = _refused(recipe, [flag, target, "--steps", "1"], capsys, tmp_path, monkeypatch)
@@ -73,6 +79,8 @@ def test_help_shows_every_default(recipe, capsys):
         _mains()[recipe](["--help"])
     assert info.value.code == 0
     out = " ".join(capsys.readouterr().out.split())
-    for flag in ("--steps", "--batch-size", "--lr", "--seed", "--threads", "--plan"):
+    for flag in ("--steps", "--batch-size", "--lr", "--seed", "--threads", "--plan", "--out", "--resume",
+                 "--save-every", "--eval-every", "--log", "--schedule-steps"):
         assert flag in out
-    assert out.count("(default:") >= 6, out
+    assert f"(default: out/{recipe})" in out and "(default: jsonl)" in out
+    assert out.count("(default:") >= 12, out
