@@ -334,12 +334,12 @@ def segment_figures(program: Program, plan: Plan, profile: DeviceProfile) -> Seg
     for _, tg in program:
         locals_ = {s.name: n.meta["val"].numel() for s, n in zip(tg.signature.inputs, tg.placeholders())
                    if s.kind == "param" and isinstance(n.meta.get("val"), torch.Tensor)}
-        marked = {n.meta[GRADIENT_OF]: n for n in tg.graph.nodes if GRADIENT_OF in n.meta}
+        try:     # the marks the update still reads, and the analysis for the rest
+            marked = find_gradients(tg, mark=False)
+        except GradientNotFound:
+            continue
         if not marked:
-            try:
-                marked = find_gradients(tg, mark=False)
-            except GradientNotFound:
-                continue
+            continue
         for name, node in marked.items():
             if name not in locals_:
                 continue

@@ -182,18 +182,15 @@ class StateBytes:
 
 
 def state_bytes(tg) -> StateBytes:
-    from ..meta import GRADIENT_OF
     from ..signature import InputKind
     from .gradients import GradientNotFound, find_gradients
     by_kind: dict[str, int] = {}
     for spec, node in zip(tg.signature.inputs, tg.placeholders()):
         by_kind[spec.kind] = by_kind.get(spec.kind, 0) + nbytes(node.meta.get("val"))
-    marked = [n for n in tg.graph.nodes if GRADIENT_OF in n.meta]
-    if not marked:
-        try:
-            marked = list(find_gradients(tg, mark=False).values())
-        except GradientNotFound:   # no optimizer update in this graph (a grad graph, a forward half)
-            marked = []
+    try:     # the marks the update still reads, and the analysis for the rest
+        marked = list(find_gradients(tg, mark=False).values())
+    except GradientNotFound:   # no optimizer update in this graph (a grad graph, a forward half)
+        marked = []
     return StateBytes(by_kind.get(InputKind.PARAM.value, 0), sum(nbytes(n.meta.get("val")) for n in marked),
                       by_kind.get(InputKind.OPT_STATE.value, 0), sum(saved_activations(tg.graph).values()),
                       by_kind.get(InputKind.BUFFER.value, 0), by_kind.get(InputKind.STEP_STATE.value, 0))
