@@ -31,12 +31,14 @@ all-reduced (or reduce-scattered) one parameter at a time, so every
 collective lands in the stage that owns its gradient.
 
 What composes with pp > 1 on the (pp, dp, tp) mesh: static microbatches, dp,
-ZeRO-1/2, tp (the stage graphs keep each rank's tp collectives), weights tied
+ZeRO-1/2/3 (ZeRO-3: each stage gathers its parameters' shards where it reads them, every
+microbatch; the accumulated gradients are reduce-scattered once per step), tp (the stage
+graphs keep each rank's tp collectives), weights tied
 across stages (their parts all-reduced over the pp group, or over a group of
 just the pipeline ranks holding them), global grad-norm clipping (also with
 ZeRO-1/2 and tp) and fp16 loss scaling (each stage checks its own gradients,
 the flags combined over the pp group; see ``pipeline_split``). Refused by field
-(``_check_pipeline_plan``): ZeRO-3, dynamic accumulation; by ``pipeline_split``:
+(``_check_pipeline_plan``): dynamic accumulation; by ``pipeline_split``:
 clipping or loss scaling with several stages per rank, a tied weight two of
 whose stages share a rank (DualPipeV).
 
@@ -187,10 +189,6 @@ def _check_pipeline_plan(plan: Plan) -> None:
     if plan.accumulate_target is not None:
         raise PlanError("accumulate_target", "dynamic accumulation with pp > 1 is not built (rule: the "
                                              "pipeline's microbatches are fixed per step)", plan.accumulate_target)
-    if plan.zero_stage == 3:
-        raise PlanError("zero_stage", "ZeRO-3 with pp > 1 is not built yet (rule: zero_stage <= 2 when "
-                                      "pp > 1: each stage would gather its parameters per microbatch, "
-                                      "which the stage graphs do not do)", plan.zero_stage)
     if plan.pipeline_schedule == "dynamic":
         raise PlanError("pipeline_schedule", "'dynamic' is resolved to a schedule by the planning layer "
                                              "(cann_passes.planning.resolve_plan) before the pipeline is "

@@ -58,6 +58,66 @@ from .runtime.binding import ShardStore, StepState, autocast_off, bind_inputs, s
 log = logging.getLogger("cann_passes")
 
 
+class BackgroundLowering:
+    """A backend's lowering of a program's graphs, in a thread, while the step runs the same graphs
+    on the eager lowering: the first step runs within seconds instead of after the backend's
+    compile (inductor's takes a minute on two cores). Its runners replace the eager ones between
+    two steps, so a step runs wholly on one lowering; the parameters and state they read and write
+    are the same tensors. The lowering gets empty tensors of the example inputs' layout (not the
+    live parameters the steps update meanwhile). A failed lowering is a warning: the step keeps
+    the eager runners, and ``summary()`` says so."""
+
+    def __init__(self, backend: str, lowering, graphs: dict, examples: dict, plan: Plan):
+        import threading
+        self.backend = backend
+        self.runners: dict | None = None
+        self.error: BaseException | None = None
+        self.seconds: float | None = None
+        self.switched_at: int | None = None       # the steps run when the backend's runners took over
+        layouts = {name: [torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
+                          if isinstance(t, torch.Tensor) else t for t in inputs] for name, inputs in examples.items()}
+        self._thread = threading.Thread(target=self._lower, args=(lowering, dict(graphs), layouts, plan),
+                                        name=f"{backend} lowering", daemon=True)
+        self._thread.start()
+
+    def _lower(self, lowering, graphs: dict, layouts: dict, plan: Plan) -> None:
+        t0 = time.perf_counter()
+        try:
+            with compile_cache.lowering_context(self.backend):
+                self.runners = {name: lowering.compile(graph, layouts[name], plan) for name, graph in graphs.items()}
+        except BaseException as exc:      # reported on the step's thread, at the next step
+            self.error = exc
+        self.seconds = time.perf_counter() - t0
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self) -> None:
+        self._thread.join()
+
+    def take_over(self, comp: "Compilation", steps_run: int) -> None:
+        """Between two steps: the backend's runners replace the eager ones once they are compiled."""
+        if self.switched_at is not None or not self.done():
+            return
+        self.switched_at = steps_run
+        if self.error is not None:
+            import warnings
+            warnings.warn(f"the {self.backend} lowering failed in the background "
+                          f"({type(self.error).__name__}: {str(self.error).splitlines()[0] if str(self.error) else ''}); "
+                          "the step keeps running on the eager lowering", RuntimeWarning, stacklevel=3)
+            return
+        comp.runners.update(self.runners)
+        comp.compile_seconds += self.seconds
+
+    def describe(self) -> str:
+        if self.switched_at is None:
+            return "compiling in the background; the steps so far ran on the eager lowering"
+        if self.error is not None:
+            return f"background lowering failed ({type(self.error).__name__}); every step ran on the eager lowering"
+        return (f"lowered in the background in {self.seconds:.1f}s; steps 1-{self.switched_at} ran on the eager "
+                "lowering")
+
+
 @dataclass
 class Compilation:
     """What compiling for one batch signature produced: the program and a runner per graph."""
@@ -78,6 +138,8 @@ class Compilation:
     guards: list = field(repr=False, default_factory=list)
     # The persistent compile cache: "hit <key>", "stored <key>", or why it was not used.
     cache: str = ""
+    # plan.background_lowering: the backend's lowering, running while the step runs on eager's.
+    background: "BackgroundLowering | None" = field(repr=False, default=None)
 
     def failed_guard(self):
         """The first guard that no longer holds, or None."""
@@ -190,8 +252,10 @@ class CompiledStep:
             key = (base, len(variants))
             self._compiled[key] = self._compile(batch)
         # Most recently used last: ``step.last`` is the compilation the last call ran.
-        self._compiled[key] = self._compiled.pop(key)
-        return self._compiled[key]
+        self._compiled[key] = comp = self._compiled.pop(key)
+        if comp.background is not None:
+            comp.background.take_over(comp, self.steps_run)
+        return comp
 
     def _key_change(self, before: tuple, now: tuple) -> str:
         """What differs between two :meth:`cache_key` values, in the user's words."""
@@ -246,9 +310,18 @@ class CompiledStep:
                 cache_note = cache.store(key, facts, captured, program, layout, guards)
         t1 = time.perf_counter()
         lowering = get_lowering(self.backend)
-        with compile_cache.lowering_context(self.backend):
-            runners = {name: lowering.compile(graph, self._inputs(graph, batch), self.plan)
+        background = None
+        if self.plan.background_lowering and self.backend != "eager":
+            # Run at once on the eager lowering of this very program; the backend's runners take
+            # over between two steps once compiled (BackgroundLowering).
+            examples = {name: self._inputs(graph, batch) for name, graph in program.graphs.items()}
+            runners = {name: get_lowering("eager").compile(graph, examples[name], self.plan)
                        for name, graph in program.graphs.items()}
+            background = BackgroundLowering(self.backend, lowering, program.graphs, examples, self.plan)
+        else:
+            with compile_cache.lowering_context(self.backend):
+                runners = {name: lowering.compile(graph, self._inputs(graph, batch), self.plan)
+                           for name, graph in program.graphs.items()}
         compile_seconds = time.perf_counter() - t1
         ctx = program.context
         main = program.main
@@ -258,7 +331,7 @@ class CompiledStep:
         return Compilation(captured, program, layout, Pipeline.parse(program.attrs[GraphAttr.PASS_PIPELINE]), self.backend,
                            program.records, runners, capture_seconds, compile_seconds,
                            ctx.analyses.get("cost", main), ctx.analyses.get("memory", main), ctx, guards,
-                           cache_note)
+                           cache_note, background)
 
     # -- running ------------------------------------------------------------------------------
     def _init_state(self, name: str) -> None:
@@ -270,8 +343,8 @@ class CompiledStep:
     def _inputs(self, graph: TrainGraph, batch: Any) -> list[torch.Tensor]:
         if pipeline_parallel.takes_stage_values(graph):
             return pipeline_parallel.example_inputs(self, graph, batch)
-        return bind_inputs(graph, self.model, self.optimizer, batch, self.step_state, self.shards,
-                           self._init_state)
+        return bind_inputs(graph, self.model, self.optimizer, batch, self.step_state,
+                           pipeline_parallel.shards_for(self, graph), self._init_state)
 
     def _run(self, graph: TrainGraph, runner, batch: Any) -> torch.Tensor | None:
         with autocast_off():
@@ -382,7 +455,8 @@ class CompiledStep:
 
     def summary(self) -> str:
         comp = self.last
-        lines = [f"pipeline: {comp.pipeline}", f"backend: {comp.backend}",
+        backend = comp.backend if comp.background is None else f"{comp.backend} ({comp.background.describe()})"
+        lines = [f"pipeline: {comp.pipeline}", f"backend: {backend}",
                  f"capture: {comp.captured.num_nodes()} nodes in {comp.capture_seconds:.2f}s",
                  f"compile cache: {comp.cache or 'miss'}; {len(comp.guards)} guards on Python values the trace read; "
                  f"{len(self._compiled)} compilation(s)"]

@@ -45,7 +45,7 @@ from graph_ir.pipeline_info import pipeline_split_of
 from graph_ir.program import Program
 from graph_ir.signature import OutputKind, StepSignature
 
-from .binding import autocast_off, bind_inputs, write_back
+from .binding import ShardStore, autocast_off, bind_inputs, write_back
 
 
 class PipelineRuntimeError(RuntimeError):
@@ -216,6 +216,16 @@ def run_local(step, program: Program, runners: dict[str, Any], microbatches: lis
     return sum(losses[i] * rows[i] for i in range(len(microbatches))) / sum(rows)
 
 
+def shards_for(step, graph) -> ShardStore:
+    """The store a graph's sharded inputs are cut into: the step's, or, for a stage of another
+    pipeline rank (compiled here too), one of its own, dropped after compiling: those shards
+    (ZeRO-3's parameter pieces) are that rank's to keep."""
+    owner = graph.attrs.get(GraphAttr.STAGE, {}).get("rank")
+    if step.world is None or owner is None or owner == step.mesh.local_rank("pp"):
+        return step.shards
+    return ShardStore(step.mesh)
+
+
 def takes_stage_values(graph) -> bool:
     return any(s.kind in StageValue.KINDS for s in graph.signature.inputs)
 
@@ -225,7 +235,7 @@ def example_inputs(step, graph, batch: Any) -> list[torch.Tensor]:
     recorded shape for values another stage graph hands it."""
     standard = [s for s in graph.signature.inputs if s.kind not in StageValue.KINDS]
     bound = iter(bind_inputs(_Inputs(graph, standard), step.model, step.optimizer, batch, step.step_state,
-                             step.shards, step._init_state))
+                             shards_for(step, graph), step._init_state))
     out = []
     for spec, node in zip(graph.signature.inputs, graph.placeholders()):
         if spec.kind in StageValue.KINDS:

@@ -43,7 +43,10 @@ def main(out: str, model_name: str, pp: int, configs: list[str]) -> None:
                       if set(pp_worker._stages_of(info, n)) & mine}
             events = [(e.rank, e.stage, e.microbatch, e.kind, e.start_s, e.end_s)
                       for e in step.pipeline_timeline().events]
-            results[config] = {"losses": losses, "params": params, "events": events, "stages": info["stages"],
+            state = model.state_dict()   # every rank: the whole trained model (a collective over pp)
+            every = {n: state[n].detach().clone() for n, _ in model.named_parameters()}
+            results[config] = {"losses": losses, "params": params, "every": every, "events": events,
+                               "stages": info["stages"],
                                "schedule": info["schedule"], "dynamic": info.get("dynamic"),
                                "stage_seconds": info["stage_seconds"], "shared": info.get("shared_params", {}),
                                "subgroups": info.get("pp_subgroups", {}), "scaling": scaling}

@@ -128,7 +128,10 @@ def main(out: str, model_name: str, pp: int, dp: int, tp: int, configs: list[str
                        for e in step.pipeline_timeline().events] if pp > 1 else [])
             # every parameter, as this rank's model holds it (each broadcast from its owning stage)
             every = {n: state[n].detach().clone() for n, _ in model.named_parameters()}
+            # ZeRO-3: the parameter shards this rank keeps between steps (its stages' parameters over dp)
+            shard_numel = sum(t.numel() for t in step.param_shards.values())
             results[config] = {"losses": losses, "params": params, "every": every, "events": events,
+                               "shard_numel": shard_numel,
                                "stage_seconds": info["stage_seconds"], "stages": info["stages"],
                                "shared": info.get("shared_params", {}), "scaling": scaling}
     torch.save(results, Path(out) / f"rank{world.rank}.pt")

@@ -174,7 +174,11 @@ FP16 = "fp16:scale=524288:grow=2"
 def test_dp2_x_pp2_matches_single_process_training(tmp_path_factory, subtests):
     # Global clipping over ZeRO-1 shards (the squared shard norms all-reduced over dp and pp); fp16 loss
     # scaling, the overflow flag combined over the stages and over dp.
-    configs = ["1f1b:sgd", "1f1b:adamw", "1f1b:sgd:clip=0.5:zero1", f"llama/1f1b:sgd:{FP16}"]
+    # ZeRO-3: each stage gathers its parameters' shards over dp where it reads them (every
+    # microbatch), the accumulated gradients are reduce-scattered once per step, each shard updated.
+    # (GPT-2's embedding tied to its head: both holding stages gather the one shard, each sums its part.)
+    configs = ["1f1b:sgd", "1f1b:adamw", "1f1b:sgd:clip=0.5:zero1", f"llama/1f1b:sgd:{FP16}", "1f1b:sgd:zero3",
+               "1f1b:adamw:zero3", "gpt2/1f1b:sgd:zero3", "llama/1f1b:sgd:clip=0.5:zero3"]
     ranks = _launch(tmp_path_factory, "dp2pp2", 4, "gpt4", 2, 2, configs)
     for config in configs:
         with subtests.test(config=config):
@@ -182,6 +186,10 @@ def test_dp2_x_pp2_matches_single_process_training(tmp_path_factory, subtests):
                 _check_fp16(ranks, config, dp=2)
             else:
                 _check(ranks, config, "gpt4", dp=2)
+            if config.endswith("zero3"):   # a rank keeps half of its own stages' parameters, padded
+                for result in ranks:
+                    own = sum(v.numel() for v in result[config]["params"].values())
+                    assert own / 2 <= result[config]["shard_numel"] <= own / 2 + len(result[config]["params"])
 
 
 def test_tp2_x_pp2_gpt_and_llama_match_single_process_training(tmp_path_factory, subtests):

@@ -78,7 +78,7 @@ from graph_ir import TrainGraph
 from graph_ir.meta import GraphAttr, GraphKind, Region, graph_kind, region_of
 from graph_ir.pipeline_info import PipelineSplit, set_pipeline_split
 from graph_ir.program import EVERY_MICROBATCH, EVERY_STEP, Program, Run
-from graph_ir.signature import OutputKind
+from graph_ir.signature import InputKind, OutputKind
 
 from ...cost_model import get_profile
 from ...pass_manager import PassContext, PassOptionError, register_pass
@@ -132,6 +132,24 @@ def _stage_seconds(unit_seconds: list[float], unit_of_stage: list[int], n_stages
     return stage_cost
 
 
+def _one_parameter_values_with_their_readers(graph: TrainGraph, fstage: dict[torch.fx.Node, int]) -> None:
+    """A forward value computed from one parameter alone (ZeRO-3's gather of its shard, the wait,
+    the unpadding views) goes to the stage of its first reader: cut by position it could fall in
+    an earlier stage (ZeRO-3 gathers ahead of use), make that stage the parameter's home and send
+    the whole parameter across the cut."""
+    params = {n for n, spec in zip(graph.placeholders(), graph.signature.inputs) if spec.kind == InputKind.PARAM}
+    source: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in fstage:
+        read = {a if a in params else source.get(a) for a in node.all_input_nodes}
+        if len(read) == 1 and None not in read:
+            source[node] = read.pop()
+    for node in reversed(list(fstage)):
+        if node in source:
+            readers = [fstage[u] for u in node.users if u in fstage]
+            if readers:
+                fstage[node] = min(readers)
+
+
 @register_pass("pipeline_split", preserves=(), on="program")
 def pipeline_split_pass(program: Program, ctx: PassContext, *, stages: int = 2, pp: int = 0,
                         schedule: str = "1f1b", layers: str = "", in_flight: str = "",
@@ -164,6 +182,8 @@ def pipeline_split_pass(program: Program, ctx: PassContext, *, stages: int = 2, 
     cuts = _choose_cuts(nodes, units, device, stages=stages, pp=pp, schedule=schedule, layers=layers,
                         in_flight=in_flight, cut_slack=cut_slack)
     fstage = _forward_stages(nodes, [cuts.units[u] for u in cuts.unit_of_stage])
+    if graph.attrs.get(GraphAttr.ZERO, {}).get("stage") == 3:
+        _one_parameter_values_with_their_readers(graph, fstage)
     stage, homes, shared, mixed = _assign(nodes, fstage, stages)
     ranks = _default_ranks(stages, pp, schedule)
     tied, reduced, subgroups = _share_across_stages(nodes, stage, homes, shared, mixed, ranks, stages, pp,
