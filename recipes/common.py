@@ -318,7 +318,10 @@ def _show_compilation(step, seconds: float, what: str, write: Callable[[str], An
         passes = sum(r.seconds for r in comp.records)
         made = (f"capture {comp.capture_seconds:.2f}s, {len(comp.records)} passes {passes:.2f}s; compile cache "
                 f"{comp.cache or 'miss'}")
-    write(f"{what} in {seconds:.1f}s: {made}, lowering ({comp.backend}) {comp.compile_seconds:.2f}s")
+    lowering = (f"lowering ({comp.backend}) {comp.compile_seconds:.2f}s" if comp.background is None else
+                f"lowering (eager) {comp.compile_seconds:.2f}s, {comp.backend} compiling in the background "
+                "(its runners take over between two steps)")
+    write(f"{what} in {seconds:.1f}s: {made}, {lowering}")
     sys.stdout.flush()
 
 

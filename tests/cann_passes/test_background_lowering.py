@@ -1,0 +1,111 @@
+"""plan.background_lowering: the first steps run on the eager lowering of the program while the
+backend's lowering compiles in a thread; its runners take over between two steps. Steps before and
+after the switch match eager PyTorch; a lowering that fails is a warning and the step stays eager.
+
+The backend's compile is held by an event here (a stand-in that lowers through eager once
+released), so which steps ran before the switch is decided by the test, not by timing; one test
+runs real inductor."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from cann_passes import Plan, PlanError, compile_for_npu
+from cann_passes.lowering.eager import EagerLowering
+from cann_passes.lowering.inductor import InductorLowering
+from tests.eager_reference import eager_steps
+from tests.passes._tiny import mlp_batch, mlp_step, sgd
+
+BATCHES = [mlp_batch(seed) for seed in range(1, 8)]
+
+
+def _eager_losses(step):
+    model, opt = step.fresh()
+    return eager_steps(model, opt, step.loss_fn, BATCHES).losses, model
+
+
+@pytest.fixture
+def held_inductor(monkeypatch):
+    """Inductor's lowering replaced by eager's, run only once the test sets the event."""
+    release, lowered = threading.Event(), []
+
+    def compile(self, graph, example_inputs, plan):
+        assert release.wait(60), "the test never released the background lowering"
+        lowered.append(list(example_inputs))
+        return EagerLowering().compile(graph, example_inputs, plan)
+    monkeypatch.setattr(InductorLowering, "compile", compile)
+    return release, lowered
+
+
+def test_steps_run_on_eager_until_the_backend_is_lowered_then_on_its_runners(held_inductor):
+    release, lowered = held_inductor
+    tiny = mlp_step()
+    want, ref = _eager_losses(tiny)
+    model, opt = tiny.fresh()
+    step = compile_for_npu(model, Plan(backend="inductor", background_lowering=True), optimizer=opt,
+                           loss_fn=tiny.loss_fn)
+    got = [float(step(b)) for b in BATCHES[:3]]
+    background = step.last.background
+    assert background.switched_at is None and lowered == []       # still held: three steps ran on eager
+    assert "compiling in the background" in step.summary()
+    eager_runner = step.last.runners["step"]
+    release.set()
+    background.wait()
+    got += [float(step(b)) for b in BATCHES[3:]]
+    assert background.switched_at == 3 and step.last.runners["step"] is not eager_runner
+    assert background.runners["step"] is step.last.runners["step"]
+    # the thread lowered from tensors of the inputs' layout, never the parameters the steps update
+    live = {p.data_ptr() for p in model.parameters()} | {t.data_ptr() for s in opt.state.values()
+                                                         for t in s.values() if isinstance(t, torch.Tensor)}
+    examples = [t for inputs in lowered for t in inputs if isinstance(t, torch.Tensor) and t.numel()]
+    assert examples and not {t.data_ptr() for t in examples} & live
+    assert "steps 1-3 ran on the eager lowering" in step.summary()
+    assert got == pytest.approx(want, rel=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_a_failed_background_lowering_warns_and_the_step_stays_on_eager(monkeypatch):
+    def fail(self, graph, example_inputs, plan):
+        raise RuntimeError("the C++ compiler is missing")
+    monkeypatch.setattr(InductorLowering, "compile", fail)
+    tiny = mlp_step()
+    want, ref = _eager_losses(tiny)
+    model, opt = tiny.fresh()
+    step = compile_for_npu(model, Plan(backend="inductor", background_lowering=True), optimizer=opt,
+                           loss_fn=tiny.loss_fn)
+    # the failure is reported between two steps: before the first (it failed at once) or the second
+    with pytest.warns(RuntimeWarning, match="the inductor lowering failed in the background "
+                                            r"\(RuntimeError: the C\+\+ compiler is missing\); the step keeps"):
+        got = [float(step(BATCHES[0]))]
+        step.last.background.wait()
+        got.append(float(step(BATCHES[1])))
+    got += [float(step(b)) for b in BATCHES[2:]]
+    assert got == pytest.approx(want, rel=1e-6)
+    assert "background lowering failed (RuntimeError); every step ran on the eager lowering" in step.summary()
+
+
+def test_the_field_is_a_boolean_and_applies_only_without_pipeline_stages():
+    with pytest.raises(PlanError, match="background_lowering.*must be true or false"):
+        Plan(background_lowering="yes")
+    with pytest.raises(PlanError, match="background_lowering.*applies only at pp = 1"):
+        Plan(background_lowering=True, pp=2, microbatches=2)
+
+
+@pytest.mark.slow
+def test_real_inductor_takes_over_and_matches_eager():
+    pytest.importorskip("torch._inductor")
+    tiny = mlp_step(sgd)
+    want, ref = _eager_losses(tiny)
+    model, opt = tiny.fresh()
+    step = compile_for_npu(model, Plan(backend="inductor", background_lowering=True), optimizer=opt,
+                           loss_fn=tiny.loss_fn)
+    got = [float(step(BATCHES[0]))]
+    step.last.background.wait()
+    got += [float(step(b)) for b in BATCHES[1:]]
+    assert step.last.background.error is None and step.last.background.switched_at in (0, 1)
+    assert got == pytest.approx(want, rel=1e-5)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
