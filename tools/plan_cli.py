@@ -21,6 +21,10 @@ the output): a candidate that saves no more memory on any axis than one that
 does not fit does not fit either; one that saves at least as much on every
 axis as one that fits is not faster.
 
+Output: the candidates ranked (the criterion is printed above the table), every candidate not
+simulated with why, the best plan's breakdown, and the best plan as a plan file, by default
+``out/cann-plan/best_plan.yaml`` (``out/`` is gitignored); the last line says where it went.
+
 Named shapes are captured once per batch shape at two small depths (2 and 3
 layers; one layer is not enough: with full recompute its kept activations do not
 scale like the rest) and every figure is continued linearly to the real depth (tests check
@@ -33,6 +37,7 @@ import argparse
 import dataclasses
 import importlib
 import itertools
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -53,6 +58,8 @@ RECOMPUTE_ORDER = ("none", "selective", "budget", "full")   # by memory saved (a
 EXTRAPOLATE_FROM = (2, 3)
 # Published reference throughput printed beside a prediction (tokens/s per device).
 REFERENCES = {"llama-7b": ("MindSpeed-LLM LLaMA2-7B on Atlas 900 A2 (910B), seq 4096", 2730.0)}
+DEFAULT_OUT = str(Path("out") / "cann-plan" / "best_plan.yaml")
+NOT_SIMULATED = ("pruned-bound", "skipped-dominated", "failed")
 
 
 class UsageError(ValueError):
@@ -284,8 +291,49 @@ def search(spec: ModelSpec, captures: Captures, cands: list[Candidate], *, profi
 
 
 def ranked(cands: list[Candidate]) -> list[Candidate]:
+    """What :func:`ranking_criterion` says: fitting plans by throughput, then the rest by peak."""
     done = [c for c in cands if c.sim is not None]
     return sorted(done, key=lambda c: (not c.sim.fits, -c.sim.tokens_per_second if c.sim.fits else c.sim.peak_bytes))
+
+
+def ranking_criterion(capacity: float) -> str:
+    return (f"ranked by predicted tokens/s, highest first (every plan runs the same global batch, so this is the "
+            f"shortest predicted step), among plans whose predicted peak fits in {capacity / GB:.3g} GB per "
+            f"device; plans that do not fit follow, lowest peak first")
+
+
+def shown_summary(rows: list[Candidate], top: int, not_simulated: int) -> str:
+    """How much of the ranking the table shows, and where the candidates it cannot rank are."""
+    if not rows:
+        text = "no candidate was simulated"
+    elif len(rows) > top:
+        text = f"showing {top} of {len(rows)} simulated plans (--top {top})"
+    elif len(rows) < top:
+        text = f"all {len(rows)} simulated plans shown (--top {top} asks for more than were simulated)"
+    else:
+        text = f"all {len(rows)} simulated plans shown"
+    if not_simulated:
+        some = f"{'the other ' if rows else ''}{_count(not_simulated, 'candidate')}"
+        text += f"; {some} {'was' if not_simulated == 1 else 'were'} not simulated: listed below, with why"
+    return text
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def not_simulated_table(cands: list[Candidate], top: int) -> list[str]:
+    """Candidates the search did not simulate, refusals first: each with its status and reason."""
+    skipped = sorted((c for c in cands if c.status in NOT_SIMULATED), key=lambda c: NOT_SIMULATED[::-1].index(c.status))
+    if not skipped:
+        return []
+    shown = skipped[:top]
+    lines = [f"not simulated: {_count(len(skipped), 'candidate')}"
+             + (f" ({len(shown)} shown, --top {top})" if len(shown) < len(skipped) else "")]
+    lines += [f"  {c.status:<18} {c.label():<52} {c.reason}" for c in shown]
+    if len(shown) < len(skipped):
+        lines.append(f"  ... and {len(skipped) - len(shown)} more (raise --top to list them)")
+    return lines
 
 
 def plan_yaml(plan: Plan, pp: int = 1) -> str:
@@ -299,7 +347,8 @@ def plan_yaml(plan: Plan, pp: int = 1) -> str:
 
 
 def table(rows: list[Candidate], top: int, memory: float) -> str:
-    """Ranked plans; headroom is the share of the device's whole memory left free at the peak."""
+    """Ranked plans, in :func:`ranked`'s order; headroom is the share of the device's whole memory left
+    free at the peak."""
     head = f"{'#':>3}  {'plan':<52}{'fits':>5}{'peak GB':>9}{'headroom':>9}{'step ms':>10}{'tok/s/dev':>11}{'MFU':>7}"
     lines = [head]
     for i, c in enumerate(rows[:top], 1):
@@ -332,15 +381,19 @@ def parse(argv):
     p = argparse.ArgumentParser(prog="cann-plan", description=__doc__.splitlines()[0])
     p.add_argument("model", nargs="?", help="named shape or pkg.module:factory")
     p.add_argument("--list", action="store_true", help="list the named shapes")
-    p.add_argument("--devices", type=int, default=8)
-    p.add_argument("--device-profile", default="ascend_910b")
-    p.add_argument("--memory-gb", type=float, default=None, help="device memory (default: the profile's)")
-    p.add_argument("--seq", type=int, default=None)
+    p.add_argument("--devices", type=int, default=8, help="devices in the cluster (default: %(default)s)")
+    p.add_argument("--device-profile", default="ascend_910b",
+                   help=f"device cost profile: {', '.join(profile_names())} (default: %(default)s)")
+    p.add_argument("--memory-gb", type=float, default=None, help="memory per device in GB (default: the profile's)")
+    p.add_argument("--seq", type=int, default=None,
+                   help="tokens per sequence (default: the named shape's; a factory model needs it)")
     p.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step (default: devices)")
-    p.add_argument("--zero", default="0,1,2,3")
-    p.add_argument("--recompute", default=",".join(RECOMPUTE_ORDER))
+    p.add_argument("--zero", default="0,1,2,3", help="comma list of ZeRO stages to try (default: %(default)s)")
+    p.add_argument("--recompute", default=",".join(RECOMPUTE_ORDER),
+                   help="comma list of recompute policies to try (default: %(default)s)")
     p.add_argument("--budget", type=float, default=0.5, help="recompute budget: fraction of saved activations kept")
-    p.add_argument("--microbatches", default="1,2,4")
+    p.add_argument("--microbatches", default="1,2,4",
+                   help="comma list of microbatch counts per optimizer step to try (default: %(default)s)")
     p.add_argument("--precision", default="bf16", help="comma list of fp32,bf16 (fp32 doubles the search)")
     p.add_argument("--tp", default="1", help="comma list of tensor-parallel degrees to try")
     p.add_argument("--pp", default="1", help="comma list of pipeline degrees to try (1F1B, microbatches >= pp)")
@@ -351,9 +404,11 @@ def parse(argv):
     p.add_argument("--min-headroom", type=float, default=0.10,
                    help="fraction of device memory a plan must leave free to count as fitting (fragmentation, "
                         "workspaces and the runtime are not modelled)")
-    p.add_argument("--top", type=int, default=12)
-    p.add_argument("--out", default="best_plan.yaml", help="where to write the best plan")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--top", type=int, default=12,
+                   help="rows of the ranked table, and of the list of candidates not simulated (default: %(default)s)")
+    p.add_argument("--out", default=DEFAULT_OUT,
+                   help="plan file to write the best plan to, its directory made if missing (default: %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p.parse_args(argv)
 
 
@@ -387,14 +442,11 @@ def check(args) -> ModelSpec:
         raise UsageError(f"--budget {args.budget}: must be a fraction in (0, 1]")
     if args.top < 1:
         raise UsageError(f"--top {args.top}: must be >= 1")
-    # Outputs are checked before the search: a result is never lost to an unwritable path.
-    _check_writable(args.out, "--out")
     if args.breakdown is not None:
         suffix = Path(args.breakdown).suffix.lower().lstrip(".")
         if suffix not in ("png", "svg", "pdf"):
             raise UsageError(f"--breakdown {args.breakdown!r}: the picture is written as .png, .svg or .pdf "
                              f"(got {'.' + suffix if suffix else 'no suffix'})")
-        _check_writable(args.breakdown, "--breakdown")
     args.zero_stages = _ints(args.zero, "zero")
     if any(z > 3 for z in args.zero_stages):
         raise UsageError(f"--zero '{args.zero}': ZeRO stages are 0..3")
@@ -410,6 +462,12 @@ def check(args) -> ModelSpec:
     if not args.seq:
         raise UsageError(f"MODEL '{args.model}': a factory model needs --seq")
     args.global_batch = args.global_batch or args.devices
+    plan_candidates(args, spec)
+    # Outputs are checked before the search, so a result is never lost to an unwritable path, and
+    # last, because the check makes the directory: a refused command leaves nothing behind.
+    if args.breakdown is not None:
+        _check_writable(args.breakdown, "--breakdown")
+    _check_writable(args.out, "--out")
     return spec
 
 
@@ -418,18 +476,23 @@ def backend_for(profile: str) -> str:
     return "torchair" if profile.startswith("ascend") else "eager"
 
 
+def plan_candidates(args, spec: ModelSpec) -> list[Candidate]:
+    cands = candidates(args.devices, args.global_batch, tps=args.tps, stages=args.zero_stages,
+                       recomputes=args.recomputes, microbatches=args.microbatch_counts,
+                       precisions=args.precisions, budget=args.budget, heads=spec.heads,
+                       backend=backend_for(get_profile(args.device_profile).name), pps=args.pps)
+    if not cands:
+        raise UsageError(f"no plan divides --global-batch {args.global_batch} over {args.devices} devices with "
+                         f"microbatches {args.microbatches}, tp {args.tp} and pp {args.pp}")
+    return cands
+
+
 def run(args, spec: ModelSpec, out=print, captures: Captures | None = None) -> int:
     profile = get_profile(args.device_profile)
     memory = args.memory_gb * GB if args.memory_gb else profile.memory_capacity
     capacity = memory * (1 - args.min_headroom)   # what a fitting plan may use
     captures = captures or Captures(spec, args.seq, args.full_depth)
-    cands = candidates(args.devices, args.global_batch, tps=args.tps, stages=args.zero_stages,
-                       recomputes=args.recomputes, microbatches=args.microbatch_counts,
-                       precisions=args.precisions, budget=args.budget, heads=spec.heads,
-                       backend=backend_for(profile.name), pps=args.pps)
-    if not cands:
-        raise UsageError(f"no plan divides --global-batch {args.global_batch} over {args.devices} devices with "
-                         f"microbatches {args.microbatches}, tp {args.tp} and pp {args.pp}")
+    cands = plan_candidates(args, spec)
     t0 = time.perf_counter()
     search(spec, captures, cands, profile=profile.name, capacity=capacity, progress=not args.no_progress)
     seconds = time.perf_counter() - t0
@@ -442,12 +505,15 @@ def run(args, spec: ModelSpec, out=print, captures: Captures | None = None) -> i
         + f" in {seconds:.0f}s (captures {captures.seconds:.0f}s)")
     out(f"modelled: {MODELLED}")
     out(f"not modelled: {NOT_MODELLED}")
-    for c in cands:
-        if c.status == "failed":
-            out(f"  refused by the pipeline: {c.label()}: {c.reason}")
+    out("")
+    out(ranking_criterion(capacity))
     if rows:
-        out("")
         out(table(rows, args.top, memory))
+    out(shown_summary(rows, args.top, len(cands) - len(rows)))
+    skipped = not_simulated_table(cands, args.top)
+    if skipped:
+        out("")
+        out("\n".join(skipped))
     fitting = [c for c in rows if c.sim.fits]
     out("")
     if not fitting:
@@ -460,7 +526,7 @@ def run(args, spec: ModelSpec, out=print, captures: Captures | None = None) -> i
             out(f"largest term: {closest.sim.largest_term} "
                 f"({closest.sim.memory[closest.sim.largest_term] / GB:.2f} GB per rank)")
         elif any(c.status == "failed" for c in cands):
-            out("no candidate was simulated: the pipeline refused every one that passed the bound (above)")
+            out("no candidate was simulated: the pipeline refused every one that passed the bound (the failed ones above say why)")
         else:
             terms = closest.bound_terms
             largest = max(terms, key=terms.get)
@@ -468,6 +534,7 @@ def run(args, spec: ModelSpec, out=print, captures: Captures | None = None) -> i
                 f"{closest.bound_bytes / GB:.3g} GB ({closest.label()}): "
                 + ", ".join(f"{k} {v / GB:.3g} GB" for k, v in terms.items())
                 + f"; largest term: {largest} ({terms[largest] / GB:.3g} GB per rank)")
+        out(f"no plan written to {os.path.abspath(args.out)}")
         return 1
     best = fitting[0]
     out(f"best: {best.label()}: headroom {1 - best.sim.peak_bytes / memory:.1%} of {memory / GB:g} GB")
@@ -487,9 +554,10 @@ def run(args, spec: ModelSpec, out=print, captures: Captures | None = None) -> i
                 f"({best.sim.peak_bytes / b.peak_bytes - 1:+.0%})")
         except (SimulationError, PlanError, RuntimeError, ValueError) as exc:
             out(f"fp32 single-device baseline not simulated: {exc}")
-    with open(args.out, "w") as f:
-        f.write(plan_yaml(best.plan.replace(verify="shallow", backend="auto"), best.pp))
-    out(f"wrote {args.out}")
+    path = Path(args.out).resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(plan_yaml(best.plan.replace(verify="shallow", backend="auto"), best.pp))
+    out(f"wrote the best plan to {path}")
     return 0
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -22,6 +23,12 @@ def captures():
     for depth in (*plan_cli.EXTRAPOLATE_FROM, SPEC.layers):
         caps.get(ROWS, depth)
     return caps
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp_path(tmp_path, monkeypatch):
+    # cann-plan makes its default output directory (out/cann-plan) where it runs
+    monkeypatch.chdir(tmp_path)
 
 
 def _plan(**kw):
@@ -95,6 +102,35 @@ def test_planner_picks_a_plan_that_fits_where_plain_dp_does_not(captures, zero_s
     assert (best.dp, best.zero_stage, best.precision) == (4, 3, "bf16")
 
 
+def test_planner_writes_under_out_by_default_states_its_ranking_and_lists_what_it_skipped(
+        captures, zero_sims, tmp_path):
+    # room for ZeRO-1 but not plain dp: ZeRO-0 is simulated and misses, ZeRO-1 fits, and every plan
+    # saving more memory than ZeRO-1 is skipped as slower
+    capacity = (zero_sims[0].peak_bytes + zero_sims[1].peak_bytes) / 2
+    args, spec = _args("--memory-gb", str(capacity / 1e9), "--min-headroom", "0", "--recompute", "none,full",
+                       "--top", "2")
+    printed = []
+    assert plan_cli.run(args, spec, out=printed.append, captures=captures) == 0
+    lines = "\n".join(printed).splitlines()
+    written = tmp_path / "out" / "cann-plan" / "best_plan.yaml"
+    assert lines[-1] == f"wrote the best plan to {written.resolve()}"
+    assert Plan.load(written).zero_stage == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    assert plan_cli.ranking_criterion(capacity) in lines
+    assert lines[lines.index(plan_cli.ranking_criterion(capacity)) + 1].split()[:2] == ["#", "plan"]
+    assert "ranked by predicted tokens/s, highest first" in plan_cli.ranking_criterion(capacity)
+    text = "\n".join(printed)
+    assert "8 candidates: 3 simulated, 0 pruned-bound, 5 skipped-dominated, 0 failed" in text
+    table = [line for line in lines if re.match(r" +\d+  dp=", line)]
+    assert len(table) == 2 and "zero=1 recompute=none" in table[0]
+    assert "showing 2 of 3 simulated plans (--top 2); the other 5 candidates were not simulated" in text
+    assert "not simulated: 5 candidates (2 shown, --top 2)" in lines
+    listed = [line for line in lines if line.startswith("  skipped-dominated ")]
+    assert len(listed) == 2 and all(line.endswith("saves more memory than a plan that already fits (slower)")
+                                    for line in listed)
+    assert "  ... and 3 more (raise --top to list them)" in lines
+
+
 def test_planner_reports_an_impossible_plan_with_its_largest_term(captures, zero_sims):
     # room for ZeRO-3's model state, not for its activations: passes the bound, fails the simulation
     z3 = zero_sims[3]
@@ -116,6 +152,11 @@ def test_model_state_bound_prunes_before_compiling(captures):
     text = "\n".join(lines)
     assert "1 pruned-bound" in text and "0 simulated" in text and "model state alone" in text
     assert "largest term: optimizer_state" in text   # plain dp, Adam: two fp32 moments per parameter
+    printed = text.splitlines()
+    assert "no candidate was simulated; 1 candidate was not simulated: listed below, with why" in printed
+    assert any(re.fullmatch(r"  pruned-bound +dp=4 tp=1 zero=0 recompute=none mb=1 bf16 +model state alone >= .* GB",
+                            line) for line in printed)
+    assert printed[-1].startswith("no plan written to ")
 
 
 @pytest.mark.parametrize("argv, field", [(["no-such-model"], "MODEL"), (["llama-tiny", "--devices", "0"], "--devices"),
@@ -124,8 +165,9 @@ def test_model_state_bound_prunes_before_compiling(captures):
                                          (["llama-tiny", "--device-profile", "tpu"], "--device-profile"),
                                          (["nosuchpkg.mod:make"], "MODEL"),
                                          (["llama-tiny", "--global-batch", "3"], "--global-batch")])
-def test_bad_input_exits_2_with_one_line(argv, field, capsys):
+def test_bad_input_exits_2_with_one_line(argv, field, capsys, tmp_path):
     assert plan_cli.main([*argv, "--no-progress"]) == 2
+    assert list(tmp_path.iterdir()) == []          # refused before the default out/ is made
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("cann-plan: error:") and field in err
 
@@ -152,3 +194,6 @@ def test_a_zero_sibling_s_activations_prune_before_compiling(captures, zero_sims
     assert plan_cli.run(args, spec, out=lines.append, captures=captures) == 1
     text = "\n".join(lines)
     assert "1 simulated, 1 pruned-bound" in text
+    assert "not simulated: 1 candidate" in text.splitlines()
+    assert any(line.startswith("  pruned-bound       dp=4 tp=1 zero=2 ")
+               and "model state + the activations a ZeRO 0-2 sibling keeps" in line for line in text.splitlines())

@@ -18,7 +18,7 @@ from graph_ir.serialize import node_json
 from tools.graph_dump import main
 from tools.graph_dump.artifacts import to_dot
 from tools.graph_dump.cli import run_target
-from tools.graph_dump.dumpdir import Collectives, DumpDir, PassDump
+from tools.graph_dump.dumpdir import Collectives, DumpDir, PassDump, value_bytes
 from tools.graph_dump.html import _downsample, collectives_section
 from tools.graph_dump.show import in_module
 
@@ -110,10 +110,33 @@ class TestCommands:
     def test_show_one_module_by_path_prefix(self, gpt_dump, capsys):
         out = _stdout(capsys, ["show", gpt_dump.directory, "--pass", "0", "--module", "layers.1"]).splitlines()
         assert out[0].startswith("# 000_capture (capture): module layers.1:")
+        header = [line for line in out if line.startswith("# ")]
+        assert len(header) == 3
         expected = [n for n in gpt_dump.passes[0].nodes if in_module(n["module_path"], "layers.1")]
-        assert len(out) - 1 == len(expected) > 0
-        assert all(re.search(r" layers\.1(\.\S+)?$", line) for line in out[1:])
+        assert len(out) - len(header) == len(expected) > 0
+        assert all(re.search(r" layers\.1(\.\S+)?$", line) for line in out[len(header):])
         assert in_module("layers.1.attn", "layers.1") and not in_module("layers.10", "layers.1")
+
+    def test_show_module_figures_are_the_sum_over_its_nodes_not_the_whole_graph(self, gpt_dump, capsys):
+        p = gpt_dump.last
+        out = _stdout(capsys, ["show", gpt_dump.directory, "--module", "layers.1"]).splitlines()
+        module_line, whole_line = out[1], out[2]
+        assert module_line.startswith("# module layers.1 with its submodules: ")
+        assert whole_line.startswith("# whole graph, not the module's")
+        nodes = [n for n in p.nodes if in_module(n["module_path"], "layers.1")]
+        by_name = {n["name"]: n for n in p.nodes}
+        flops = sum(n["cost"]["flops"] for n in nodes)
+        moved = sum(n["cost"]["bytes"] for n in nodes)
+        names = {n["name"] for n in nodes}
+        saved = sum(value_bytes(by_name[v]["value"]) for v in p.memory["saved_values"] if v in names)
+        assert 0 < flops < p.data["flops"] and 0 < saved < p.memory["saved_bytes"]
+        assert f" {flops:,} FLOPs (" in module_line and f" {moved:,} B read+written" in module_line
+        assert f" {saved:,} B saved for backward" in module_line
+        assert f"peak {p.memory['peak_bytes']:,} B" in whole_line and f"{p.data['flops']:,} FLOPs" in whole_line
+        assert "peak" not in module_line and f"{p.data['flops']:,}" not in module_line
+        # The per-node figures add up to the whole graph's, so a module's share is on the same footing.
+        assert sum(n["cost"]["flops"] for n in p.nodes) == p.data["flops"]
+        assert sum(value_bytes(by_name[v]["value"]) for v in p.memory["saved_values"]) == p.memory["saved_bytes"]
 
     def test_show_names_the_paths_there_are_when_a_module_is_unknown(self, gpt_dump, capsys):
         assert main(["show", gpt_dump.directory, "--module", "layers.7"]) == 2

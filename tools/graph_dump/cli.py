@@ -234,30 +234,32 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--ge-as-dumped", action="store_true", help=_GE_AS_DUMPED_HELP)
 
     rep = sub.add_parser("report", help="add diffs, Graphviz and index.html to a dump directory")
-    rep.add_argument("dir")
-    rep.add_argument("--no-svg", action="store_true")
+    rep.add_argument("dir", help="dump directory")
+    rep.add_argument("--no-svg", action="store_true", help="skip rendering Graphviz SVGs")
     rep.add_argument("--ge", action="store_true", help=_GE_HELP)
     rep.add_argument("--ge-as-dumped", action="store_true", help=_GE_AS_DUMPED_HELP)
 
     diff = sub.add_parser("diff", help="compare two dump directories pass by pass")
-    diff.add_argument("dir_a")
-    diff.add_argument("dir_b")
+    diff.add_argument("dir_a", help="dump directory A")
+    diff.add_argument("dir_b", help="dump directory B")
 
     show = sub.add_parser("show", help="print one pass's graph (default: the last)")
-    show.add_argument("dir")
+    show.add_argument("dir", help="dump directory")
     show.add_argument("--pass", dest="pass_name", help="index, NNN_name, spec or name (last of that name)")
-    show.add_argument("--module", help="only nodes of this module path and its submodules")
+    show.add_argument("--module", help="only nodes of this module path and its submodules, with their own "
+                                        "FLOPs, bytes and saved activations above the whole graph's")
 
     shot = sub.add_parser("screenshot", help="a PNG of a dump's index.html (headless chromium)")
-    shot.add_argument("dir")
-    shot.add_argument("--png", required=True)
+    shot.add_argument("dir", help="dump directory (with its index.html)")
+    shot.add_argument("--png", required=True, help="PNG file to write")
     shot.add_argument("--open", dest="fragment", default="", help="what to open, e.g. pass=001_cleanup")
     shot.add_argument("--size", default="1400x1600", help="WIDTHxHEIGHT in pixels")
 
     rp = sub.add_parser("replay", help="re-run a failing pass's reproducer directory")
-    rp.add_argument("dir")
+    rp.add_argument("dir", help="reproducer directory (DIR/reproducer_NNN)")
     rp.add_argument("--out", help="dump the replayed pipeline here")
-    rp.add_argument("--verify", default="deep", choices=("off", "shallow", "deep"))
+    rp.add_argument("--verify", default="deep", choices=("off", "shallow", "deep"),
+                    help="verifier level after each pass (default: %(default)s)")
     return parser
 
 

@@ -1,9 +1,10 @@
-"""``cann-graph-dump show``: one pass's graph, or one module's nodes, as text in the terminal."""
+"""``cann-graph-dump show``: one pass's graph, or one module's nodes and its own figures, as text in the
+terminal."""
 from __future__ import annotations
 
 import difflib
 
-from .dumpdir import DumpDir, DumpError, PassDump, short_target
+from .dumpdir import DumpDir, DumpError, PassDump, collective_bytes, collective_kind, short_target, value_bytes
 
 _REGION_ABBR = {"forward": "fwd", "backward": "bwd", "optimizer": "opt", "io": "io"}
 
@@ -53,12 +54,52 @@ def module_nodes(p: PassDump, prefix: str) -> list[dict]:
     return nodes
 
 
+def module_figures(p: PassDump, nodes: list[dict]) -> dict:
+    """A module's own figures, summed over its nodes from what the dump recorded per node.
+
+    ``saved_bytes`` counts the buffers in the graph's saved-for-backward set that the module's
+    nodes allocate, sized as the memory analysis sizes them (a multi-output node's items own its
+    bytes); it is None where the dump predates ``saved_values``. A module has no peak of its own:
+    the peak is of everything live at one point of the step, so only the whole graph has one.
+    """
+    names = {n["name"] for n in nodes}
+    by_name = {n["name"]: n for n in p.nodes}
+    flops_by_region: dict[str, int] = {}
+    for n in nodes:
+        region = n.get("region") or "io"
+        flops_by_region[region] = flops_by_region.get(region, 0) + (n.get("cost") or {}).get("flops", 0)
+    saved = p.memory.get("saved_values")
+    saved_bytes = None if saved is None else sum(
+        value_bytes(by_name[name]["value"]) for name in saved
+        if name in names and isinstance(by_name[name].get("value"), dict))
+    return {"nodes": len(nodes), "flops": sum(flops_by_region.values()), "flops_by_region": flops_by_region,
+            "bytes": sum((n.get("cost") or {}).get("bytes", 0) for n in nodes), "saved_bytes": saved_bytes,
+            "comm_bytes": sum(collective_bytes(n, by_name) for n in nodes if collective_kind(n)),
+            "has_cost": any("cost" in n for n in p.nodes)}
+
+
+def _module_line(module: str, f: dict) -> str:
+    if f["has_cost"]:
+        regions = ", ".join(f"{_REGION_ABBR.get(r, r)} {v:,}" for r, v in f["flops_by_region"].items() if v)
+        cost = f"{f['flops']:,} FLOPs{f' ({regions})' if regions else ''}, {f['bytes']:,} B read+written"
+    else:
+        cost = "FLOPs and bytes not recorded per node in this dump"
+    saved = ("saved for backward not recorded in this dump" if f["saved_bytes"] is None
+             else f"{f['saved_bytes']:,} B saved for backward")
+    return f"# module {module} with its submodules: {cost}, {saved}, comm {f['comm_bytes']:,} B"
+
+
 def show(directory: str, pass_name: str | None = None, module: str | None = None) -> str:
     dump = DumpDir(directory)
     p = dump.find(pass_name)
-    nodes = module_nodes(p, module) if module else p.nodes
     m = p.metrics()
-    what = f"module {module}: {len(nodes)} of {m['nodes']} nodes" if module else f"{m['nodes']} nodes"
-    header = (f"# {p.stem} ({p.spec}): {what}; peak {m['peak_bytes']:,} B, saved {m['saved_bytes']:,} B, "
-              f"{m['flops']:,} FLOPs, comm {m['comm_bytes']:,} B")
-    return "\n".join([header, *(format_node(n) for n in nodes)]) + "\n"
+    whole = (f"peak {m['peak_bytes']:,} B, saved {m['saved_bytes']:,} B, {m['flops']:,} FLOPs, "
+             f"comm {m['comm_bytes']:,} B")
+    if not module:
+        return "\n".join([f"# {p.stem} ({p.spec}): {m['nodes']} nodes; {whole}",
+                          *(format_node(n) for n in p.nodes)]) + "\n"
+    nodes = module_nodes(p, module)
+    header = [f"# {p.stem} ({p.spec}): module {module}: {len(nodes)} of {m['nodes']} nodes",
+              _module_line(module, module_figures(p, nodes)),
+              f"# whole graph, not the module's (a peak is the whole step's): {whole}"]
+    return "\n".join([*header, *(format_node(n) for n in nodes)]) + "\n"
