@@ -282,7 +282,7 @@ def _emit(graph: TrainGraph, group: list[torch.fx.Node], calls: list[_Call]) -> 
     """Insert ``calls`` (each reading the previous one's list where its first argument is None) and
     one getitem per member; None, with nothing inserted, when the values would not be the members'."""
     mode = graph.fake_mode()
-    vals = None
+    vals, computed = None, []
     try:
         for call in calls:
             args, kwargs = torch.fx.map_arg((call.args, call.kwargs), lambda n: n.meta["val"])
@@ -290,6 +290,7 @@ def _emit(graph: TrainGraph, group: list[torch.fx.Node], calls: list[_Call]) -> 
                 args = (list(vals), *args[1:])
             with mode:
                 vals = call.target(*args, **kwargs)
+            computed.append(vals)
     except Exception:   # an overload that refuses these operands: the group stays as it is
         return None
     if not isinstance(vals, (list, tuple)) or len(vals) != len(group) or \
@@ -297,11 +298,13 @@ def _emit(graph: TrainGraph, group: list[torch.fx.Node], calls: list[_Call]) -> 
         return None
     previous = None
     with graph.graph.inserting_before(group[-1]):
-        for call in calls:
+        for call, val in zip(calls, computed):
             args = call.args if call.args[0] is not None else (
                 [_getitem(previous, i, m) for i, m in enumerate(group)], *call.args[1:])
-            previous = add_node(graph.graph, call.target, args, call.kwargs, region=Region.OPTIMIZER,
-                                module_path=group[0].meta.get(MODULE_PATH, ""), origin=_ORIGIN, mode=mode)
+            # the fake values computed for the check above (a foreach op's fake run is per tensor)
+            previous = graph.graph.call_function(call.target, args, call.kwargs)
+            tag(previous, region=Region.OPTIMIZER, module_path=group[0].meta.get(MODULE_PATH, ""), origin=_ORIGIN)
+            previous.meta["val"] = val
         return [_getitem(previous, i, m) for i, m in enumerate(group)]
 
 
