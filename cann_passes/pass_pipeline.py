@@ -37,10 +37,12 @@ graphs keep each rank's tp collectives), weights tied
 across stages (their parts all-reduced over the pp group, or over a group of
 just the pipeline ranks holding them), global grad-norm clipping (also with
 ZeRO-1/2 and tp) and fp16 loss scaling (each stage checks its own gradients,
-the flags combined over the pp group; see ``pipeline_split``). Refused by field
-(``_check_pipeline_plan``): dynamic accumulation; by ``pipeline_split``:
-clipping or loss scaling with several stages per rank, a tied weight two of
-whose stages share a rank (DualPipeV).
+the flags combined over the pp group; see ``pipeline_split``), and dynamic
+accumulation (``accumulate_target``: each call runs the plan's microbatches through
+the pipeline, the accumulators carry over calls, and the update runs once the
+samples of every data-parallel rank reach the target). Refused by
+``pipeline_split``: clipping or loss scaling with several stages per rank, a tied
+weight two of whose stages share a rank (DualPipeV).
 
 ``fuse_optimizer`` runs only at pp = 1: ``pipeline_split`` cuts the graph per stage after
 it, and a multi-tensor op over two stages' parameters would not split (the stage graphs'
@@ -185,10 +187,7 @@ def pipeline_split_spec(plan: Plan):
 
 
 def _check_pipeline_plan(plan: Plan) -> None:
-    """What pipeline parallelism does not compose with yet, refused by field."""
-    if plan.accumulate_target is not None:
-        raise PlanError("accumulate_target", "dynamic accumulation with pp > 1 is not built (rule: the "
-                                             "pipeline's microbatches are fixed per step)", plan.accumulate_target)
+    """What a pipelined plan must have resolved before its pipeline is built, refused by field."""
     if plan.pipeline_schedule == "dynamic":
         raise PlanError("pipeline_schedule", "'dynamic' is resolved to a schedule by the planning layer "
                                              "(cann_passes.planning.resolve_plan) before the pipeline is "

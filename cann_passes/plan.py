@@ -319,7 +319,7 @@ class Plan:
 
     def _check_dependencies(self) -> None:
         """Fields that apply only together with another field's value, named together."""
-        if self.microbatches > 1 and self.accumulate_target is not None:
+        if self.microbatches > 1 and self.accumulate_target is not None and self.pp == 1:
             raise PlanError("microbatches", "cannot be combined with accumulate_target "
                             f"(= {self.accumulate_target}): static accumulation splits each batch into "
                             "microbatches, dynamic accumulation takes each batch as one; choose one",

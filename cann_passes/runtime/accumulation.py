@@ -133,6 +133,22 @@ class AccumulationState:
                     else sum(rows) * (step.world.dp_size if step.world else 1))
         return sum(l * r for l, r in zip(losses, rows)) / sum(rows)
 
+    def add_samples(self, step, rows: int, microbatches: int) -> bool:
+        """A pipelined call's microbatches accumulated (accumulate_target with pp): whether the
+        samples of every data-parallel rank now reach the target, so that the update runs."""
+        self.pending_microbatches += microbatches
+        self.pending_samples += self._global(step, rows)
+        step.metrics["accumulated_samples"] = torch.tensor(self.pending_samples)
+        reached = self.pending_samples >= self.target
+        step.metrics["applied"] = torch.tensor(reached)
+        return reached
+
+    def applied(self, step) -> None:
+        """A pipelined update ran over the pending samples (the runtime clears the accumulators)."""
+        self.history.append(self.pending_samples)
+        step.metrics["accumulated_samples"] = torch.tensor(self.pending_samples)
+        self.pending_samples = self.pending_microbatches = 0
+
     def dynamic_step(self, step, batch) -> torch.Tensor:
         loss = self._grad(step, batch)
         self.pending_microbatches += 1

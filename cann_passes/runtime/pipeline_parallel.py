@@ -256,11 +256,16 @@ def step(step, batch: Any) -> torch.Tensor:
                                    f"(graphs {', '.join(comp.program.graphs)}): a plan pipeline given as text "
                                    "must include grad_accumulation and pipeline_split")
     if step.world is None:
+        if step.plan.accumulate_target is not None:
+            raise PipelineRuntimeError("accumulate_target with pp > 1 runs under processes (torchrun); the "
+                                       "single-process stage run is for checking a split")
         from ..schedules import SPLIT_BACKWARD
         loss = run_local(step, comp.program, comp.runners, microbatches,
                          split_backward=pipeline_split_of(comp.program).schedule in SPLIT_BACKWARD)
     else:
         loss = run_schedule(step, comp, microbatches)
+    if step.world is not None and not comp.pipeline_runtime.applied:   # accumulate_target not reached yet
+        return loss
     step.steps_run += 1
     step.optimizer._opt_called = True   # LR schedulers check that the optimizer stepped
     # Each rank trained only its stages' parameters (tensor-parallel ones as shards): the user's model
@@ -323,6 +328,7 @@ class PipelineRuntime:
         from torch.distributed.pipelining import PipelineStage
         from .. import schedules
         self.step, self.program = step, comp.program
+        self.applied = True        # whether the last call updated (accumulate_target: once reached)
         info = pipeline_split_of(self.program)
         self.n, self.ranks = info.stages, info.stage_to_rank
         self.group = step.world.group("pp")
@@ -450,13 +456,28 @@ class PipelineRuntime:
             st.has_backward = True
             st.clear_runtime_states()
         self.step.metrics = {}
+        dynamic = self.step.accumulation if self.step.plan.accumulate_target is not None else None
+        keep = False
         try:
             self.schedule._step_microbatches([(_slot_filler(),)] * m, [{}] * m, None, None)
-            for s in self.mine:
-                self.executors[s].apply()
+            # accumulate_target: the accumulators carry over to the next call until the samples of
+            # every data-parallel rank reach the target; then one update, scaled by all of them.
+            apply = dynamic is None or dynamic.add_samples(self.step, sum(rows), m)
+            if dynamic is not None and apply:
+                self.step.step_state.values[ACCUMULATION_SCALE] = torch.tensor(1.0 / dynamic.pending_samples)
+            if apply:
+                for s in self.mine:
+                    self.executors[s].apply()
+                if dynamic is not None:
+                    dynamic.applied(self.step)
+            keep = not apply
+            self.applied = apply
         finally:
             self.in_flight = []
-            clear_accumulators(self.step)
+            if not keep:    # applied, or failed: nothing of a failed step is kept for the next
+                clear_accumulators(self.step)
+                if dynamic is not None:
+                    dynamic.pending_samples = dynamic.pending_microbatches = 0
             for s in self.mine:
                 self.executors[s].values.clear()
         last = self.n - 1

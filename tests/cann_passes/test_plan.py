@@ -169,3 +169,11 @@ def test_pipeline_text_with_pp_needs_the_pipeline_split_pass(pipeline_pass_regis
     with pytest.raises(PlanError, match="pipeline_split") as info:
         Plan(pp=2, microbatches=2, pipeline="cleanup,grad_accumulation{microbatches=2}")
     assert info.value.field == "pp"
+
+
+def test_dynamic_accumulation_composes_with_pipeline_stages_but_not_with_static_microbatches():
+    from cann_passes.pass_pipeline import build_pipeline
+    text = str(build_pipeline(Plan(pp=2, microbatches=2, accumulate_target=16), "eager"))
+    assert "grad_accumulation{microbatches=2,target=16}" in text and "pipeline_split{" in text
+    with pytest.raises(PlanError, match="microbatches.*cannot be combined with accumulate_target"):
+        Plan(microbatches=2, accumulate_target=16)

@@ -94,6 +94,8 @@ def plan_for(config: str, pp: int, dp: int, tp: int) -> Plan:
             fields["loss_scale_init"] = float(option.removeprefix("scale="))
         elif option.startswith("grow="):
             fields["loss_scale_growth_interval"] = int(option.removeprefix("grow="))
+        elif option.startswith("target="):
+            fields["accumulate_target"] = int(option.removeprefix("target="))
         elif option.startswith("zero"):
             fields["zero_stage"] = int(option.removeprefix("zero"))
         else:

@@ -251,3 +251,40 @@ def test_gpt_neox_parallel_residual_trains_like_eager_under_pp_and_dp_with_clipp
     for config in configs:
         with subtests.test(config=config):
             _check(ranks, config, "gpt4", dp=dp)
+
+
+def _accumulated_reference(model_name: str, optimizer: str, calls_per_step: int):
+    """Eager PyTorch accumulating ``calls_per_step`` consecutive global batches per update (equal rows,
+    so each batch's mean loss weighs alike): every call's loss, and the parameters at the end."""
+    model, opt = pp_worker.make_model(model_name, optimizer)
+    loss_fn = pp_worker.loss_fn(model_name)
+    losses = []
+    for i in range(pp_worker.STEPS):
+        if i % calls_per_step == 0:
+            opt.zero_grad()
+        loss = loss_fn(model, pp_worker.global_batch(model_name, i))
+        (loss / calls_per_step).backward()
+        losses.append(loss.item())
+        if i % calls_per_step == calls_per_step - 1:
+            opt.step()
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_pp2_dynamic_accumulation_updates_once_the_target_is_reached(tmp_path_factory, subtests):
+    """accumulate_target with pp = 2: each call runs its microbatches through the pipeline, the
+    accumulators carry over calls, the update runs once the samples reach the target (16 = two
+    global batches of 8 rows), scaled by all of them; also at dp = 2 (the count summed over dp)."""
+    configs = ["1f1b:sgd:target=16", "1f1b:adamw:target=16"]
+    for dp in (1, 2):
+        ranks = _launch(tmp_path_factory, f"target_dp{dp}", 2 * dp, "gpt4", 2, dp, configs)
+        for config in configs:
+            with subtests.test(config=config, dp=dp):
+                optimizer = config.split(":")[1]
+                want_losses, want = _accumulated_reference("gpt4", optimizer, 2)
+                for rank, result in enumerate(ranks):
+                    got = result[config]["losses"]
+                    assert got == pytest.approx(want_losses, rel=1e-5), f"{config} rank {rank}"
+                    if optimizer == "sgd":
+                        for name, value in result[config]["every"].items():
+                            err = (value - want[name]).abs().max().item()
+                            assert err <= 1e-5, f"{config} rank {rank}: {name} differs by {err:.2e}"
