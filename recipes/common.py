@@ -327,13 +327,16 @@ def _show_compilation(step, seconds: float, what: str, write: Callable[[str], An
 
 def train_loop(step, batches: Iterable, *, steps: int, world=None, scheduler=None, desc: str = "",
                items_per_step: int = 0, rate_unit: str = "tok_s", run: RunOptions | None = None,
-               evaluate: Callable[[], float | dict] | None = None) -> LoopResult:
+               evaluate: Callable[[], float | dict] | None = None,
+               on_step: Callable[[dict], Any] | None = None) -> LoopResult:
     """Run ``step`` until ``steps`` global batches are done; rank 0 shows the progress and logs.
 
     With ``run``: ``run.out/config.yaml`` before the first step, a metrics record per step,
     ``evaluate()`` (a float or a dict of held-out metrics) every ``run.eval_every`` steps, a
     checkpoint every ``run.save_every`` steps and after the last (every rank: the save is a
-    collective), and from ``run.resume`` the run continues as if it had never stopped."""
+    collective), and from ``run.resume`` the run continues as if it had never stopped.
+    ``on_step(record)`` sees each step's record before it is logged and may add the recipe's own
+    numbers to it (finetune: the gradient norm, which the progress bar then shows)."""
     from cann_passes.runtime.distributed import shard_batch
     rank, dp_rank, dp_size = ranks(world)
     lead = rank == 0
@@ -379,6 +382,8 @@ def train_loop(step, batches: Iterable, *, steps: int, world=None, scheduler=Non
                     step.sync_model()        # ZeRO-3: the model's own parameters are older than the shards
                 out.evals.append(_eval_record(done, evaluate()))
                 record.update({k: v for k, v in out.evals[-1].items() if k != "step"})
+            if on_step is not None:
+                on_step(record)
             if log is not None:
                 log.write(record)
             if run.save_every and (done % run.save_every == 0 or done == steps):
@@ -457,6 +462,8 @@ def _postfix(record: dict, rate_unit: str, items_per_step: int, flops: float, st
     shown["peak"] = f"{peak_memory_bytes(step) / 2**20:,.0f}MiB"
     if flops:
         shown["GFLOP_s"] = f"{flops / 1e9 / max(record['seconds'], 1e-9):.1f}"
+    if "grad_norm" in record:
+        shown["grad_norm"] = f"{record['grad_norm']:.2f}"
     if "val_loss" in record:
         shown["val"] = f"{record['val_loss']:.3f}"
     return shown

@@ -30,7 +30,8 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class FinetuneConfig:
     model_dir: str = "out/finetune/llama-tiny"   # a save_pretrained directory; made (random init) if absent
-    output_dir: str = "out/finetune/llama-tiny-finetuned"
+    # the run directory: config.yaml, metrics.jsonl, checkpoints/, loss.png, and model/ (save_pretrained's)
+    out: str = "out/finetune/llama-tiny-finetuned"
     method: str = "lora"                        # full | lora | freeze
     # LoRA (peft): targets are module names or peft's "all-linear" (every linear layer but the head).
     lora_r: int = 8
@@ -44,6 +45,7 @@ class FinetuneConfig:
     seq_len: int = 160
     batch_size: int = 8
     steps: int = 200
+    schedule_steps: int | None = None           # the LR schedule's length; None: steps (see recipes/README.md)
     lr: float = 2e-3
     weight_decay: float = 0.0
     warmup_steps: int = 20
@@ -78,8 +80,12 @@ class FinetuneConfig:
                 raise ConfigError(name, "must be an integer >= 1", value)
         if self.cpu_threads is not None and (not isinstance(self.cpu_threads, int) or self.cpu_threads < 1):
             raise ConfigError("cpu_threads", "must be an integer >= 1 or null", self.cpu_threads)
-        if not isinstance(self.warmup_steps, int) or not 0 <= self.warmup_steps <= self.steps:
-            raise ConfigError("warmup_steps", f"must be an integer in [0, steps={self.steps}]", self.warmup_steps)
+        if self.schedule_steps is not None and (not isinstance(self.schedule_steps, int) or self.schedule_steps < 1):
+            raise ConfigError("schedule_steps", "must be an integer >= 1 or null", self.schedule_steps)
+        length = self.schedule_length
+        if not isinstance(self.warmup_steps, int) or not 0 <= self.warmup_steps <= length:
+            raise ConfigError("warmup_steps", f"must be an integer in [0, {self.schedule_name}={length}]",
+                              self.warmup_steps)
         for name, low, high in (("lr", 0.0, None), ("lora_alpha", 0.0, None), ("weight_decay", -1e-12, None),
                                 ("lora_dropout", -1e-12, 1.0), ("min_lr_ratio", -1e-12, 1.0 + 1e-12)):
             value = getattr(self, name)
@@ -89,6 +95,14 @@ class FinetuneConfig:
                 raise ConfigError(name, f"must be a number {bounds}", value)
         if self.method == "freeze" and not self.freeze:
             raise ConfigError("freeze", "method 'freeze' needs at least one pattern", self.freeze)
+
+    @property
+    def schedule_length(self) -> int:
+        return self.schedule_steps or self.steps
+
+    @property
+    def schedule_name(self) -> str:
+        return "schedule_steps" if self.schedule_steps else "steps"
 
     @classmethod
     def from_dict(cls, data: dict) -> "FinetuneConfig":

@@ -1,24 +1,27 @@
-"""The fine-tuning loop: one compiled step per batch, warmup + cosine LR, evaluation, save, reload check.
+"""The fine-tuning run: one compiled step per batch on the recipe launcher, evaluation, save, reload check.
 
 Uses the compiler only through its public API: ``compile_for_npu(model,
 Plan, optimizer=..., loss_fn=...)``. The model is an ordinary transformers
 model (wrapped by peft for LoRA); the optimizer is ``torch.optim.AdamW`` over
 the parameters that train; the LR schedule is a ``LambdaLR`` the compiled
 step reads every call (the learning rate is a graph input: no recompile).
+The loop is the launcher's ``train_loop`` (recipes/common.py): the compiling
+phase, the progress bar, ``metrics.jsonl``, ``--eval-every``, checkpoints and
+bitwise ``--resume`` in the run directory ``cfg.out``; the fine-tuned model
+goes to ``cfg.out/model`` (``save_pretrained``).
 """
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import os
-import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from cann_passes import Plan, compile_for_npu
+from recipes.common import RunOptions, train_loop, write_convergence
 from recipes.data.instructions import InstructionBatches, load_pairs, split_pairs
 
 from .config import FinetuneConfig
@@ -26,11 +29,12 @@ from .memory import StepStateBytes, step_state_bytes
 from .model import ResponseLoss, load_base, load_tokenizer, make_base_checkpoint, prepare_model, save_finetuned
 
 DEFAULT_MODEL_DIR = FinetuneConfig().model_dir
+MODEL_DIR = "model"         # inside the run directory: what save_pretrained writes
 
 
 @dataclass
 class FinetuneResult:
-    losses: list[float]
+    losses: list[float]                   # every step, a resumed run's earlier ones too
     val_loss_before: float
     val_loss_after: float
     reloaded_val_loss: float | None       # the saved directory, loaded back by plain transformers
@@ -38,12 +42,14 @@ class FinetuneResult:
     trainable_params: int
     total_params: int
     state: StepStateBytes
-    seconds: float
-    first_step_seconds: float
-    output_dir: str | None
+    seconds: float                        # the steps after the first of this process
+    first_step_seconds: float             # the compiling phase (a resumed run: and loading) + the first step
+    output_dir: str | None                # the saved model: <run directory>/model
     summary: str = ""
+    # the steps this process ran (a resumed run: from its checkpoint on); metrics.jsonl holds them all
     lrs: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)   # before clipping, when the plan clips
+    evals: list[dict] = field(default_factory=list)         # {"step", "val_loss"} at --eval-every
 
     def to_json(self) -> dict:
         out = {k: v for k, v in self.__dict__.items() if k not in ("state", "summary")}
@@ -89,20 +95,19 @@ def build(cfg: FinetuneConfig):
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, warmup_cosine(cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio))
+        optimizer, warmup_cosine(cfg.warmup_steps, cfg.schedule_length, cfg.min_lr_ratio))
     return model, optimizer, scheduler, ResponseLoss(cfg.attention_mask), tokenizer
 
 
-def finetune(cfg: FinetuneConfig, *, world=None, save: bool = True, progress: bool = True) -> FinetuneResult:
-    """Train ``cfg`` and (on rank 0) save the result so plain transformers loads it."""
-    from cann_passes.runtime.distributed import shard_batch
-
-    rank, dp_rank, dp_size = (world.rank, world.dp_rank, world.dp_size) if world else (0, 0, 1)
-    plan = Plan.from_dict(cfg.plan)
-    if cfg.cpu_threads:
-        torch.set_num_threads(cfg.cpu_threads)
+def finetune(cfg: FinetuneConfig, plan: Plan | None = None, *, world=None, run: RunOptions | None = None,
+             save: bool = True) -> FinetuneResult:
+    """Train ``cfg`` (``plan``: default the config's ``plan:``) and, on rank 0, save the result into
+    ``cfg.out/model`` so plain transformers loads it. With ``run`` (recipes/common.py's
+    ``prepare_run``): the run directory's log, evaluations, checkpoints and ``--resume``."""
+    plan = plan or Plan.from_dict(cfg.plan)
+    lead = world is None or world.rank == 0
     if world is not None:   # one rank makes the default base checkpoint, the others wait for it
-        if rank == 0:
+        if lead:
             ensure_base(cfg)
         torch.distributed.barrier()
     model, optimizer, scheduler, loss_fn, tokenizer = build(cfg)
@@ -116,52 +121,50 @@ def finetune(cfg: FinetuneConfig, *, world=None, save: bool = True, progress: bo
     val_before = evaluate(model, loss_fn, val_batches)
     batches = InstructionBatches(train_pairs, cfg.batch_size, cfg.seq_len, seed=cfg.seed, tokenizer=tokenizer)
 
-    losses, lrs, grad_norms = [], [], []
-    bar = tqdm(itertools.islice(batches, cfg.steps), total=cfg.steps, unit="step", dynamic_ncols=True,
-               disable=not progress or rank != 0, desc=f"finetune {cfg.method}")
-    start = time.perf_counter()
-    first_step_seconds = 0.0
-    for i, batch in enumerate(bar):
-        t0 = time.perf_counter()
-        lrs.append(optimizer.param_groups[0]["lr"])
-        loss = step(shard_batch(batch, dp_rank, dp_size) if dp_size > 1 else batch)
-        scheduler.step()
-        losses.append(loss.item())
-        if i == 0:
-            first_step_seconds = time.perf_counter() - t0   # capture + passes + lowering
-        tokens = int((batch["labels"] != -100).sum())
-        shown = dict(loss=f"{losses[-1]:.3f}", lr=f"{lrs[-1]:.1e}", resp_tok=tokens)
+    lrs, grad_norms = [], []
+
+    def observe(record: dict) -> None:
+        lrs.append(record["lr"])
         if "grad_clip:grad_norm" in step.metrics:   # the norm before clipping, as clip_grad_norm_ returns
-            grad_norms.append(step.metrics["grad_clip:grad_norm"].item())
-            shown["grad_norm"] = f"{grad_norms[-1]:.2f}"
-        bar.set_postfix(shown)
-    bar.close()
-    seconds = time.perf_counter() - start
-    if plan.zero_stage == 3:
-        step.sync_model()
+            record["grad_norm"] = step.metrics["grad_clip:grad_norm"].item()
+            grad_norms.append(record["grad_norm"])
+
+    loop = train_loop(step, batches, steps=cfg.steps, world=world, scheduler=scheduler,
+                      desc=f"finetune {cfg.method}", items_per_step=cfg.batch_size * cfg.seq_len, run=run,
+                      evaluate=lambda: evaluate(model, loss_fn, val_batches), on_step=observe)
     val_after = evaluate(model, loss_fn, val_batches)
-    result = FinetuneResult(losses, val_before, val_after, None, None, n_trainable, n_total,
-                            step_state_bytes(step.last.program),
-                            seconds, first_step_seconds, None, step.summary(), lrs, grad_norms)
-    if save and rank == 0:
-        result.output_dir = cfg.output_dir
-        check_batch = val_batches[0]
-        with torch.no_grad():
-            model.eval()
-            logits = model(input_ids=check_batch["input_ids"],
-                           attention_mask=check_batch["attention_mask"]).logits
-        save_finetuned(model, cfg.output_dir, tokenizer)
-        result.reloaded_val_loss, result.reload_max_logit_diff = check_reload(
-            cfg, val_batches, loss_fn, check_batch, logits)
-        with open(os.path.join(cfg.output_dir, "finetune.json"), "w", encoding="utf-8") as f:
-            json.dump({"config": cfg.to_dict(), "plan": plan.to_dict(), "result": result.to_json()}, f, indent=1)
+    result = FinetuneResult(loop.losses, val_before, val_after, None, None, n_trainable, n_total,
+                            step_state_bytes(step.last.program), loop.train_seconds, loop.compile_seconds or 0.0,
+                            None, step.summary(), lrs, grad_norms, loop.evals)
+    if lead:
+        write_convergence(Path(cfg.out), {"config": cfg.to_dict(), "steps": cfg.steps, "losses": loop.losses,
+                                          "val_loss_before": val_before, "val_loss_after": val_after,
+                                          "evals": loop.evals}, title=f"finetune {cfg.method}")
+    if save and lead:
+        save_and_check(cfg, plan, model, tokenizer, loss_fn, val_batches, result)
     return result
 
 
-def check_reload(cfg, val_batches, loss_fn, batch, logits) -> tuple[float, float]:
+def save_and_check(cfg: FinetuneConfig, plan: Plan, model, tokenizer, loss_fn, val_batches,
+                   result: FinetuneResult) -> None:
+    """``save_pretrained`` into ``cfg.out/model`` (LoRA merged), its config and numbers beside it in
+    ``finetune.json``, then the directory loaded back by plain transformers."""
+    result.output_dir = str(Path(cfg.out) / MODEL_DIR)
+    check_batch = val_batches[0]
+    with torch.no_grad():
+        model.eval()
+        logits = model(input_ids=check_batch["input_ids"], attention_mask=check_batch["attention_mask"]).logits
+    save_finetuned(model, result.output_dir, tokenizer)
+    result.reloaded_val_loss, result.reload_max_logit_diff = check_reload(
+        result.output_dir, val_batches, loss_fn, check_batch, logits)
+    with open(os.path.join(result.output_dir, "finetune.json"), "w", encoding="utf-8") as f:
+        json.dump({"config": cfg.to_dict(), "plan": plan.to_dict(), "result": result.to_json()}, f, indent=1)
+
+
+def check_reload(model_dir, val_batches, loss_fn, batch, logits) -> tuple[float, float]:
     """Load the saved directory with plain transformers: its validation loss and logit difference."""
     from transformers import AutoModelForCausalLM
-    reloaded = AutoModelForCausalLM.from_pretrained(cfg.output_dir)
+    reloaded = AutoModelForCausalLM.from_pretrained(model_dir)
     reloaded.eval()
     with torch.no_grad():
         again = reloaded(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -183,8 +186,8 @@ def describe(cfg: FinetuneConfig, result: FinetuneResult) -> str:
         f"response-token loss: first step {result.losses[0]:.3f}, last 10 steps "
         f"{sum(result.losses[-10:]) / len(result.losses[-10:]):.3f}; validation {result.val_loss_before:.3f} -> "
         f"{result.val_loss_after:.3f}",
-        f"{len(result.losses)} steps in {result.seconds:.1f}s (first step, with compilation: "
-        f"{result.first_step_seconds:.1f}s)",
+        f"{len(result.losses)} steps; this process's first step, with compilation: "
+        f"{result.first_step_seconds:.1f}s, the rest {result.seconds:.1f}s",
     ]
     if result.output_dir:
         lines.append(f"saved to {result.output_dir} (plain transformers loads it"

@@ -223,7 +223,7 @@ def test_recipe_trains_from_its_command_and_the_saved_directory_reloads(tmp_path
 
     base = make_base_checkpoint(tmp_path / "base", **TINY)
     config = tmp_path / "lora.yaml"
-    config.write_text(json.dumps(dict(model_dir=str(base), output_dir=str(tmp_path / "out"), method="lora",
+    config.write_text(json.dumps(dict(model_dir=str(base), out=str(tmp_path / "out"), method="lora",
                                       steps=16, warmup_steps=4, batch_size=4, seq_len=SEQ, lr=1e-2,
                                       eval_batches=2, plan={"backend": "eager", "grad_clip_norm": 1.0})))
     result = main(["--config", str(config)])
@@ -231,7 +231,7 @@ def test_recipe_trains_from_its_command_and_the_saved_directory_reloads(tmp_path
     assert result.val_loss_after < result.val_loss_before
     assert result.reloaded_val_loss == pytest.approx(result.val_loss_after, abs=1e-4)
     assert result.reload_max_logit_diff < 1e-4
-    saved = json.loads((tmp_path / "out" / "finetune.json").read_text())
+    saved = json.loads((tmp_path / "out" / "model" / "finetune.json").read_text())
     assert saved["result"]["state"]["gradient_bytes"] == result.state.trainable_param_bytes
     # The schedule: linear warmup to the peak, then cosine down.
     assert result.lrs[3] == pytest.approx(1e-2) and result.lrs[0] == pytest.approx(2.5e-3)
@@ -308,7 +308,7 @@ def test_a_checkpoint_with_its_own_tokenizer_is_trained_and_saved_with_it(tmp_pa
     out = tmp_path / "out"
     result = main(["--model", str(base), "--out", str(out), "--steps", "6", "--config", str(_tiny_config(tmp_path))])
     assert result.reload_max_logit_diff < 1e-4
-    saved = AutoTokenizer.from_pretrained(out)
+    saved = AutoTokenizer.from_pretrained(out / "model")
     assert saved.encode("What does `json.dumps` do?") == tokenizer.encode("What does `json.dumps` do?")
     from recipes.finetune.model import PretrainedTokenizer
     batch = collate(pairs[:1], SEQ, PretrainedTokenizer(saved))
@@ -317,10 +317,49 @@ def test_a_checkpoint_with_its_own_tokenizer_is_trained_and_saved_with_it(tmp_pa
     assert saved.decode(ids[1:-1]).startswith("### Instruction:\nWhat does `abc` do?")
 
 
-def _tiny_config(tmp_path):
+def _finetune(argv):
+    from recipes.finetune.__main__ import main
+    return main(argv)
+
+
+def _tensors(path) -> dict:
+    from safetensors.torch import load_file
+    return load_file(str(path))
+
+
+def test_a_resumed_run_repeats_the_uninterrupted_one_bitwise(tmp_path):
+    """4 LoRA steps at once, and 2 steps (of a 4-step schedule) then --resume latest: the same losses,
+    evaluations, logged records, adapters and merged weights, bit for bit."""
+    from recipes.finetune.model import make_base_checkpoint
+
+    base = make_base_checkpoint(tmp_path / "base", **TINY)
+    config = _tiny_config(tmp_path, model_dir=str(base), steps=4, batch_size=2, seq_len=64)
+    common = ["--config", str(config), "--save-every", "2", "--eval-every", "2"]
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    want = _finetune([*common, "--out", str(whole)])
+    _finetune([*common, "--steps", "2", "--schedule-steps", "4", "--out", str(parts)])
+    got = _finetune([*common, "--resume", "latest", "--out", str(parts)])
+    assert got.losses == want.losses and len(got.losses) == 4
+    assert got.evals == want.evals and [e["step"] for e in got.evals] == [2, 4]
+    assert got.val_loss_after == want.val_loss_after and got.lrs == want.lrs[2:]
+    logged = [[{k: v for k, v in json.loads(line).items() if k not in ("seconds", "tokens_per_s")}
+               for line in (out / "metrics.jsonl").read_text().splitlines()] for out in (whole, parts)]
+    assert logged[0] == logged[1] and [r["step"] for r in logged[1]] == [1, 2, 3, 4]
+    assert all("grad_norm" in r for r in logged[1])          # the config clips: its norm is logged
+    for file in ("adapter/adapter_model.safetensors", "model.safetensors"):
+        a, b = _tensors(whole / "model" / file), _tensors(parts / "model" / file)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), file
+    assert {"config.yaml", "metrics.jsonl", "checkpoints", "loss.png", "metrics.json", "model"} <= {
+        p.name for p in parts.iterdir()}
+    import yaml
+    written = yaml.safe_load((parts / "config.yaml").read_text())
+    assert written["start_step"] == 2 and written["args"]["finetune"]["lora_r"] == 8
+
+
+def _tiny_config(tmp_path, **fields):
     config = tmp_path / "tiny.yaml"
-    config.write_text(json.dumps(dict(method="lora", warmup_steps=2, batch_size=4, seq_len=SEQ, lr=1e-2,
-                                      eval_batches=1, plan={"backend": "eager", "grad_clip_norm": 1.0})))
+    config.write_text(json.dumps({**dict(method="lora", warmup_steps=2, batch_size=4, seq_len=SEQ, lr=1e-2,
+                                         eval_batches=1, plan={"backend": "eager", "grad_clip_norm": 1.0}), **fields}))
     return config
 
 
@@ -375,6 +414,7 @@ class TestConfig:
             FinetuneConfig(method="qlora")
         with pytest.raises(ConfigError, match="'warmup_steps'"):
             FinetuneConfig(steps=10, warmup_steps=20)
+        assert FinetuneConfig(steps=10, schedule_steps=40, warmup_steps=20).schedule_length == 40
         with pytest.raises(ConfigError, match="'lr_schedule' .*not a finetune config field"):
             FinetuneConfig.from_dict({"lr_schedule": "cosine"})
 

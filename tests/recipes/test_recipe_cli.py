@@ -11,11 +11,12 @@ def _mains():
     from recipes.bert.train import main as bert
     from recipes.clip import RECIPE as CLIP
     from recipes.clip.train import main as clip_main
+    from recipes.finetune.__main__ import main as finetune
     from recipes.flamingo import RECIPE as FLAMINGO
     from recipes.llama.train import main as llama
     return {"train_gpt": train_gpt.main, "llama": llama, "bert": bert,
             "clip": lambda argv: clip_main(CLIP, argv), "align": lambda argv: clip_main(ALIGN, argv),
-            "flamingo": lambda argv: clip_main(FLAMINGO, argv)}
+            "flamingo": lambda argv: clip_main(FLAMINGO, argv), "finetune": finetune}
 
 
 BAD = [
@@ -34,7 +35,9 @@ BAD = [
     (["--resume", "latest"], "--resume latest: no checkpoint under 'out/"),
     (["--resume", "/nonexistent/ckpt"], "--resume '/nonexistent/ckpt': not a checkpoint"),
 ]
-RECIPES = ["train_gpt", "llama", "bert", "clip", "align", "flamingo"]
+RECIPES = ["train_gpt", "llama", "bert", "clip", "align", "flamingo", "finetune"]
+# finetune's defaults are its config's (recipes/finetune/configs/lora.yaml)
+DEFAULT_OUT = {recipe: f"out/{recipe}" for recipe in RECIPES} | {"finetune": "out/finetune/llama-tiny-lora"}
 
 
 def _refused(recipe, argv, capsys, tmp_path, monkeypatch):
@@ -82,5 +85,25 @@ def test_help_shows_every_default(recipe, capsys):
     for flag in ("--steps", "--batch-size", "--lr", "--seed", "--threads", "--plan", "--out", "--resume",
                  "--save-every", "--eval-every", "--log", "--schedule-steps"):
         assert flag in out
-    assert f"(default: out/{recipe})" in out and "(default: jsonl)" in out
+    assert f"(default: {DEFAULT_OUT[recipe]})" in out and "(default: jsonl)" in out
     assert out.count("(default:") >= 12, out
+
+
+FINETUNE_BAD = [
+    (["--config", "/nonexistent/lora.yaml"], "--config '/nonexistent/lora.yaml': cannot be read"),
+    (["--config", "{dir}/bad.yaml"], "finetune config field 'lora_r' = 0: must be an integer >= 1"),
+    (["--config", "{dir}/dp2.yaml"], "plans 2 ranks (dp=2, tp=1, pp=1); launch it with `.venv/bin/torchrun"),
+    (["--method", "qlora"], "argument --method: invalid choice: 'qlora'"),
+]
+
+
+@pytest.mark.parametrize("argv, message", FINETUNE_BAD, ids=[" ".join(a) for a, _ in FINETUNE_BAD])
+def test_a_bad_finetune_config_is_one_line_and_exit_status_2(argv, message, capsys, tmp_path, monkeypatch):
+    configs = tmp_path.parent / f"{tmp_path.name}-configs"      # outside the directory that must stay empty
+    configs.mkdir()
+    (configs / "bad.yaml").write_text("method: lora\nlora_r: 0\n")
+    (configs / "dp2.yaml").write_text("method: lora\nplan: {backend: eager, dp: 2}\n")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    err = _refused("finetune", [a.format(dir=configs) for a in argv], capsys, tmp_path, monkeypatch)
+    assert message in err[-1] and err[-1].startswith("python -m recipes.finetune: error: "), err
+    assert all(line.startswith(("usage:", " ")) for line in err[:-1]), err
