@@ -355,6 +355,7 @@ def train_loop(step, batches: Iterable, *, steps: int, world=None, scheduler=Non
     log = _open_run_dir(step, run, world, out.start_step) if lead and run.log else None
 
     flops = _compilation(step).cost.total_flops if compile_phase_shown else 0.0
+    peak = peak_flops(step) if flops else 0.0
     bar = tqdm(total=steps, initial=out.start_step, unit="step", dynamic_ncols=True, desc=desc or None,
                disable=not lead)
     start = time.perf_counter()
@@ -376,6 +377,8 @@ def train_loop(step, batches: Iterable, *, steps: int, world=None, scheduler=Non
             record = {"step": i + 1, "loss": loss, "lr": lr,
                       f"{_UNITS.get(rate_unit, rate_unit)}_per_s": items_per_step / max(seconds, 1e-9),
                       "seconds": seconds}
+            if peak:    # this rank's FLOPs per second over its device profile's matrix rate
+                record["mfu"] = flops / max(seconds, 1e-9) / peak
             done = i + 1
             if run.eval_every and evaluate is not None and done % run.eval_every == 0:
                 if step.model_stale:
@@ -455,6 +458,17 @@ def _compiled_part(plan: Plan, batch):
                            batch)
 
 
+def peak_flops(step) -> float:
+    """FLOP/s of the plan's device profile's matrix unit at the plan's precision (the CPU's is
+    measured once per machine, then read from its cache): the denominator of MFU."""
+    from cann_passes.cost_model import get_profile
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(step.plan.precision, torch.float32)
+    try:
+        return get_profile(step.plan.device_profile).matrix_rate(dtype)
+    except (ValueError, KeyError):
+        return 0.0
+
+
 def _postfix(record: dict, rate_unit: str, items_per_step: int, flops: float, step) -> dict:
     shown = {"loss": f"{record['loss']:.3f}"}
     if items_per_step:
@@ -462,6 +476,8 @@ def _postfix(record: dict, rate_unit: str, items_per_step: int, flops: float, st
     shown["peak"] = f"{peak_memory_bytes(step) / 2**20:,.0f}MiB"
     if flops:
         shown["GFLOP_s"] = f"{flops / 1e9 / max(record['seconds'], 1e-9):.1f}"
+    if "mfu" in record:
+        shown["MFU"] = f"{100 * record['mfu']:.1f}%"
     if "grad_norm" in record:
         shown["grad_norm"] = f"{record['grad_norm']:.2f}"
     if "val_loss" in record:

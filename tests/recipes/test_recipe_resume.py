@@ -52,7 +52,7 @@ def test_a_resumed_run_repeats_the_uninterrupted_one_bitwise(tmp_path):
     got = _llama(["--steps", "6", "--resume", "latest", "--save-every", "3", "--eval-every", "2", "--out", str(parts)])
     assert got["losses"] == want["losses"] and len(got["losses"]) == 6
     assert got["evals"] == want["evals"] and [e["step"] for e in got["evals"]] == [2, 4, 6]
-    assert _logged(parts) == [{**w, "seconds": g["seconds"], "tokens_per_s": g["tokens_per_s"]}
+    assert _logged(parts) == [{**w, "seconds": g["seconds"], "tokens_per_s": g["tokens_per_s"], "mfu": g["mfu"]}
                               for w, g in zip(_logged(whole), _logged(parts), strict=True)]
     assert_bitwise_equal(_checkpoint(parts / "checkpoints" / "step-000006", tmp_path),
                          _checkpoint(whole / "checkpoints" / "step-000006", tmp_path))
@@ -68,7 +68,8 @@ def assert_the_run_directory_is_complete(out: Path) -> None:
     assert config["resumed_from"] == str(out / "checkpoints" / "step-000003")
     log = _logged(out)
     assert [r["step"] for r in log] == [1, 2, 3, 4, 5, 6]
-    assert set(log[0]) == {"step", "loss", "lr", "tokens_per_s", "seconds"} and "val_loss" in log[1]
+    assert set(log[0]) == {"step", "loss", "lr", "tokens_per_s", "seconds", "mfu"} and "val_loss" in log[1]
+    assert log[0]["mfu"] > 0
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000003", "step-000006"]
     assert json.loads((out / "metrics.json").read_text())["losses"] == [r["loss"] for r in log]
 
