@@ -197,11 +197,12 @@ def tag(node: torch.fx.Node, *, region: Region | str, module_path: str, origin: 
 
 
 def add_node(graph: torch.fx.Graph, target, args: tuple, kwargs: dict | None = None, *,
-             region: Region | str, module_path: str, origin: str, mode) -> torch.fx.Node:
-    """A ``call_function`` node at ``graph``'s insertion point, tagged, with its fake value."""
+             region: Region | str, module_path: str, origin: str, mode, val: Any = None) -> torch.fx.Node:
+    """A ``call_function`` node at ``graph``'s insertion point, tagged, with its fake value (``val``
+    when the caller has already computed it in ``mode``)."""
     node = graph.call_function(target, args, kwargs)
     tag(node, region=region, module_path=module_path, origin=origin)
-    node.meta["val"] = fake_value(target, node.args, node.kwargs, mode=mode)
+    node.meta["val"] = val if val is not None else fake_value(target, node.args, node.kwargs, mode=mode)
     return node
 
 

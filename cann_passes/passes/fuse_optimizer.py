@@ -302,9 +302,8 @@ def _emit(graph: TrainGraph, group: list[torch.fx.Node], calls: list[_Call]) -> 
             args = call.args if call.args[0] is not None else (
                 [_getitem(previous, i, m) for i, m in enumerate(group)], *call.args[1:])
             # the fake values computed for the check above (a foreach op's fake run is per tensor)
-            previous = graph.graph.call_function(call.target, args, call.kwargs)
-            tag(previous, region=Region.OPTIMIZER, module_path=group[0].meta.get(MODULE_PATH, ""), origin=_ORIGIN)
-            previous.meta["val"] = val
+            previous = add_node(graph.graph, call.target, args, call.kwargs, region=Region.OPTIMIZER,
+                                module_path=group[0].meta.get(MODULE_PATH, ""), origin=_ORIGIN, mode=mode, val=val)
         return [_getitem(previous, i, m) for i, m in enumerate(group)]
 
 
