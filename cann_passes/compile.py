@@ -70,7 +70,7 @@ def as_plan_error(failure: PassFailure, plan: Plan) -> PlanError | None:
 
 def check_mesh(plan: Plan, mesh: MeshDesc) -> None:
     """The plan's parallel degrees against the mesh's axes."""
-    for axis in ("dp", "tp", "pp"):
+    for axis in ("dp", "cp", "tp", "pp"):
         want = getattr(plan, axis)
         have = mesh.size(axis) if axis in mesh.axes else 1
         if want != have:

@@ -6,6 +6,8 @@
                                                               accumulating, after grad_accumulation:
                                                               it checks the accumulated gradients)
     tensor_parallel{...}         Megatron tensor parallelism (plan.tp > 1)
+    context_parallel             the sequence split over cp  (plan.cp > 1; after tensor_parallel:
+                                                              it re-traces tp's per-rank graph)
     recompute{policy,budget}     activation recompute        (plan.recompute != none)
     grad_accumulation{...}       accumulate over microbatches (plan.microbatches > 1 or accumulate_target)
     data_parallel{...}           gradient all-reduce         (plan.dp > 1)
@@ -123,6 +125,8 @@ def build_pipeline(plan: Plan, backend: str) -> Pipeline:
         steps.append(str(spec("tensor_parallel", extra_rules=";".join(f"{k}={v}" for k, v in plan.tp_rules.items()),
                               sequence_parallel=plan.sequence_parallel,
                               vocab_parallel_loss=plan.vocab_parallel_loss)))
+    if plan.cp > 1:
+        steps.append("context_parallel")
     if plan.recompute != "none":
         steps.append(recompute_spec(plan))
     if accumulating:

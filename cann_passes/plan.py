@@ -47,7 +47,7 @@ _ENUMS = {"precision": PRECISIONS, "recompute": RECOMPUTE_POLICIES, "backend": B
           "allreduce_algo": ALLREDUCE_ALGOS, "loss_scale": LOSS_SCALES,
           "device_profile": DEVICE_PROFILES, "grad_reduce_dtype": ("fp32", "bf16"),
           "zero_master": ("whole", "sharded"), "optimizer_kernel": OPTIMIZER_KERNELS}
-_POSITIVE_INTS = ("dp", "tp", "pp", "microbatches", "recompute_every_n", "loss_scale_growth_interval",
+_POSITIVE_INTS = ("dp", "cp", "tp", "pp", "microbatches", "recompute_every_n", "loss_scale_growth_interval",
                   "pipeline_virtual_stages")
 
 
@@ -87,6 +87,7 @@ class Plan:
     model_blocks: tuple[str, ...] = ()         # module-path globs of the repeated blocks, where detection needs help
     attention_ops: tuple[str, ...] = ()        # fused attention ops beyond SDPA's ("aten.my_attention")
     dp: int = 1
+    cp: int = 1                                # context parallel: each sequence split over cp ranks
     tp: int = 1
     tp_rules: dict = field(default_factory=dict)  # module-path pattern -> column|row|vocab|replicate[:parts]
     sequence_parallel: bool = False            # tp: norms/dropout on sequence shards (all-gather + reduce-scatter)
@@ -255,6 +256,7 @@ class Plan:
                  ("accumulate_target", self.accumulate_target is not None, "grad_accumulation",
                   "dynamic gradient accumulation"),
                  ("tp", self.tp > 1, "tensor_parallel", "tensor parallelism"),
+                 ("cp", self.cp > 1, "context_parallel", "context parallelism"),
                  ("pp", self.pp > 1, "pipeline_split", "pipeline parallelism")]
         for field_name, asked, pass_name, capability in needs:
             if asked and not is_registered(pass_name):
@@ -471,6 +473,8 @@ class Plan:
             agree("optimizer_kernel", "fuse_optimizer", "kernel", self.optimizer_kernel)
         if self.tp > 1:
             agree("tp", "tensor_parallel")
+        if self.cp > 1:
+            agree("cp", "context_parallel")
         if self.pp > 1:
             agree("pp", "pipeline_split")
 

@@ -1,6 +1,6 @@
 """The device mesh as data: what passes, the compile driver and the cost model read.
 
-A :class:`MeshDesc` names the mesh's axes (``pp``, ``dp``, ``tp`` by default,
+A :class:`MeshDesc` names the mesh's axes (``pp``, ``dp``, ``cp``, ``tp`` by default,
 in the order of the process layout), their sizes, the coordinate of the rank
 being compiled for, and the process-group name of each axis as that rank
 sees it. It is built two ways:
@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-AXES = ("pp", "dp", "tp")
+AXES = ("pp", "dp", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -47,13 +47,14 @@ class MeshDesc:
 
     # -- making one -----------------------------------------------------------------------------
     @classmethod
-    def fake(cls, *, dp: int = 1, tp: int = 1, pp: int = 1, rank: int = 0,
+    def fake(cls, *, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, rank: int = 0,
              device_type: str = "cpu") -> "MeshDesc":
-        """A ``(pp, dp, tp)`` mesh of any size, seen from global ``rank``; no process group behind it."""
-        shape = (pp, dp, tp)
+        """A ``(pp, dp, cp, tp)`` mesh of any size, seen from global ``rank``; no process group behind it."""
+        shape = (pp, dp, cp, tp)
         world = math.prod(shape)
         if not 0 <= rank < world:
-            raise ValueError(f"rank {rank} is outside a mesh of {world} ranks (pp={pp}, dp={dp}, tp={tp})")
+            raise ValueError(f"rank {rank} is outside a mesh of {world} ranks (pp={pp}, dp={dp}, cp={cp}, "
+                             f"tp={tp})")
         coords = _unravel(rank, shape)
         groups = tuple(_fake_group_name(AXES, shape, coords, i) for i in range(len(AXES)))
         return cls(AXES, shape, coords, groups, True, device_type)

@@ -49,6 +49,7 @@ class GraphAttr:
     DATA_PARALLEL = "data_parallel"    # {dp, buckets, algo}: gradients all-reduced (data_parallel)
     ZERO = "zero"                      # {stage, dp, rank, params}: ZeRO rewrite done (optimizer_shard)
     TENSOR_PARALLEL = "tensor_parallel"  # {tp, rank, family, rules, params}: tensor_parallel's split
+    CONTEXT_PARALLEL = "context_parallel"  # {cp, rank, seq}: the sequence split over cp (context_parallel)
     GRAD_ACCUMULATION = "grad_accumulation"  # {microbatches, target}: accumulating step
     MESH = "mesh"                      # the mesh description the graph was compiled for (JSON)
     RANK = "rank"                      # the global rank a per-rank graph belongs to

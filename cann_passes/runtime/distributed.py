@@ -5,7 +5,7 @@ Processes are started by ``torchrun`` (one or many nodes), which sets
 checks the plan against the world before any process-group work, sets the
 collective library's algorithm (``HCCL_ALGO`` on Ascend, ``NCCL_ALGO`` on GPU),
 creates the default process group with the device's backend (hccl, nccl or
-gloo) and a ``(pp, dp, tp)`` :class:`~torch.distributed.device_mesh.DeviceMesh`
+gloo) and a ``(pp, dp, cp, tp)`` :class:`~torch.distributed.device_mesh.DeviceMesh`
 with one process group per dimension. Passes see the mesh as its description,
 :class:`graph_ir.mesh.MeshDesc` (axis sizes, group names, this rank's coordinates).
 
@@ -38,7 +38,7 @@ from graph_ir.mesh import MeshDesc
 from ..plan import Plan, PlanError
 
 FAULT_EXIT_CODE = 75
-MESH_DIMS = ("pp", "dp", "tp")
+MESH_DIMS = ("pp", "dp", "cp", "tp")
 BACKEND_OF_DEVICE = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
 # How plan.allreduce_algo maps onto each collective library's own setting; gloo has none.
 ALGO_SETTINGS = {
@@ -53,14 +53,15 @@ _current: "DistributedRuntime | None" = None
 
 def check_world(plan: Plan, world_size: int) -> None:
     """Refuse a plan that cannot run on ``world_size`` processes (before any process-group work)."""
-    degrees = plan.dp * plan.tp * plan.pp
-    if world_size % (plan.tp * plan.pp):
-        raise PlanError("dp", f"tp x pp = {plan.tp * plan.pp} must divide the number of processes "
+    model = plan.cp * plan.tp * plan.pp
+    degrees = plan.dp * model
+    if world_size % model:
+        raise PlanError("dp", f"cp x tp x pp = {model} must divide the number of processes "
                               f"({world_size})", plan.dp)
     if degrees != world_size:
-        raise PlanError("dp", f"dp x tp x pp = {plan.dp} x {plan.tp} x {plan.pp} = {degrees} must equal "
-                              f"the number of processes ({world_size}); for {world_size} processes use "
-                              f"dp={world_size // (plan.tp * plan.pp)}", plan.dp)
+        raise PlanError("dp", f"dp x cp x tp x pp = {plan.dp} x {plan.cp} x {plan.tp} x {plan.pp} = {degrees} "
+                              f"must equal the number of processes ({world_size}); for {world_size} "
+                              f"processes use dp={world_size // model}", plan.dp)
     if plan.zero_stage and plan.dp < 2:
         raise PlanError("zero_stage", "ZeRO shards over data-parallel ranks and needs dp > 1",
                         plan.zero_stage)
@@ -230,7 +231,7 @@ def init_distributed(plan: Plan, *, device_type: str | None = None, timeout_s: f
     kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
     dist.init_process_group(backend, **kwargs)
     from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh(device_type, (plan.pp, plan.dp, plan.tp), mesh_dim_names=MESH_DIMS)
+    mesh = init_device_mesh(device_type, (plan.pp, plan.dp, plan.cp, plan.tp), mesh_dim_names=MESH_DIMS)
     store = dist.PrefixStore("cann_passes/", dist.distributed_c10d._get_default_store().clone())
     watchdog = Watchdog(store, dist.get_rank(), dist.get_world_size(), interval_s=heartbeat_s,
                         fault_timeout_s=fault_timeout_s)

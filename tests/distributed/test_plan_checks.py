@@ -9,7 +9,7 @@ from cann_passes.runtime.distributed import check_world, collective_algo_env, in
 
 
 def test_dp_must_equal_the_process_count():
-    with pytest.raises(PlanError, match=r"dp x tp x pp = 2 x 1 x 1 = 2 must equal the number of processes \(4\)"):
+    with pytest.raises(PlanError, match=r"dp x cp x tp x pp = 2 x 1 x 1 x 1 = 2 must equal the number of processes \(4\)"):
         check_world(Plan(dp=2), 4)
 
 

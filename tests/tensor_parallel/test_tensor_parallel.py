@@ -234,7 +234,7 @@ class TestBadPlans:
 
     def test_plan_fields_and_world_size(self):
         from cann_passes.runtime.distributed import check_world
-        with pytest.raises(PlanError, match=r"dp x tp x pp = 1 x 2 x 1 = 2 must equal the number of processes \(4\)"):
+        with pytest.raises(PlanError, match=r"dp x cp x tp x pp = 1 x 1 x 2 x 1 = 2 must equal the number of processes \(4\)"):
             check_world(Plan(tp=2), 4)
         with pytest.raises(PlanError, match=r"tp_rules.\*.wq' = 'diagonal'"):
             Plan(tp=2, tp_rules={"*.wq": "diagonal"})

@@ -12,9 +12,11 @@ from .common import ATTR, TensorParallelError, aten
 from .marks import mark_random_pieces
 
 
-def finish(gm: torch.fx.GraphModule, graph: TrainGraph, traced_group: str, group_name: str) -> None:
-    """IR metadata on the traced nodes; collectives named by the mesh description's group."""
-    _restore_metadata(gm, graph, traced_group, group_name)
+def finish(gm: torch.fx.GraphModule, graph: TrainGraph, traced_group: str, group_name: str, *,
+           origin: str = ATTR) -> None:
+    """IR metadata on the traced nodes; collectives named by the mesh description's group and
+    tagged with the pass that made them (``origin``)."""
+    _restore_metadata(gm, graph, traced_group, group_name, origin)
     _functionalize_in_place(gm.graph)
     _lowerable_forms(gm.graph)
     _drop_identity_views(gm.graph)
@@ -25,7 +27,8 @@ def finish(gm: torch.fx.GraphModule, graph: TrainGraph, traced_group: str, group
     gm.recompile()
 
 
-def _restore_metadata(gm: torch.fx.GraphModule, graph: TrainGraph, traced_group: str, group_name: str) -> None:
+def _restore_metadata(gm: torch.fx.GraphModule, graph: TrainGraph, traced_group: str, group_name: str,
+                      origin: str) -> None:
     """Placeholders named and tagged as the captured graph's; every traced node tagged as the node it
     was traced for; collectives on the mesh description's group, not the tracing mesh's."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -42,9 +45,18 @@ def _restore_metadata(gm: torch.fx.GraphModule, graph: TrainGraph, traced_group:
         if custom.get(RECOMPUTE) is not None:
             node.meta[RECOMPUTE] = custom[RECOMPUTE]
         node.meta.pop("stack_trace", None)
-        if is_communication_op(node):
+        if is_communication_op(node) and _on_group(node, traced_group):
+            # (a collective of an earlier pass, traced again on its own group, keeps that group)
             node.args = tuple(group_name if a == traced_group else a for a in node.args)
-            node.meta["origin_pass"] = ATTR
+            node.meta["origin_pass"] = origin
+
+
+def _on_group(node: torch.fx.Node, group: str) -> bool:
+    """The collective runs on ``group`` (a wait: the collective it waits for does)."""
+    if group in node.args:
+        return True
+    source = node.args[0] if node.args else None
+    return isinstance(source, torch.fx.Node) and is_communication_op(source) and group in source.args
 
 
 def _functionalize_in_place(graph: torch.fx.Graph) -> None:

@@ -1,0 +1,495 @@
+"""context_parallel: the sequence split over the mesh's ``cp`` axis, attention over the whole of it.
+
+Every rank of a context-parallel group is fed the same (data-parallel) batch
+and keeps ``1/cp`` of each sequence: the graph cuts its chunk of every batch
+input's sequence dimension (dim 1) and from there the residual stream, the
+projections, the MLP and the loss run on ``seq / cp`` tokens per rank. Only
+attention needs the other ranks' tokens: before it, K and V are all-gathered
+over ``cp`` (Llama 3's all-gather context parallelism); each rank computes
+the attention of its query rows against every key, the mask's rows cut to
+its chunk (``is_causal`` becomes that chunk's explicit mask); in backward the
+gradients of K and V, partial sums over the query chunks, are
+reduce-scattered back to the chunks. Parameter gradients are partial sums
+over the chunks and are all-reduced over ``cp`` where backward yields them
+(``data_parallel`` then reduces them over ``dp``, as for any gradient). The
+loss is exact: a mean cross-entropy is the all-reduced sum over the all-reduced
+count of counted tokens (each rank's own mean would weigh the chunks' padding
+wrongly).
+
+The rewrite re-traces the captured step with every value a ``DTensor`` on a
+1-D ``cp`` mesh (as ``tensor_parallel`` does on ``tp``): the batch inputs
+are sequence shards, everything else replicated, and torch's sharding
+propagation places every op; the rules below add what it lacks for a
+sequence split:
+
+- a flatten of ``[batch, seq, ...]`` (the tokens into a matmul or the loss)
+  keeps the shard: each rank's rows are its own tokens, rank-major
+  (``[b, s_local]``), and the inverse view puts the shard back on ``seq``.
+  DTensor would gather the sequence instead. A redistribution of such a
+  token-row shard in positional order (which is not the rank-major one when
+  ``batch > 1``) is refused, never traced;
+- the attention kernel (above), and ``nll_loss`` (above; DTensor's rule
+  averages the chunks' means).
+
+Refused: dropout inside attention (a random draw on a sequence-split value:
+the ranks would draw other numbers than the single-process step), batch inputs of different sequence lengths or a
+length ``cp`` does not divide, tensor-parallel sequence parallelism (both
+split the sequence), and attention kernels other than the CPU flash
+kernel's aten form that the captured step uses (``_scaled_dot_product_
+flash_attention_for_cpu``: the capture decomposes SDPA into it on every
+backend; an efficient/cudnn kernel would be refused by name).
+
+What is not built: ring attention (K/V passed round the ring, overlapping
+the exchange with compute) and the load-balanced causal chunking it needs to
+skip masked blocks. Here every rank computes its ``seq / cp`` query rows
+against all ``seq`` keys with an explicit mask, so the ranks' work is equal
+without rebalancing, and no masked block is skipped on any rank.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.fx
+import torch.fx.traceback as fx_traceback
+
+from graph_ir import TrainGraph
+from graph_ir.analysis.effects import random_op
+from graph_ir.analysis.gradients import GradientNotFound, find_gradients
+from graph_ir.meta import MODULE_PATH, GraphAttr, region_of
+from graph_ir.signature import InputKind
+
+from ..pass_manager import PassContext, register_pass
+from .tensor_parallel.cleanup import finish
+from .tensor_parallel.common import TensorParallelError
+from .tensor_parallel.op_rules import _global_meta
+from .tensor_parallel.rewriter import Rewriter
+from .tensor_parallel.tracing_mesh import tracing_mesh
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+ATTR = GraphAttr.CONTEXT_PARALLEL
+
+_ATTENTION = aten._scaled_dot_product_flash_attention_for_cpu.default
+_ATTENTION_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+_OTHER_ATTENTION = tuple(getattr(aten, name).default for name in (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention") if hasattr(aten, name))
+_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+# Collectives of an earlier pass (tensor_parallel's, on its own group), run on each rank's tokens.
+_LOCAL_COLLECTIVES = (c10d.all_reduce.default, c10d.wait_tensor.default, c10d.all_gather_into_tensor.default,
+                      c10d.reduce_scatter_tensor.default)
+
+
+class ContextParallelError(ValueError):
+    pass
+
+
+@register_pass("context_parallel", preserves=())
+def context_parallel_pass(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
+    """Split every sequence over the mesh's ``cp`` axis; one per-rank graph with collectives."""
+    mesh = getattr(ctx, "mesh", None)
+    if mesh is None or "cp" not in mesh.axes:
+        raise ContextParallelError("pass 'context_parallel' needs ctx.mesh (a mesh description with a 'cp' axis)")
+    cp = int(mesh.size("cp"))
+    if cp == 1:
+        return graph
+    for later in (GraphAttr.DATA_PARALLEL, GraphAttr.ZERO, GraphAttr.GRAD_ACCUMULATION):
+        if later in graph.attrs:
+            raise ContextParallelError(f"context_parallel must run before {later} (rule: the "
+                                       "data-parallel and accumulation rewrites see the sequence split)")
+    if graph.attrs.get(GraphAttr.TENSOR_PARALLEL, {}).get("sequence_parallel"):
+        raise ContextParallelError("context_parallel with tensor_parallel's sequence_parallel: both split "
+                                   "the sequence dimension; use one of them")
+    seq = _sequence_length(graph, cp)
+    group_name = mesh.group_name("cp")
+    coord = int(mesh.local_rank("cp"))
+    with tracing_mesh(group_name, cp, coord, getattr(mesh, "device_type", "cpu"), axis="cp") as device_mesh:
+        traced_group = device_mesh.get_group(0).group_name
+        gm = _retrace(graph, device_mesh, seq)
+    finish(gm, graph, traced_group, group_name, origin=ATTR)
+    out = TrainGraph(gm, graph.signature, graph.attrs)
+    out.attrs[ATTR] = {"cp": cp, "rank": coord, "seq": seq, "local_seq": seq // cp}
+    counts: dict[str, int] = {}
+    for node in out.graph.nodes:
+        if node.meta.get("origin_pass") == ATTR and node.target is not c10d.wait_tensor.default:
+            name = f"{region_of(node)}.{node.target._overloadpacket.__name__}"
+            counts[name] = counts.get(name, 0) + 1
+    for name, n in counts.items():
+        ctx.stat(name, n)
+    return out
+
+
+def _sequence_length(graph: TrainGraph, cp: int) -> int:
+    """The one sequence length of the batch inputs (dim 1 of each with two or more dims)."""
+    lengths = {}
+    for spec, node in zip(graph.signature.inputs, graph.placeholders()):
+        val = node.meta.get("val")
+        if spec.kind == InputKind.BATCH and isinstance(val, torch.Tensor) and val.ndim >= 2:
+            lengths[spec.name] = int(val.shape[1])
+    if not lengths:
+        raise ContextParallelError("context_parallel: the step has no batch input with a sequence "
+                                   "dimension (dim 1 of a [batch, seq, ...] tensor)")
+    if len(set(lengths.values())) > 1:
+        raise ContextParallelError(
+            "context_parallel: the batch inputs' dim 1 must be one sequence length; they are "
+            + ", ".join(f"{k}: {v}" for k, v in lengths.items()))
+    seq = next(iter(lengths.values()))
+    if seq % cp:
+        raise ContextParallelError(f"context_parallel: sequence length {seq} (batch inputs' dim 1) is not "
+                                   f"divisible by cp={cp}")
+    return seq
+
+
+def _retrace(graph: TrainGraph, mesh, seq: int) -> torch.fx.GraphModule:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.experimental import implicit_replication
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    kinds = [spec.kind for spec in graph.signature.inputs]
+    values = [n.meta["val"] for n in graph.placeholders()]
+    try:
+        gradients = find_gradients(graph, mark=False)
+    except GradientNotFound:
+        gradients = {}
+    # Each gradient all-reduced over cp where backward yields it, so that what reads gradients
+    # after this pass (clipping's norm, data_parallel's buckets) reads whole ones.
+    whole = {node: Replicate() for node in gradients.values()}
+
+    def step(*local):
+        wrapped = []
+        for t, v, kind in zip(local, values, kinds):
+            if isinstance(v, torch.Tensor):
+                t = DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+                if kind == InputKind.BATCH and v.ndim >= 2:
+                    t = t.redistribute(mesh, [Shard(1)])   # (a local slice: every rank has the batch)
+            wrapped.append(t)
+        with implicit_replication():
+            outs = _Rewriter(graph.gm, mesh, seq, whole).run(*wrapped)
+        return [o.redistribute(mesh, [Replicate()]).to_local() if isinstance(o, DTensor) else o for o in outs]
+
+    with torch.no_grad(), fx_traceback.preserve_node_meta(), _token_rows_stay_put(seq):
+        return make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(*values)
+
+
+class _Rewriter(Rewriter):
+    """tensor_parallel's interpreter (its op rules, its tags on every traced node) with the rules
+    of a sequence split tried first."""
+
+    def __init__(self, gm, mesh, seq: int, grad_places: dict):
+        super().__init__(gm, mesh, sequence_parallel=False, origins={}, grad_places=grad_places)
+        self.seq, self.cp = seq, mesh.size(0)
+
+    def call_function(self, target, args, kwargs):
+        for rule in (self._local_collective, self._strided_split, self._attention, self._attention_backward, self._loss,
+                     self._loss_backward, self._token_view, self._empty_cat):
+            out = rule(target, args, kwargs)
+            if out is not None:
+                return out
+        if target in _OTHER_ATTENTION and _sharded(args[0]):
+            raise self._refuse(target, "only the CPU flash attention kernel's aten form is split over the "
+                                       "sequence (the captured step's own attention op)")
+        if random_op(target) and any(_sharded(a) for a in args):
+            raise self._refuse(target, f"a random draw ({target}) on a value split over the sequence: each "
+                                       "rank would draw other numbers than the single-process step (a dropout "
+                                       "mask); train with dropout 0")
+        try:
+            return super().call_function(target, args, kwargs)
+        except TensorParallelError as exc:   # (the shared interpreter's refusal, in this pass' name)
+            raise ContextParallelError(str(exc).replace("tensor_parallel:", "context_parallel:", 1)) from None
+
+    def _refuse(self, target, why: str) -> ContextParallelError:
+        node = self.current
+        return ContextParallelError(f"context_parallel: node {node.name} ({target}, module "
+                                    f"'{node.meta.get(MODULE_PATH, '')}'): {why}")
+
+    def _placed(self, local, placement, like):
+        from torch.distributed.tensor import DTensor
+        return DTensor.from_local(local, self.mesh, [placement], run_check=False, shape=like.shape,
+                                  stride=like.stride())
+
+    # -- the tokens ---------------------------------------------------------------------------------
+    def _token_view(self, target, args, kwargs):
+        """A view of a sequence shard that flattens ``seq`` behind a dim > 1 (``[b, s] -> [b*s]``)
+        keeps it sharded as rank-major token rows; the inverse split puts the shard back on the
+        dim of length ``seq``. A replicated value flattened so is cut to the sequence first, so
+        that its rows line up with the sharded ones (the labels against the logits)."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+        if target not in _VIEWS or not isinstance(args[0], DTensor):
+            return None
+        x = args[0]
+        src, dst = list(x.shape), list(self.current.meta["val"].shape)
+        place = x.placements[0]
+        if place == Replicate():
+            dim = _flattened_sequence(src, dst, self.seq)
+            if dim is None:
+                return None
+            x, place = x.redistribute(self.mesh, [Shard(dim)]), Shard(dim)
+        if type(place) is not Shard:
+            return None
+        group = _group_of(src, dst, place.dim)
+        if group is None:
+            return None
+        from_dims, to_dims = group
+        if len(from_dims) > 1 and len(to_dims) == 1 and _behind_rows(src, from_dims, place.dim):
+            out_dim = to_dims[0]
+        elif len(from_dims) == 1 and len(to_dims) > 1:
+            out_dim = next((d for d in to_dims[1:] if dst[d] == self.seq and _behind_rows(dst, to_dims, d)),
+                           None)
+            if out_dim is None:
+                return None
+        else:
+            return None
+        local_shape = list(dst)
+        local_shape[out_dim] //= self.cp
+        local = target(x.to_local(), local_shape)
+        return self._placed(local, Shard(out_dim), self.current.meta["val"])
+
+    def _empty_cat(self, target, args, kwargs):
+        """cat of one tensor and 1-D empty ones (an empty KV cache) is that tensor, placement kept."""
+        if target is not aten.cat.default:
+            return None
+        kept = [t for t in args[0] if not (t.ndim == 1 and t.shape[0] == 0)]
+        if len(kept) != 1 or len(kept) == len(args[0]):
+            return None
+        return aten.clone.default(kept[0])
+
+    # -- attention ----------------------------------------------------------------------------------
+    def _attention(self, target, args, kwargs):
+        from torch.distributed.tensor import Shard
+        if target is not _ATTENTION or not _sharded(args[0], 2):
+            return None
+        q, k, v = args[:3]
+        dropout = args[3] if len(args) > 3 else kwargs.get("dropout_p", 0.0)
+        causal = args[4] if len(args) > 4 else kwargs.get("is_causal", False)
+        self._no_dropout(target, dropout)
+        mask = self._mask_rows(kwargs.get("attn_mask"), causal, q, k)
+        out, lse = target(q.to_local(), self._gathered(k), self._gathered(v), 0.0, False, attn_mask=mask,
+                          scale=kwargs.get("scale"))
+        whole = _global_meta(target, args, kwargs)
+        return self._placed(out, Shard(2), whole[0]), self._placed(lse, Shard(2), whole[1])
+
+    def _attention_backward(self, target, args, kwargs):
+        from torch.distributed.tensor import Partial, Shard
+        if target is not _ATTENTION_BACKWARD or not _sharded(args[1], 2):
+            return None
+        grad, q, k, v, out, lse, dropout, causal = args[:8]
+        self._no_dropout(target, dropout)
+        mask = self._mask_rows(kwargs.get("attn_mask"), causal, q, k)
+        dq, dk, dv = target(self._local(grad, 2), q.to_local(), self._gathered(k), self._gathered(v),
+                            self._local(out, 2), self._local(lse, 2), 0.0, False, attn_mask=mask,
+                            scale=kwargs.get("scale"))
+        whole = _global_meta(target, args, kwargs)
+        # Each rank's query rows give a partial sum of every key's gradient: reduce-scattered to the
+        # chunks here (left partial, a reader of one chunk would take another rank's rows' share).
+        dk, dv = (self._laid_out_as(self._placed(t, Partial(), w).redistribute(self.mesh, [Shard(2)]), w)
+                  for t, w in ((dk, whole[1]), (dv, whole[2])))
+        return self._placed(dq, Shard(2), whole[0]), dk, dv
+
+    def _laid_out_as(self, t, like):
+        """``t`` with its local tensor in ``like``'s dim order (a reduce-scatter returns it
+        contiguous; the kernel's gradients are [b, s, h, d] in memory, and the graph views them so)."""
+        order = sorted(range(like.ndim), key=lambda d: (-like.stride()[d], d))
+        local = t.to_local()
+        if list(order) == list(range(like.ndim)):
+            return t
+        inverse = [order.index(d) for d in range(like.ndim)]
+        local = aten.permute.default(aten.clone.default(aten.permute.default(local, order),
+                                                        memory_format=torch.contiguous_format), inverse)
+        return self._placed(local, t.placements[0], like)
+
+    def _no_dropout(self, target, p):
+        if p:
+            raise self._refuse(target, f"attention dropout (p={p}) under context parallelism: each rank would "
+                                       "draw its own mask for its query rows; train with attention dropout 0")
+
+    def _gathered(self, t):
+        from torch.distributed.tensor import DTensor, Replicate
+        return t.redistribute(self.mesh, [Replicate()]).to_local() if isinstance(t, DTensor) else t
+
+    def _local(self, t, dim: int):
+        from torch.distributed.tensor import DTensor, Shard
+        return t.redistribute(self.mesh, [Shard(dim)]).to_local() if isinstance(t, DTensor) else t
+
+    def _mask_rows(self, mask, causal: bool, q, k):
+        """This rank's query rows of the mask (``is_causal``: of the causal mask it stands for)."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+        rows = q.shape[2] // self.cp
+        start = self.mesh.get_local_rank(0) * rows
+        if causal:
+            if mask is not None:
+                raise self._refuse(_ATTENTION, "attention with both a mask and is_causal")
+            keys = k.shape[2]
+            # (torch's is_causal is the top-left aligned mask: query i sees keys 0..i)
+            position = aten.add.Tensor(aten.arange.default(rows, dtype=torch.int64, device=q.device), start)
+            return aten.le.Tensor(aten.arange.default(keys, dtype=torch.int64, device=q.device).view(1, keys),
+                                  position.view(rows, 1))
+        if mask is None:
+            return None
+        if mask.ndim < 2 or mask.shape[-2] == 1:   # broadcast over the query rows
+            return self._gathered(mask)
+        if isinstance(mask, DTensor):
+            if mask.placements[0] != Replicate() and mask.placements[0] != Shard(mask.ndim - 2):
+                mask = mask.redistribute(self.mesh, [Replicate()])
+            return mask.redistribute(self.mesh, [Shard(mask.ndim - 2)]).to_local()
+        return aten.slice.Tensor(mask, mask.ndim - 2, start, start + rows)
+
+    # -- the loss -----------------------------------------------------------------------------------
+    def _loss(self, target, args, kwargs):
+        """nll_loss over token rows split across ranks: the sum and the count of counted tokens are
+        all-reduced, the mean is their ratio (the single-process mean, padding and all)."""
+        from torch.distributed.tensor import Partial, Replicate, Shard
+        if target is not aten.nll_loss_forward.default or not _sharded(args[0], 0):
+            return None
+        x, labels, weight, reduction, ignore_index = args[:5]
+        labels = self._local(labels, 0)
+        if reduction == 0:   # none: one loss per token, on its rank
+            out, count = target(x.to_local(), labels, self._gathered(weight), 0, ignore_index)
+            whole = _global_meta(target, args, kwargs)
+            return self._placed(out, Shard(0), whole[0]), self._placed(count, Replicate(), whole[1])
+        total, count = target(x.to_local(), labels, self._gathered(weight), 2, ignore_index)
+        whole = _global_meta(target, args, kwargs)
+        total = self._placed(total, Partial(), whole[0]).redistribute(self.mesh, [Replicate()])
+        count = self._placed(count, Partial(), whole[1]).redistribute(self.mesh, [Replicate()])
+        return (total / count if reduction == 1 else total), count
+
+    def _loss_backward(self, target, args, kwargs):
+        from torch.distributed.tensor import Shard
+        if target is not aten.nll_loss_backward.default or not _sharded(args[1], 0):
+            return None
+        grad, x, labels, weight, reduction, ignore_index, count = args[:7]
+        local = target(self._gathered(grad) if reduction else self._local(grad, 0), x.to_local(),
+                       self._local(labels, 0), self._gathered(weight), reduction, ignore_index, self._gathered(count))
+        return self._placed(local, Shard(0), _global_meta(target, args, kwargs))
+
+    # -- collectives already in the graph -----------------------------------------------------------
+    def _local_collective(self, target, args, kwargs):
+        """tensor_parallel's collectives (on the tp group) act on each rank's own tokens. A tp
+        all-gather of token rows stacks the tp ranks' rows of this chunk: the result is each tp
+        part's cp shard (``_StridedShard``), which the split after it takes apart and a
+        reduce-scatter folds back."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+        from torch.distributed.tensor.placement_types import _StridedShard
+        if target not in _LOCAL_COLLECTIVES or not isinstance(args[0], DTensor):
+            return None
+        x = args[0]
+        place, out_place = x.placements[0], x.placements[0]
+        local = target(x.to_local(), *args[1:], **kwargs)
+        shape = list(x.shape)
+        if target is c10d.all_gather_into_tensor.default:
+            shape[0] = x.shape[0] * args[1]
+            if type(place) is Shard and place.dim == 0:
+                out_place = _StridedShard(0, split_factor=args[1])
+            elif place != Replicate() and not (type(place) is Shard):
+                raise self._refuse(target, f"a tensor-parallel all-gather of a value placed {place} over cp")
+        elif target is c10d.reduce_scatter_tensor.default:
+            shape[0] = x.shape[0] // args[2]
+            if isinstance(place, _StridedShard) and place.dim == 0 and place.split_factor == args[2]:
+                out_place = Shard(0)
+            elif place != Replicate() and not (type(place) is Shard and place.dim != 0):
+                raise self._refuse(target, f"a tensor-parallel reduce-scatter of a value placed {place} over cp")
+        return DTensor.from_local(local, self.mesh, [out_place], run_check=False, shape=torch.Size(shape),
+                                  stride=_contiguous(shape))
+
+    def _strided_split(self, target, args, kwargs):
+        """The parts of a stacked tp gather (above), each this rank's token rows of its part."""
+        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor.placement_types import _StridedShard
+        if target not in (aten.split.Tensor, aten.split_with_sizes.default) or not isinstance(args[0], DTensor) \
+                or not isinstance(args[0].placements[0], _StridedShard):
+            return None
+        x, sizes = args[0], args[1]
+        dim = (args[2] if len(args) > 2 else kwargs.get("dim", 0)) % x.ndim
+        place = x.placements[0]
+        parts = [sizes] * (x.shape[dim] // sizes) if isinstance(sizes, int) else list(sizes)
+        if dim != place.dim or len(parts) != place.split_factor or len(set(parts)) != 1:
+            raise self._refuse(target, f"a split into {parts} of a stacked tensor-parallel gather "
+                                       f"({place.split_factor} parts along dim {place.dim})")
+        pieces = aten.split.Tensor(x.to_local(), x.to_local().shape[dim] // len(parts), dim)
+        whole = list(x.shape)
+        whole[dim] = parts[0]
+        return [DTensor.from_local(p, self.mesh, [Shard(dim)], run_check=False, shape=torch.Size(whole),
+                                   stride=_contiguous(whole)) for p in pieces]
+
+
+def _contiguous(shape) -> tuple[int, ...]:
+    from torch._prims_common import make_contiguous_strides_for
+    return tuple(make_contiguous_strides_for(shape))
+
+
+def _sharded(t, dim: int | None = None) -> bool:
+    from torch.distributed.tensor import DTensor, Shard
+    return isinstance(t, DTensor) and type(t.placements[0]) is Shard and (dim is None or t.placements[0].dim == dim)
+
+
+def _groups(src: list[int], dst: list[int]) -> list[tuple[list[int], list[int]]]:
+    """The view's dims in groups of equal element count (size-1 dims join their neighbour's)."""
+    groups, i, j = [], 0, 0
+    while i < len(src) and j < len(dst):
+        a, b, pa, pb = [i], [j], src[i], dst[j]
+        i, j = i + 1, j + 1
+        while pa != pb:
+            if pa < pb:
+                a.append(i)
+                pa *= src[i]
+                i += 1
+            else:
+                b.append(j)
+                pb *= dst[j]
+                j += 1
+        groups.append((a, b))
+    if groups:
+        groups[-1][0].extend(range(i, len(src)))
+        groups[-1][1].extend(range(j, len(dst)))
+    return groups
+
+
+def _group_of(src, dst, dim: int):
+    if math.prod(src) != math.prod(dst) or 0 in src:
+        return None
+    return next((g for g in _groups(src, dst) if dim in g[0]), None)
+
+
+def _behind_rows(shape, dims, dim: int) -> bool:
+    """``dim`` follows a dim > 1 in its group: flattened, its shard's rows are rank-major."""
+    return math.prod(shape[d] for d in dims if d < dim) > 1
+
+
+def _flattened_sequence(src, dst, seq: int) -> int | None:
+    """The dim of length ``seq`` (not the first) that this view flattens behind a dim > 1."""
+    for d in range(1, len(src)):
+        if src[d] == seq:
+            group = _group_of(src, dst, d)
+            if group and len(group[0]) > 1 and len(group[1]) == 1 and _behind_rows(src, group[0], d):
+                return d
+    return None
+
+
+@contextlib.contextmanager
+def _token_rows_stay_put(seq: int):
+    """Refuse any redistribution DTensor would trace of a shard on a dim other than the sequence's
+    own (token rows, ``batch * seq / cp`` per rank): DTensor orders shards by position, the rows
+    here are rank-major, and the two differ when the batch has more than one row."""
+    import torch.distributed.tensor._dispatch as dispatch
+    import torch.distributed.tensor._redistribute as redistribute
+
+    original = redistribute.redistribute_local_tensor
+
+    def guarded(local, current_spec, target_spec, *args, **kwargs):
+        for spec in (current_spec, target_spec):
+            for p in spec.placements:
+                if current_spec.placements != target_spec.placements and p.is_shard() \
+                        and spec.shape[p.dim] != seq:
+                    raise ContextParallelError(
+                        f"context_parallel: an op needs a value of shape {tuple(spec.shape)} moved from "
+                        f"{current_spec.placements[0]} to {target_spec.placements[0]}; its dim {p.dim} holds "
+                        "token rows of the split sequence, which are rank-major, not in position order (no "
+                        "rule places this op on a sequence split)")
+        return original(local, current_spec, target_spec, *args, **kwargs)
+
+    dispatch.redistribute_local_tensor = redistribute.redistribute_local_tensor = guarded
+    try:
+        yield
+    finally:
+        dispatch.redistribute_local_tensor = redistribute.redistribute_local_tensor = original

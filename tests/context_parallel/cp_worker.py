@@ -1,0 +1,71 @@
+"""One rank of context-parallel runs: ``python tests/context_parallel/cp_worker.py OUT MESH SCENARIO...``.
+
+``MESH`` is ``cp=2``, ``dp=2,cp=2`` or ``tp=2,cp=2`` (the rest of the world, if any, is dp). A
+scenario is ``model:optimizer[:option...]``: a ``tests.zoo`` model trained 10 steps with
+``compile_for_npu`` on the plan's mesh; every cp rank of a data-parallel rank is fed that rank's
+rows of the global batch, whole (the graph cuts its part of the sequence). Options: ``pad``
+(right-padded rows: the loss' count of tokens differs between the sequence chunks), ``clip``
+(gradient clipping at 1.0). Rank 0 writes the losses, the parameters as ``model.state_dict()``
+gives them and the graph's collectives to OUT/<scenario>.<mesh>.pt.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from cann_passes.passes.tensor_parallel import count_collectives  # noqa: E402
+from tests import zoo  # noqa: E402
+
+STEPS = 10
+
+
+def make(name: str, opt: str):
+    entry = zoo.build(name, layers=2, seed=0)
+    if opt == "sgd":
+        optimizer = torch.optim.SGD(entry.model.parameters(), lr=0.1, momentum=0.9)
+    else:
+        optimizer = torch.optim.AdamW(entry.model.parameters(), lr=1e-3, weight_decay=0.01)
+    return entry, optimizer
+
+
+def batches(entry, pad: bool):
+    return [entry.make_batch(1000 + i, pad=pad) for i in range(STEPS)]
+
+
+def mesh_of(text: str, world: int) -> dict[str, int]:
+    sizes = {k: int(v) for k, v in (part.split("=") for part in text.split(","))}
+    model = sizes.get("cp", 1) * sizes.get("tp", 1)
+    sizes.setdefault("dp", world // model)
+    return sizes
+
+
+def main(out: str, mesh: str, *scenarios: str):
+    from cann_passes import Plan, compile_for_npu
+    from cann_passes.runtime.distributed import init_distributed, shard_batch
+    sizes = mesh_of(mesh, int(os.environ["WORLD_SIZE"]))
+    with init_distributed(Plan(backend="eager", **sizes)) as world:
+        for scenario in scenarios:
+            name, opt, *options = scenario.split(":")
+            entry, optimizer = make(name, opt)
+            plan = Plan(backend="eager", verify="deep", grad_clip_norm=1.0 if "clip" in options else None,
+                        **sizes)
+            step = compile_for_npu(entry.model, plan, optimizer=optimizer, loss_fn=entry.loss_fn)
+            dp = sizes["dp"]
+            losses = [float(step(shard_batch(b, world.dp_rank, dp))) for b in batches(entry, "pad" in options)]
+            state = entry.model.state_dict()
+            params = {n: state[n].detach().clone() for n, _ in entry.model.named_parameters()}
+            graph = step.last.graph
+            if world.rank == 0:
+                torch.save({"losses": losses, "params": params,
+                            "collectives": {f"{r}.{c}": n for (r, c), n in count_collectives(graph).items()},
+                            "attrs": graph.attrs.get("context_parallel")},
+                           os.path.join(out, f"{scenario}.{mesh}.pt"))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,108 @@
+"""context_parallel on a fake mesh (one process): what it traces, what it refuses, the plan field."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cann_passes import Plan
+from cann_passes.compile import compile_program
+from cann_passes.pass_manager import PassContext, PassFailure, PassManager, Pipeline
+from cann_passes.pass_pipeline import build_pipeline
+from cann_passes.plan import PlanError
+from cann_passes.passes.context_parallel import ContextParallelError
+from cann_passes.runtime.distributed import check_world
+from graph_ir import capture_train_step
+from graph_ir.mesh import MeshDesc
+from graph_ir.meta import GraphAttr
+from tests import zoo
+
+c10d = torch.ops._c10d_functional
+
+
+def _capture(name="llama", loss_fn=None, batch=None, **config):
+    entry = zoo.build(name, layers=1, seed=0, **config)
+    opt = torch.optim.SGD(entry.model.parameters(), lr=0.1)
+    graph, _ = capture_train_step(entry.model, opt, loss_fn or entry.loss_fn,
+                                  batch if batch is not None else entry.make_batch(0, pad=True))
+    return graph
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return _capture()
+
+
+def _run(graph, cp=2, rank=0, pipeline="context_parallel", **mesh):
+    ctx = PassContext(mesh=MeshDesc.fake(cp=cp, rank=rank, **mesh))
+    return PassManager(Pipeline.parse(pipeline), verify_level="deep").run(graph.copy(), ctx), ctx
+
+
+def _collectives(graph, origin=GraphAttr.CONTEXT_PARALLEL):
+    return [n for n in graph.graph.nodes if n.meta.get("origin_pass") == origin
+            and n.target is not c10d.wait_tensor.default]
+
+
+def test_attention_gathers_kv_and_the_gradients_are_reduced(llama):
+    out, ctx = _run(llama, rank=1)
+    assert out.attrs[GraphAttr.CONTEXT_PARALLEL] == {"cp": 2, "rank": 1, "seq": 12, "local_seq": 6}
+    gathers = [n for n in _collectives(out) if n.target is c10d.all_gather_into_tensor.default]
+    scatters = [n for n in _collectives(out) if n.target is c10d.reduce_scatter_tensor.default]
+    # K and V gathered before the layer's attention (and again in backward), dK and dV scattered
+    attention = [n for n in out.graph.nodes if n.target is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default]
+    assert len(attention) == 1 and len(scatters) == 2 and len(gathers) >= 2
+    q, k, v = attention[0].args[:3]
+    assert q.meta["val"].shape[2] == 6 and k.meta["val"].shape[2] == 12 and v.meta["val"].shape[2] == 12
+    # every collective names the mesh description's cp group
+    assert {n.args[-1] for n in _collectives(out)} == {MeshDesc.fake(cp=2, rank=1).group_name("cp")}
+
+
+def test_one_chunk_of_tokens_per_rank(llama):
+    """The residual stream, the projections and the logits hold seq / cp tokens."""
+    out, _ = _run(llama)
+    vocab = zoo.VOCAB
+    logits = [n for n in out.graph.nodes if n.target is torch.ops.aten._log_softmax.default]
+    assert logits and all(tuple(n.meta["val"].shape) == (zoo.BATCH * 6, vocab) for n in logits)
+
+
+def test_refusals(llama):
+    with pytest.raises(PassFailure, match="sequence length 12 .* not divisible by cp=5"):
+        _run(llama, cp=5)
+    with pytest.raises(PassFailure, match="context_parallel must run before data_parallel"):
+        _run(llama, pipeline="data_parallel,context_parallel", dp=2)
+    with pytest.raises(PassFailure, match="needs ctx.mesh"):
+        PassManager(Pipeline.parse("context_parallel")).run(llama.copy(), PassContext())
+
+
+def test_token_rows_read_out_of_order_are_refused():
+    """A loss that reads the flattened tokens in position order (a cumulative sum over them)
+    cannot run on rank-major rows: refused naming the move, not traced wrong."""
+    def loss_fn(model, batch):
+        logits = model(input_ids=batch["input_ids"]).logits
+        return logits.flatten(0, 1).cumsum(0).mean()
+    graph = _capture(loss_fn=loss_fn)
+    with pytest.raises(PassFailure, match="token rows of the split sequence, which are rank-major"):
+        _run(graph)
+
+
+def test_attention_dropout_is_refused():
+    graph = _capture(attention_dropout=0.1)
+    with pytest.raises(PassFailure, match=r"random draw \(aten.bernoulli.p\) on a value split over the sequence"):
+        _run(graph)
+
+
+def test_plan_field():
+    plan = Plan(cp=2, tp=2)
+    text = str(build_pipeline(plan, "eager"))
+    assert text.index("tensor_parallel") < text.index("context_parallel")
+    with pytest.raises(PlanError, match="plan field 'cp' = 0"):
+        Plan(cp=0)
+    with pytest.raises(PlanError, match=r"dp x cp x tp x pp = 1 x 2 x 1 x 1 = 2 must equal the number of processes \(4\)"):
+        check_world(Plan(cp=2), 4)
+    with pytest.raises(PlanError, match="plan field 'cp'"):
+        compile_program(_capture(), Plan(cp=2), MeshDesc.fake())
+
+
+def test_compiles_for_every_rank_of_a_fake_mesh(llama):
+    for rank in range(4):
+        program = compile_program(llama.copy(), Plan(cp=2, dp=2), MeshDesc.fake(dp=2, cp=2, rank=rank))
+        assert program is not None
