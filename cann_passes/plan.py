@@ -263,6 +263,13 @@ class Plan:
                 raise NotImplementedError(
                     f"plan field '{field_name}' = {getattr(self, field_name)!r} asks for {capability}, "
                     f"which is not built yet (no '{pass_name}' pass is registered)")
+        if self.cp > 1 and self.pp > 1:
+            raise PlanError("cp", "context parallelism with pipeline parallelism (pp > 1) is not built yet: "
+                                  "pipeline_split and the stage runtime do not cut the sequence chunks' "
+                                  "activations", self.cp)
+        if self.cp > 1 and self.sequence_parallel:
+            raise PlanError("cp", "context parallelism with sequence_parallel: both split the sequence "
+                                  "dimension; use one of them", self.cp)
         if self.grad_reduce_dtype != "fp32":
             raise NotImplementedError(
                 f"plan field 'grad_reduce_dtype' = {self.grad_reduce_dtype!r} asks for gradient "

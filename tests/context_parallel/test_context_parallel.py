@@ -94,6 +94,10 @@ def test_plan_field():
     plan = Plan(cp=2, tp=2)
     text = str(build_pipeline(plan, "eager"))
     assert text.index("tensor_parallel") < text.index("context_parallel")
+    with pytest.raises(PlanError, match="plan field 'cp' = 2: context parallelism with pipeline parallelism"):
+        Plan(cp=2, pp=2, microbatches=2)
+    with pytest.raises(PlanError, match="plan field 'cp' = 2: context parallelism with sequence_parallel"):
+        Plan(cp=2, tp=2, sequence_parallel=True)
     with pytest.raises(PlanError, match="plan field 'cp' = 0"):
         Plan(cp=0)
     with pytest.raises(PlanError, match=r"dp x cp x tp x pp = 1 x 2 x 1 x 1 = 2 must equal the number of processes \(4\)"):
@@ -106,3 +110,10 @@ def test_compiles_for_every_rank_of_a_fake_mesh(llama):
     for rank in range(4):
         program = compile_program(llama.copy(), Plan(cp=2, dp=2), MeshDesc.fake(dp=2, cp=2, rank=rank))
         assert program is not None
+
+
+def test_dump_shows_its_collectives(llama, tmp_path):
+    compile_program(llama.copy(), Plan(cp=2), MeshDesc.fake(cp=2), dump_dir=str(tmp_path))
+    text = next(tmp_path.glob("*_context_parallel.py")).read_text()
+    assert "all_gather_into_tensor" in text and "reduce_scatter_tensor" in text
+    assert "origin_pass=context_parallel" in text

@@ -58,10 +58,11 @@ def assert_matches(scenario: str, got: dict):
 
 
 def test_cp2_matches_single_process(tmp_path):
-    """cp=2 on padded rows (the chunks count different numbers of tokens), with clipping too:
+    """cp=2 on padded rows (the chunks count different numbers of tokens), with clipping, and
+    with two microbatches (unpadded: equal token counts, so their mean is the batch's):
     K and V are all-gathered per layer, their gradients reduce-scattered, each parameter's
     gradient all-reduced over cp in backward."""
-    scenarios = ["llama:sgd:pad", "llama:adamw:pad", "llama:sgd:pad:clip"]
+    scenarios = ["llama:sgd:pad", "llama:adamw:pad", "llama:sgd:pad:clip", "llama:sgd:mb2"]
     got = launch(tmp_path, 2, "cp=2", scenarios)
     for scenario in scenarios:
         assert_matches(scenario, got[scenario])

@@ -79,7 +79,7 @@ def capture_and_dump(target, plan, directory: str):
     captured, layout = capture_train_step(target.model, target.optimizer, target.loss_fn, batch)
     inputs = None if target.meta else gather_inputs(target.model, target.optimizer, layout, batch)
     # Nothing is lowered, so the backend only decides the pipeline and need not be present.
-    return compile_planned(captured, plan, MeshDesc.fake(dp=plan.dp, tp=plan.tp, pp=plan.pp),
+    return compile_planned(captured, plan, MeshDesc.fake(dp=plan.dp, cp=plan.cp, tp=plan.tp, pp=plan.pp),
                            dump_dir=directory, inputs=inputs)
 
 
@@ -95,7 +95,7 @@ def run_target(target_name: str, out: str, *, plan_file: str | None = None, pipe
     clear_dump(out)
     t1 = time.perf_counter()
     result.seconds["build"] = t1 - t0
-    if capture_only or target.meta or plan.dp * plan.tp * plan.pp > 1:
+    if capture_only or target.meta or plan.dp * plan.cp * plan.tp * plan.pp > 1:
         capture_and_dump(target, plan, out)
     else:
         step = result.step = compile_for_npu(target.model, plan, optimizer=target.optimizer,
