@@ -468,9 +468,9 @@ def _flattened_sequence(src, dst, seq: int) -> int | None:
 
 @contextlib.contextmanager
 def _token_rows_stay_put(seq: int):
-    """Refuse any redistribution DTensor would trace of a shard on a dim other than the sequence's
-    own (token rows, ``batch * seq / cp`` per rank): DTensor orders shards by position, the rows
-    here are rank-major, and the two differ when the batch has more than one row."""
+    """Refuse any redistribution DTensor would trace from or to a shard of token rows (a dim of
+    ``batch * seq`` tokens, ``batch * seq / cp`` per rank): DTensor orders shards by position, the
+    rows here are rank-major, and the two differ when the batch has more than one row."""
     import torch.distributed.tensor._dispatch as dispatch
     import torch.distributed.tensor._redistribute as redistribute
 
@@ -479,8 +479,10 @@ def _token_rows_stay_put(seq: int):
     def guarded(local, current_spec, target_spec, *args, **kwargs):
         for spec in (current_spec, target_spec):
             for p in spec.placements:
+                # (a dim of batch x seq tokens; a shard DTensor puts on another dim, heads say, is
+                # positional and moves as any)
                 if current_spec.placements != target_spec.placements and p.is_shard() \
-                        and spec.shape[p.dim] != seq:
+                        and spec.shape[p.dim] % seq == 0 and spec.shape[p.dim] > seq:
                     raise ContextParallelError(
                         f"context_parallel: an op needs a value of shape {tuple(spec.shape)} moved from "
                         f"{current_spec.placements[0]} to {target_spec.placements[0]}; its dim {p.dim} holds "
