@@ -111,6 +111,22 @@ class TestRules:
 
 
 class TestRewrite:
+    def test_two_kv_heads_at_tp4_are_replicated_and_their_query_heads_cut_locally(self, llama):
+        # LLaMA with 4 query and 2 kv heads at tp=4: k_proj and v_proj stay whole on every rank,
+        # q_proj keeps one query head; in backward each rank's query-head share of dK and dV is
+        # all-gathered before the head repeat's sum, so the kv weights' gradients are whole
+        out = _run(llama[1], tp=4, rank=3)
+        assert out.attrs["tensor_parallel"]["replicated_kv_heads"] == [
+            f"model.layers.{i}.self_attn.{p}" for i in range(LAYERS) for p in ("k_proj", "v_proj")]
+        head_dim = zoo.HIDDEN // zoo.HEADS
+        assert _placeholder_shape(out, "param", "model.layers.0.self_attn.k_proj.weight") == (
+            zoo.KV_HEADS * head_dim, zoo.HIDDEN)
+        assert _placeholder_shape(out, "param", "model.layers.0.self_attn.q_proj.weight") == (head_dim, zoo.HIDDEN)
+        found = _collectives(out)
+        gathers = [c for c in found if c[:2] == ("backward", "all_gather_into_tensor")]
+        assert gathers == [("backward", "all_gather_into_tensor", zoo.BATCH * zoo.SEQ * head_dim)] * (2 * LAYERS)
+        assert [c[1] for c in found if c[0] == "backward"].count("all_reduce") == 2 * LAYERS + 1
+
     def test_megatron_two_all_reduces_forward_and_two_backward_per_layer(self, gpt_tp2, llama_tp2):
         for out in (gpt_tp2, llama_tp2):
             found = _collectives(out)
@@ -202,11 +218,13 @@ class TestBadPlans:
                                  r"4 heads .* not divisible by tp=8"):
             _run(graph, tp=8)
 
-    def test_kv_heads_not_divisible_by_tp_name_k_proj(self, llama):
-        _, graph = llama
+    def test_kv_heads_neither_dividing_nor_divided_by_tp_name_k_proj(self):
+        # 24 query heads split whole over tp=8; 3 kv heads can be neither split nor replicated
+        _, graph = _capture("llama", hidden_size=192, num_attention_heads=24, num_key_value_heads=3)
         with pytest.raises(tpp.TensorParallelError,
-                           match=r"parameter 'model.layers.0.self_attn.k_proj.weight' .*2 kv heads .*tp=4"):
-            _run(graph, tp=4)
+                           match=r"parameter 'model.layers.0.self_attn.k_proj.weight' .*3 kv heads .*tp=8 "
+                                 r"\(rule: kv heads fewer than tp are replicated when tp is a multiple of them\)"):
+            _run(graph, tp=8)
 
     def test_vocabulary_not_divisible_by_tp(self, llama):
         _, graph = llama

@@ -100,10 +100,12 @@ def test_tp2_recipe_gpt_gpt2_and_llama_gqa_match_single_process_training(tmp_pat
 
 def test_tp4_matches_and_its_checkpoint_resumes_at_tp1_and_tp2(tmp_path):
     # 8 query heads and 4 kv heads: GQA with whole kv heads on each of the 4 ranks; the LLaMA run
-    # saves a checkpoint after step 5 that resumes in one process and on 2 ranks at tp=2
-    saved = launch(tmp_path, 4, ["step:gpt:sgd", "step:llama8:adamw:ckpt"])
+    # saves a checkpoint after step 5 that resumes in one process and on 2 ranks at tp=2. LLaMA
+    # with 2 kv heads at tp=4: the kv heads replicated, each rank's query head cut from them
+    saved = launch(tmp_path, 4, ["step:gpt:sgd", "step:llama8:adamw:ckpt", "step:llama:sgd", "step:llama:adamw"])
     for scenario, got in saved.items():
         assert_matches(scenario, got)
+    assert saved["step:llama:sgd"]["collectives"]["backward.all_gather_into_tensor"] == 2 * LAYERS
     uninterrupted = saved["step:llama8:adamw:ckpt"]["losses"]
     one = tp_worker.resume(str(tmp_path), "llama8", "adamw")
     two = launch(tmp_path, 2, ["resume:llama8:adamw"])["resume:llama8:adamw"]

@@ -85,7 +85,7 @@ def tensor_parallel_pass(graph: TrainGraph, ctx: PassContext, *, rules: str = "a
     layouts = assign_layouts(graph, all_rules, tp, user_rules=user_rules)
     if tp == 1:
         return graph
-    check_heads(graph, layouts, tp)
+    layouts = check_heads(graph, layouts, tp)
     group_name = mesh.group_name("tp")
     coord = int(mesh.local_rank("tp"))
     with tracing_mesh(group_name, tp, coord, getattr(mesh, "device_type", "cpu")) as device_mesh:
@@ -99,7 +99,8 @@ def tensor_parallel_pass(graph: TrainGraph, ctx: PassContext, *, rules: str = "a
     out.attrs[ATTR] = {
         "tp": tp, "rank": coord, "family": family, "rules": format_rules(all_rules),
         "sequence_parallel": sequence_parallel, "vocab_parallel_loss": vocab_parallel_loss,
-        "params": {n: l.to_json() for n, l in layouts.items() if l.dim is not None}}
+        "params": {n: l.to_json() for n, l in layouts.items() if l.dim is not None},
+        "replicated_kv_heads": sorted({n.rpartition(".")[0] for n, l in layouts.items() if "replicated" in l.rule})}
     counts = count_collectives(out)
     for (region, name), n in counts.items():
         ctx.stat(f"{region}.{name}", n)

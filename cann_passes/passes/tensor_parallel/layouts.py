@@ -129,8 +129,15 @@ def layout_for(spec, layouts: dict[str, ParamLayout]) -> ParamLayout | None:
     return None
 
 
-def check_heads(graph: TrainGraph, layouts: dict[str, ParamLayout], tp: int) -> None:
-    """A column-parallel output viewed as [..., heads, head_dim] must split whole heads over tp."""
+def check_heads(graph: TrainGraph, layouts: dict[str, ParamLayout], tp: int) -> dict[str, ParamLayout]:
+    """A column-parallel output viewed as [..., heads, head_dim] must split whole heads over tp.
+
+    Key/value projections with fewer heads than tp ranks, tp a multiple of them (GQA: LLaMA-70B's 8
+    kv heads at tp=16), are replicated instead, as Megatron replicates kv heads: every rank computes
+    all of K and V (small next to Q under GQA) and keeps the query heads' share after the head
+    repeat; their gradient is the sum over the ranks' query heads, reduced by the rewrite.
+    Returns the layouts with those projections (weight and bias) replicated."""
+    replicated: dict[str, str] = {}
     for name, layout in layouts.items():
         if layout.dim is None or not name.endswith("weight"):
             continue
@@ -140,22 +147,35 @@ def check_heads(graph: TrainGraph, layouts: dict[str, ParamLayout], tp: int) -> 
         for view in _forward_head_views(node):
             heads = int(view.meta["val"].shape[-2])
             if heads % tp:
-                last = _module_and_leaf(_module_and_leaf(name)[0])[1]
-                kind = "kv heads" if last in ("k_proj", "v_proj", "key", "value", "wk", "wv") else "heads"
+                module, _ = _module_and_leaf(name)
+                kv = _module_and_leaf(module)[1] in KV_PROJECTIONS
+                if kv and tp % heads == 0 and layout.parts == 1:
+                    replicated[module] = f"{layout.rule} ({heads} kv heads replicated over tp={tp})"
+                    break
+                kind = "kv heads" if kv else "heads"
                 raise TensorParallelError(
                     f"parameter '{name}' (rule '{layout.rule}'): {heads} {kind} (viewed at node "
-                    f"{view.name}, module '{view.meta.get(MODULE_PATH, '')}') are not divisible by tp={tp}")
+                    f"{view.name}, module '{view.meta.get(MODULE_PATH, '')}') are not divisible by tp={tp}"
+                    + (" (rule: kv heads fewer than tp are replicated when tp is a multiple of them)" if kv else ""))
+    return {name: (ParamLayout(name, None, 1, replicated[_module_and_leaf(name)[0]])
+                   if _module_and_leaf(name)[0] in replicated else layout) for name, layout in layouts.items()}
+
+
+KV_PROJECTIONS = ("k_proj", "v_proj", "key", "value", "wk", "wv")
 
 
 def _forward_head_views(param: torch.fx.Node):
     """Forward views splitting the last dim of (a part of) this weight's matmul output into
-    [..., heads, head_dim]: the heads a column-parallel split divides among the ranks."""
-    passing = {aten.t.default, aten.mm.default, aten.addmm.default, aten.add.Tensor, aten.view.default,
-               aten._unsafe_view.default, aten.reshape.default, aten.split.Tensor,
-               aten.split_with_sizes.default, aten.matmul.default, aten.mul.Tensor}
-    seen, stack = set(), list(param.users)
+    [..., heads, head_dim]: the heads a column-parallel split divides among the ranks. The walk
+    passes one matmul, the weight's own: past it (a residual add into the next layer) the views
+    belong to other weights."""
+    matmuls = {aten.mm.default, aten.addmm.default, aten.matmul.default}
+    passing = {aten.t.default, aten.add.Tensor, aten.view.default, aten._unsafe_view.default,
+               aten.reshape.default, aten.split.Tensor, aten.split_with_sizes.default, aten.mul.Tensor,
+               *matmuls, *_CASTS}
+    seen, stack = set(), [(u, 0) for u in param.users]
     while stack:
-        n = stack.pop()
+        n, passed = stack.pop()
         if n in seen or region_of(n) != Region.FORWARD or len(seen) > 64:
             continue
         seen.add(n)
@@ -164,5 +184,6 @@ def _forward_head_views(param: torch.fx.Node):
             if len(out) == len(src) + 1 and out[-2] * out[-1] == src[-1] and list(out[:-2]) == list(src[:-1]):
                 yield n
                 continue
-        if n.target in passing or getattr(n.target, "__name__", "") == "getitem":
-            stack.extend(n.users)
+        passed += n.target in matmuls
+        if passed <= 1 and (n.target in passing or getattr(n.target, "__name__", "") == "getitem"):
+            stack.extend((u, passed) for u in n.users)

@@ -26,6 +26,11 @@ _ATTENTION_OPS = tuple(getattr(aten, name).default for name in (
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
     if hasattr(aten, name))
 
+_ATTENTION_BACKWARD_OPS = tuple(getattr(aten, f"{op._overloadpacket.__name__}_backward").default
+                                for op in _ATTENTION_OPS if hasattr(aten, f"{op._overloadpacket.__name__}_backward"))
+
+_VIEW_OPS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+
 _LAYOUT_OPS = (aten.t.default, aten.transpose.int, aten.view.default, aten._unsafe_view.default,
                aten.reshape.default, aten.alias.default)
 
@@ -104,6 +109,7 @@ class Rewriter(torch.fx.Interpreter, OpRules):
             # (a sum of partial sums stays partial: q/k/v's input gradients are reduced once)
             args = tuple(self._sequence_shard(a) for a in args)
         args = self._megatron_operands(target, args)
+        args = self._replicated_kv_heads(target, args)
         if target in _ATTENTION_OPS and not _whole_heads(args[:3]):
             raise self._cannot_run(target, args[:3], TensorParallelError(
                 "attention's query, key and value must be split alike by whole heads (dim 1) or not "
@@ -118,6 +124,11 @@ class Rewriter(torch.fx.Interpreter, OpRules):
             try:
                 out = super().call_function(target, args, kwargs)
             except Exception:
+                if target in _VIEW_OPS and isinstance(args[0], DTensor) and args[0].placements[0].is_shard():
+                    # A view DTensor cannot cut (a query-head shard of replicated kv heads' gradient
+                    # unflattened to [kv heads, repeats], fewer kv heads than ranks): view it whole.
+                    return super().call_function(target, (args[0].redistribute(self.mesh, [Replicate()]),
+                                                          *args[1:]), kwargs)
                 if not any(strided(a) for a in args):
                     raise
                 # DTensor cannot move a per-part shard; move the other operands instead (a
@@ -137,6 +148,22 @@ class Rewriter(torch.fx.Interpreter, OpRules):
             raise
         except Exception as exc:
             raise self._cannot_run(target, args, exc) from None
+
+    def _replicated_kv_heads(self, target, args):
+        """Replicated kv heads (fewer kv heads than tp ranks, see ``layouts.check_heads``): after
+        GQA's head repeat K and V are whole, and each rank cuts the heads of its query shard from
+        them (no communication), in forward and in the attention's backward."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+        first = 0 if target in _ATTENTION_OPS else 1 if target in _ATTENTION_BACKWARD_OPS else None
+        if first is None:
+            return args
+        q, k, v = args[first:first + 3]
+        if not (isinstance(q, DTensor) and q.placements[0] == Shard(1)) or not all(
+                isinstance(t, DTensor) and t.placements[0] == Replicate() and t.shape[1] == q.shape[1]
+                for t in (k, v)):
+            return args
+        k, v = (t.redistribute(self.mesh, [Shard(1)]) for t in (k, v))
+        return (*args[:first + 1], k, v, *args[first + 3:])
 
     def _cannot_run(self, target, args, exc: Exception) -> TensorParallelError:
         from torch.distributed.tensor import DTensor
