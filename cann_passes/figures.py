@@ -18,12 +18,13 @@ What is modelled
   runtime dispatches views, or the op's measured time where a calibrated
   profile has timed its signature, ``cost_model.calibrate``); each collective starts on the communication
   stream once its inputs are ready and the stream is free, and costs the
-  alpha-beta time of the profile's links; a value produced by a collective is
+  alpha-beta time of the profile's links (a group whose ranks span more than a node's
+  devices in the (pp, dp, cp, tp) mesh crosses nodes); a value produced by a collective is
   ready when the collective ends, so compute waits only where it reads it
   (overlap exactly as far as the node order allows, no more). Graphs run as
   the program's schedule says (per microbatch or per step), one after another.
 - MFU: the captured step's matmul/attention FLOPs (torch's flop counter,
-  before recompute; divided by ``tp``) per rank and second, over the profile's
+  before recompute; divided by ``tp`` x ``cp``) per rank and second, over the profile's
   matrix rate in the plan's compute dtype. tokens/s counts every rank's tokens.
 
 What is not modelled
@@ -99,7 +100,8 @@ def graph_step_time(graph: torch.fx.Graph, profile: DeviceProfile, *, world_size
             axis = _axis_of_collective(node, mesh) if mesh is not None else None
             group = mesh.size(axis) if axis else world_size   # an all-reduce names its group, not its size
             seconds = profile.op_overhead + collective_node_time(node, profile, world_size=group,
-                                                                 algorithm=allreduce_algo)
+                                                                 algorithm=allreduce_algo,
+                                                                 span=mesh.span(axis) if axis else None)
             comm_free = max(comm_free, start) + seconds
             comm_total += seconds
             ready[node] = comm_free
@@ -377,7 +379,7 @@ def segment_figures(program: Program, plan: Plan, profile: DeviceProfile) -> Seg
                 axis = _axis_of_collective(node, mesh)
                 seconds = profile.op_overhead + collective_node_time(
                     node, profile, world_size=mesh.size(axis) if axis else mesh.world_size,
-                    algorithm=_algo(plan))
+                    algorithm=_algo(plan), span=mesh.span(axis) if axis else None)
                 if axis == "tp" and node in gseg:
                     figures[gseg[node]]["forward_s" if region == Region.FORWARD else "backward_s"] += seconds
                 else:
@@ -426,7 +428,7 @@ def _graph_seconds(tg: TrainGraph, plan: Plan, profile: DeviceProfile, mesh: Mes
     """(seconds, of which data-parallel collectives) of one run of a stage graph."""
     seconds, _, _ = graph_step_time(tg.graph, profile, world_size=mesh.world_size, allreduce_algo=_algo(plan),
                                     mesh=mesh)
-    dp = sum(collective_node_time(n, profile, world_size=plan.dp, algorithm=_algo(plan))
+    dp = sum(collective_node_time(n, profile, world_size=plan.dp, algorithm=_algo(plan), span=mesh.span("dp"))
              for n in tg.graph.nodes if is_communication_op(n) and _axis_of_collective(n, mesh) == "dp")
     return seconds, dp
 

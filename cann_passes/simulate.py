@@ -151,11 +151,12 @@ def _finish(figures: dict, plan: Plan, profile: DeviceProfile, flops: float, tok
             rank: int, capacity_bytes: float | None = None) -> Simulation:
     memory = {k: int(round(v)) for k, v in figures["memory"].items()}
     peak_graph = max(figures["peaks"], key=figures["peaks"].get)
-    world = plan.dp * plan.tp
+    # cp ranks split each dp rank's sequences: the same tokens, their FLOPs shared out like tp's
+    world = plan.dp * plan.cp * plan.tp
     tokens = tokens_per_microbatch * plan.microbatches * plan.dp
     return Simulation(plan, profile.name, rank, world, memory, int(round(figures["peaks"][peak_graph])),
                       peak_graph, figures["compute"], figures["comm"], figures["step"],
-                      flops * plan.microbatches / plan.tp, tokens, capacity_bytes or profile.memory_capacity,
+                      flops * plan.microbatches / (plan.tp * plan.cp), tokens, capacity_bytes or profile.memory_capacity,
                       figures["per_graph"])
 
 
@@ -250,8 +251,8 @@ def simulate_extrapolated(captures: dict[int, TrainGraph], layers: int, plan: Pl
 
 _SCHEDULE_ALIASES = {"zero_bubble": "zb1p"}
 def _pp_link(profile: DeviceProfile, plan: Plan) -> tuple[float, float]:
-    """Latency and bandwidth between neighbouring stages: ranks dp x tp apart in the (pp, dp, tp) mesh."""
-    if plan.dp * plan.tp < profile.devices_per_node:
+    """Latency and bandwidth between neighbouring stages: ranks dp x cp x tp apart in the (pp, dp, cp, tp) mesh."""
+    if plan.dp * plan.cp * plan.tp < profile.devices_per_node:
         return profile.intra_node_latency, profile.intra_node_bandwidth
     return profile.inter_node_latency, profile.inter_node_bandwidth
 
@@ -341,10 +342,10 @@ def _pipeline_result(stage_figs: list[dict], costs: list, plan: Plan, *, pp: int
     worst = max(ranks, key=lambda x: x["peak_bytes"])
     step = timeline.makespan + max(x["per_step_s"] for x in ranks)
     compute = max(x["busy_s"] for x in ranks)
-    world = plan.dp * plan.tp * pp
-    sim = Simulation(plan, profile.name, worst["rank"] * plan.dp * plan.tp, world, worst["memory"],
+    world = plan.dp * plan.cp * plan.tp * pp
+    sim = Simulation(plan, profile.name, worst["rank"] * plan.dp * plan.cp * plan.tp, world, worst["memory"],
                      worst["peak_bytes"], f"pipeline rank {worst['rank']}", compute,
-                     max(x["dp_comm_s"] for x in ranks), step, flops * m / (plan.tp * pp),
+                     max(x["dp_comm_s"] for x in ranks), step, flops * m / (plan.tp * plan.cp * pp),
                      tokens_per_microbatch * m * plan.dp, capacity_bytes or profile.memory_capacity)
     sim.pp, sim.schedule, sim.virtual_stages = pp, name, v_eff
     sim.bubble_fraction = timeline.bubble_fraction

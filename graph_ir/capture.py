@@ -38,6 +38,7 @@ from .build import eliminate_dead_code
 from .custom_autograd import capturing_custom_autograd
 from .guards import GuardRecorder
 from .meta import MODULE_PATH, REGION, Region
+from .meta_attention import fused_attention_on_meta
 from .optimizers import UpdateRule, rule_for
 from .signature import InputKind, OutputKind, Spec, StepSignature, state_name
 from .train_graph import TrainGraph
@@ -257,6 +258,7 @@ def _make_step_fn(model, optimizer, loss_fn, layout: StepLayout, rule: UpdateRul
     groups = optimizer.param_groups
     grad_hooks = _gradient_hooks(model, layout)
     _refuse_module_backward_hooks(model)
+    on_meta = any(t.device.type == "meta" for t in (*model.parameters(), *model.buffers()))
 
     def step(*flat):
         it = iter(flat)
@@ -275,7 +277,7 @@ def _make_step_fn(model, optimizer, loss_fn, layout: StepLayout, rule: UpdateRul
             new_buffers = {n: b.clone() for n, b in zip(layout.buffers, buffers)}
             bound = dict(zip(layout.trainable, params)) | frozen_params | new_buffers
             with _reparametrize_module(model, _every_holder(model, bound), strict=False):
-                with _module_path_annotations(model):
+                with _module_path_annotations(model), fused_attention_on_meta(on_meta):
                     loss = loss_fn(model, batch)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise CaptureError("loss_fn must return a scalar tensor "

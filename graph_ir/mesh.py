@@ -91,6 +91,12 @@ class MeshDesc:
     def size(self, axis: str) -> int:
         return self.shape[self._index(axis)]
 
+    def span(self, axis: str) -> int:
+        """How many consecutive global ranks one group of ``axis`` covers (its size times the sizes
+        of the axes inside it, row-major): whether the group crosses a node of that many devices."""
+        i = self._index(axis)
+        return math.prod(self.shape[i:])
+
     def local_rank(self, axis: str) -> int:
         """This rank's coordinate on ``axis``."""
         return self.coords[self._index(axis)]

@@ -6,10 +6,13 @@ MODEL is a named shape (``cann-plan --list``) or ``pkg.module:factory``, a
 callable ``factory(rows, seq)`` returning ``(model, loss_fn, batch)``; it is
 called under ``torch.device("meta")`` and captured at its own depth.
 
-Search: dp (= devices / (tp x pp)) x ZeRO stage x recompute (none, selective, full,
-budget) x microbatches x precision (x tp and pp where asked: ``--tp 1,2 --pp 1,2``; tp must
-divide the heads; a pipelined plan runs 1F1B over its microbatches, simulated from its pp = 1
-program's per-block figures, see :func:`cann_passes.simulate.simulate_pipeline`). Before anything is compiled, a candidate whose model state
+Search: dp (= devices / (tp x cp x pp)) x ZeRO stage x recompute (none, selective, full,
+budget) x microbatches x precision (x tp, cp and pp where asked: ``--tp 1,2 --cp 1,2 --pp 1,2``;
+tp must divide the heads, cp the sequence; cp is not combined with pp, which refuses it; a
+pipelined plan runs 1F1B over its microbatches, simulated from its pp = 1
+program's per-block figures, see :func:`cann_passes.simulate.simulate_pipeline`). A cp plan is
+compiled with its context_parallel pass like any other, so its K/V all-gathers, dK/dV
+reduce-scatters and gradient all-reduces over cp are priced from its graph. Before anything is compiled, a candidate whose model state
 alone cannot fit is dropped (the bound: fp32 master parameters, one gradient
 shard and the optimizer state, as the captured graph holds them, divided as
 the ZeRO stage divides them), and so is one whose bound plus the activations a
@@ -199,7 +202,8 @@ class Candidate:
     def label(self) -> str:
         p = self.plan
         rc = f"budget {p.recompute_budget:g}" if p.recompute == "budget" else p.recompute
-        return (f"dp={p.dp} tp={p.tp}{f' pp={self.pp}' if self.pp > 1 else ''} zero={p.zero_stage} "
+        return (f"dp={p.dp}{f' cp={p.cp}' if p.cp > 1 else ''} tp={p.tp}{f' pp={self.pp}' if self.pp > 1 else ''} "
+                f"zero={p.zero_stage} "
                 f"recompute={rc} mb={p.microbatches} {p.precision}")
 
 
@@ -216,26 +220,31 @@ def model_state_bound(state: dict[str, float], plan: Plan) -> float:
 
 
 def candidates(devices: int, global_batch: int, *, tps, stages, recomputes, microbatches, precisions,
-               budget: float, heads: int, backend: str = "eager", pps=(1,)) -> list[Candidate]:
+               budget: float, heads: int, backend: str = "eager", pps=(1,), cps=(1,), seq: int = 0
+               ) -> list[Candidate]:
     out = []
-    for tp, pp, z, rc, m, prec in itertools.product(tps, pps, stages, recomputes, microbatches, precisions):
-        if devices % (tp * pp) or (heads and heads % tp) or (pp > 1 and m < pp):
+    for tp, cp, pp, z, rc, m, prec in itertools.product(tps, cps, pps, stages, recomputes, microbatches,
+                                                        precisions):
+        if devices % (tp * cp * pp) or (heads and heads % tp) or (pp > 1 and m < pp):
             continue
-        dp = devices // (tp * pp)
+        if cp > 1 and (pp > 1 or (seq and seq % cp)):
+            continue
+        dp = devices // (tp * cp * pp)
         if global_batch % dp or (global_batch // dp) % m:
             continue
         if z and dp == 1:
             continue
         extra = {"recompute_budget": budget} if rc == "budget" else {}
-        plan = Plan(dp=dp, tp=tp, zero_stage=z, recompute=rc, microbatches=m, precision=prec,
+        plan = Plan(dp=dp, tp=tp, cp=cp, zero_stage=z, recompute=rc, microbatches=m, precision=prec,
                     backend=backend, verify="off", **extra)
         out.append(Candidate(plan, global_batch // dp // m, pp=pp))
-    out.sort(key=lambda c: (sum(c.axes[:2]) + c.axes[2].bit_length(), c.plan.tp, c.pp, c.plan.precision != "bf16"))
+    out.sort(key=lambda c: (sum(c.axes[:2]) + c.axes[2].bit_length(), c.plan.tp, c.plan.cp, c.pp,
+                            c.plan.precision != "bf16"))
     return out
 
 
 def _group(c: Candidate):
-    return (c.plan.tp, c.pp, c.plan.precision)
+    return (c.plan.tp, c.plan.cp, c.pp, c.plan.precision)
 
 
 def _activation_key(c: Candidate):
@@ -244,7 +253,7 @@ def _activation_key(c: Candidate):
     p = c.plan
     if p.zero_stage >= 3:
         return None
-    return (p.tp, c.pp, p.precision, p.recompute, p.recompute_budget if p.recompute == "budget" else None,
+    return (p.tp, p.cp, c.pp, p.precision, p.recompute, p.recompute_budget if p.recompute == "budget" else None,
             p.microbatches, c.rows)
 
 
@@ -396,6 +405,7 @@ def parse(argv):
                    help="comma list of microbatch counts per optimizer step to try (default: %(default)s)")
     p.add_argument("--precision", default="bf16", help="comma list of fp32,bf16 (fp32 doubles the search)")
     p.add_argument("--tp", default="1", help="comma list of tensor-parallel degrees to try")
+    p.add_argument("--cp", default="1", help="comma list of context-parallel degrees to try (cp must divide --seq)")
     p.add_argument("--pp", default="1", help="comma list of pipeline degrees to try (1F1B, microbatches >= pp)")
     p.add_argument("--breakdown", default=None, metavar="PNG",
                    help="write the best (or, when none fits, the closest) plan's per-rank memory and time picture")
@@ -453,8 +463,9 @@ def check(args) -> ModelSpec:
     args.microbatch_counts = _ints(args.microbatches, "microbatches")
     args.tps = _ints(args.tp, "tp")
     args.pps = _ints(args.pp, "pp")
-    if 0 in args.microbatch_counts or 0 in args.tps or 0 in args.pps:
-        raise UsageError("--microbatches, --tp and --pp values must be >= 1")
+    args.cps = _ints(args.cp, "cp")
+    if 0 in args.microbatch_counts or 0 in args.tps or 0 in args.pps or 0 in args.cps:
+        raise UsageError("--microbatches, --tp, --cp and --pp values must be >= 1")
     args.recomputes = _words(args.recompute, "recompute", RECOMPUTE_ORDER)
     args.precisions = _words(args.precision, "precision", ("bf16", "fp32"))
     spec = resolve_model(args.model)
@@ -480,10 +491,12 @@ def plan_candidates(args, spec: ModelSpec) -> list[Candidate]:
     cands = candidates(args.devices, args.global_batch, tps=args.tps, stages=args.zero_stages,
                        recomputes=args.recomputes, microbatches=args.microbatch_counts,
                        precisions=args.precisions, budget=args.budget, heads=spec.heads,
-                       backend=backend_for(get_profile(args.device_profile).name), pps=args.pps)
+                       backend=backend_for(get_profile(args.device_profile).name), pps=args.pps,
+                       cps=args.cps, seq=args.seq)
     if not cands:
         raise UsageError(f"no plan divides --global-batch {args.global_batch} over {args.devices} devices with "
-                         f"microbatches {args.microbatches}, tp {args.tp} and pp {args.pp}")
+                         f"microbatches {args.microbatches}, tp {args.tp}, cp {args.cp} and pp {args.pp}"
+                         + (" (cp must divide --seq and is not combined with pp)" if args.cp != "1" else ""))
     return cands
 
 

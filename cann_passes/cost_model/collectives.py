@@ -34,18 +34,20 @@ def _link(profile: DeviceProfile, group_size: int) -> tuple[float, float]:
 
 
 def collective_time(kind: str, nbytes_: int, group_size: int, profile: DeviceProfile,
-                    algorithm: str = "ring") -> float:
+                    algorithm: str = "ring", span: int | None = None) -> float:
     """Seconds for one collective of ``kind`` over ``group_size`` ranks moving ``nbytes_``.
 
     ``nbytes_`` is the per-rank buffer: the input of all_reduce, reduce_scatter,
-    all_to_all and broadcast, the (gathered) output of all_gather.
+    all_to_all and broadcast, the (gathered) output of all_gather. ``span``: the consecutive
+    ranks the group's members lie among (a dp group of a dp x tp mesh spans dp x tp ranks), which
+    decides whether it crosses nodes; by default its own size.
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"collective algorithm {algorithm!r}: must be one of {ALGORITHMS}")
     p = group_size
     if p <= 1:
         return 0.0
-    alpha, bandwidth = _link(profile, p)
+    alpha, bandwidth = _link(profile, max(p, span or p))
     steps_ring, steps_tree = p - 1, math.ceil(math.log2(p))
     share = (p - 1) / p * nbytes_ / bandwidth
     if kind == "all_reduce":
@@ -62,11 +64,11 @@ def collective_time(kind: str, nbytes_: int, group_size: int, profile: DevicePro
 
 
 def collective_node_time(node: torch.fx.Node, profile: DeviceProfile, *, world_size: int,
-                         algorithm: str = "ring") -> float:
+                         algorithm: str = "ring", span: int | None = None) -> float:
     kind = collective_kind(node)
     if kind is None:
         return 0.0
     p = group_size_of(node) or world_size
     moved = nbytes(node.meta.get("val")) if kind == "all_gather" else \
         sum(nbytes(a.meta.get("val")) for a in node.all_input_nodes)
-    return collective_time(kind, moved, p, profile, algorithm)
+    return collective_time(kind, moved, p, profile, algorithm, span)

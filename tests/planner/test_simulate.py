@@ -197,3 +197,38 @@ def test_a_zero_sibling_s_activations_prune_before_compiling(captures, zero_sims
     assert "not simulated: 1 candidate" in text.splitlines()
     assert any(line.startswith("  pruned-bound       dp=4 tp=1 zero=2 ")
                and "model state + the activations a ZeRO 0-2 sibling keeps" in line for line in text.splitlines())
+
+
+def test_a_cp_plan_is_priced_from_its_context_parallel_graph(captures):
+    # cp=2 splits each dp rank's 32-token sequences: the same tokens per step, half the FLOPs and
+    # about half the kept activations per rank, the K/V all-gathers and gradient all-reduces over
+    # cp on the comm stream
+    full = captures.get(ROWS, SPEC.layers)
+    one, two = (simulate(full, _plan(dp=2, cp=cp), tokens_per_microbatch=TOKENS) for cp in (1, 2))
+    assert two.world_size == 4 and one.world_size == 2
+    assert two.tokens_per_step == one.tokens_per_step == TOKENS * 2
+    assert two.model_flops == pytest.approx(one.model_flops / 2)
+    assert 0.4 < two.memory["activations"] / one.memory["activations"] < 0.6
+    assert two.memory["params"] == one.memory["params"]
+    assert two.comm_seconds > one.comm_seconds
+
+
+def test_cann_plan_searches_cp_and_refuses_a_cp_that_does_not_divide_the_sequence(captures):
+    args, spec = _args("--cp", "1,2", "--zero", "0", "--recompute", "none", "--top", "20")
+    lines = []
+    plan_cli.run(args, spec, out=lines.append, captures=captures)
+    simulated = [line for line in "\n".join(lines).splitlines() if re.match(r" +\d+  dp=", line)]
+    assert any(" dp=2 cp=2 tp=1 zero=0 " in f" {line.split(None, 1)[1]}" for line in simulated)
+    assert any(" dp=4 tp=1 zero=0 " in f" {line.split(None, 1)[1]}" for line in simulated)
+    with pytest.raises(plan_cli.UsageError, match=r"cp 3 .*cp must divide --seq"):
+        _args("--cp", "3", "--devices", "3", "--global-batch", "3")
+
+
+def test_a_group_spanning_more_ranks_than_a_node_is_priced_on_the_inter_node_link():
+    # dp=2 x tp=8 on 8-device nodes: each dp group is 2 ranks 8 apart, on two nodes
+    from cann_passes.cost_model import collective_time, get_profile
+    mesh = MeshDesc.fake(dp=2, tp=8)
+    assert (mesh.span("dp"), mesh.span("tp")) == (16, 8)
+    p = get_profile("ascend_910b")
+    near, far = (collective_time("all_reduce", 1 << 30, 2, p, span=s) for s in (2, mesh.span("dp")))
+    assert far / near == pytest.approx(p.intra_node_bandwidth / p.inter_node_bandwidth, rel=0.01)
