@@ -14,9 +14,9 @@ This bench captures the whole training step of the recipe GPT at LLaMA-7B width 
 ``recompute{policy=none}`` (every activation kept), and counts the forward buffers of
 ``layers.0`` that backward reads, weights excepted (``graph_ir.analysis.memory``), side by
 side with ``A(s) / cp`` from the cp = 1 graph; and the bytes of the layer's all-gathers (the
-exchange) against the formula. On meta tensors SDPA takes its math form, so the layer's
-saved bytes are dominated by the ``a * s * s`` attention probabilities (the flash kernel the CPU
-capture uses keeps only the output and its log-sum-exp); they too are cut by query rows.
+exchange) against the formula. SDPA is captured on meta as CPU's fused flash kernel (as the
+CPU capture and the device run it: ``graph_ir.meta_attention``), which keeps only the output
+and its log-sum-exp, no ``a * s * s`` probabilities.
 
     .venv/bin/python -m bench.cp_activation_memory [--cp 1 2 4 8] [--seq 32768] [--batch 1]
 """
