@@ -9,8 +9,9 @@ choose its fused flash kernel (``torch._fused_sdp_choice`` asked about small CPU
 tensors of the same dtypes, heads, head size, mask kind, dropout and causality)
 is traced as that kernel's aten op, ``_scaled_dot_product_flash_attention_for_cpu``,
 the op a capture on CPU records and ``npu_legalize`` maps to Ascend's fused
-attention. Calls CPU would run in math form (GQA through ``enable_gqa``, say) stay
-as they are.
+attention; a boolean mask is passed as it is (as Ascend's kernel takes it; CPU's kernel
+would need a float copy, and the meta graph is never run). Calls CPU would run in math form
+(GQA through ``enable_gqa``, say) stay as they are.
 """
 from __future__ import annotations
 
@@ -59,10 +60,9 @@ def _fused(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sc
     if query.device.type != "meta" or not _flash_on_cpu(query, key, value, attn_mask, dropout_p, is_causal,
                                                          scale, enable_gqa):
         return None
-    if attn_mask is not None and attn_mask.dtype == torch.bool:
-        # (what SDPA does to a boolean mask before its fused CPU kernel)
-        attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill(attn_mask.logical_not(),
-                                                                              float("-inf"))
+    # A boolean mask stays boolean: CPU's kernel would take a float copy of it per call (saved for
+    # backward, 4 bytes per score at every layer), Ascend's fused attention takes it as it is
+    # (npu_legalize), and the meta graph is never run.
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
 

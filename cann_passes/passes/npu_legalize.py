@@ -12,7 +12,12 @@ This pass runs last before lowering and, for each such node, decides with
    set torchair's converter accepts), ``_fused_rms_norm`` pairs become
    ``npu_rms_norm`` / ``npu_rms_norm_backward``. Without torch_npu these ops do
    not exist, so on CPU the same nodes are decomposed instead (step 2), which
-   is what keeps the pass testable and numerically checkable here.
+   is what keeps the pass testable and numerically checkable here. A graph on
+   ``meta`` (a step built to be compiled and priced, never run: the simulator,
+   ``cann-plan``) keeps its flash attention pairs without torch_npu: they stand
+   for the fused kernel the device runs (its FLOPs, its saved output and
+   log-sum-exp, no ``T x T`` scores), counted as
+   ``npu.npu_fusion_attention (stand-in on meta)``.
 2. a decomposition from :data:`DECOMPOSITIONS` (this file) or, failing that,
    torch's own decomposition table. A decomposition is traced on the node's
    fake inputs and inlined; nodes it produces are legalized in turn.
@@ -322,6 +327,10 @@ DECOMPOSITIONS: dict[Any, Callable] = {
 }
 
 
+_FLASH_PAIR = (aten._scaled_dot_product_flash_attention_for_cpu.default,
+               aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+
+
 def _restride(t, like):
     """``t`` with the memory layout of ``like``: later ``view`` nodes were traced against it."""
     if not isinstance(t, torch.Tensor) or not isinstance(like, torch.Tensor) or t.stride() == like.stride():
@@ -417,7 +426,8 @@ class _Legalizer:
             self._fuse_attention_pairs()
         self._average_as_sum()
         depth = {n: 0 for n in self.graph.nodes}
-        work = [n for n in self.graph.nodes if not self.is_legal(n)]
+        stand_in = self._attention_stand_ins()
+        work = [n for n in self.graph.nodes if not self.is_legal(n) and n not in stand_in]
         while work:
             node = work.pop(0)
             if node.graph is not self.graph or self.is_legal(node):
@@ -427,6 +437,18 @@ class _Legalizer:
                 depth[n] = depth.get(node, 0) + 1
             work.extend(n for n in new_nodes if not self.is_legal(n))
         self._average_as_sum()      # coalesced collectives decompose into plain ones, maybe averaging
+
+    def _attention_stand_ins(self) -> set[torch.fx.Node]:
+        """On a meta graph without torch_npu: the flash attention nodes kept for the fused kernel."""
+        if self.use_npu_kernels or not any(
+                isinstance(v := n.meta.get("val"), torch.Tensor) and v.device.type == "meta"
+                for n in self.graph.nodes if n.op == "placeholder"):
+            return set()
+        kept = {n for n in self.graph.nodes if n.target in _FLASH_PAIR}
+        if kept:
+            key = "npu.npu_fusion_attention (stand-in on meta)"
+            self.rewritten[key] = sum(n.target is _FLASH_PAIR[0] for n in kept)
+        return kept
 
     def _decompose(self, node: torch.fx.Node, depth: int) -> list[torch.fx.Node]:
         name, target = node.name, str(node.target)

@@ -14,11 +14,21 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from ..meta import Region, nbytes, region_of, tensors_of
 
 aten = torch.ops.aten
+
+# The CPU flash kernel's aten form (what the capture records for SDPA on CPU, and on meta:
+# graph_ir.meta_attention) is missing from torch's registry; its FLOPs are those of the other
+# fused kernels (full scores, no causal discount, as torch counts them).
+_ATTENTION_FLOPS = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default:
+        lambda q, k, v, *_, **__: sdpa_flop_count(q.shape, k.shape, v.shape),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
+        lambda grad, q, k, v, *_, **__: sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape),
+}
 
 # Ops that only move or re-describe data, costing no arithmetic.
 _DATA_MOVEMENT = {
@@ -70,6 +80,9 @@ def node_cost(node: torch.fx.Node) -> NodeCost:
     out = node.meta.get("val")
     read = sum(nbytes(a.meta.get("val")) for a in node.all_input_nodes)
     written = nbytes(out)
+    if node.target in _ATTENTION_FLOPS:
+        args = torch.fx.node.map_aggregate(node.args, _val)
+        return NodeCost(int(_ATTENTION_FLOPS[node.target](*args)), read, written, matmul=True)
     packet = getattr(node.target, "overloadpacket", None)
     if packet in flop_registry:
         args = torch.fx.node.map_aggregate(node.args, _val)
