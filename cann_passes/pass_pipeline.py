@@ -42,9 +42,9 @@ ZeRO-1/2 and tp) and fp16 loss scaling (each stage checks its own gradients,
 the flags combined over the pp group; see ``pipeline_split``), and dynamic
 accumulation (``accumulate_target``: each call runs the plan's microbatches through
 the pipeline, the accumulators carry over calls, and the update runs once the
-samples of every data-parallel rank reach the target). Refused by
-``pipeline_split``: clipping or loss scaling with several stages per rank, a tied
-weight two of whose stages share a rank (DualPipeV).
+samples of every data-parallel rank reach the target); clipping and loss scaling
+also with several stages per rank (each rank sums its stages' terms). Refused by
+``pipeline_split``: a tied weight two of whose stages share a rank (DualPipeV).
 
 ``fuse_optimizer`` runs only at pp = 1: ``pipeline_split`` cuts the graph per stage after
 it, and a multi-tensor op over two stages' parameters would not split (the stage graphs'

@@ -466,8 +466,7 @@ class PipelineRuntime:
             if dynamic is not None and apply:
                 self.step.step_state.values[ACCUMULATION_SCALE] = torch.tensor(1.0 / dynamic.pending_samples)
             if apply:
-                for s in self.mine:
-                    self.executors[s].apply()
+                self._apply_local_stages()
                 if dynamic is not None:
                     dynamic.applied(self.step)
             keep = not apply
@@ -489,6 +488,20 @@ class PipelineRuntime:
         loss = loss.detach().clone().reshape(())
         dist.broadcast(loss, group=self.group, group_src=self.ranks[last])
         return loss
+
+    def _apply_local_stages(self) -> None:
+        """Every apply graph of this rank's stages reads the step state as the step began: a value
+        each stage updates alike (loss scaling's scale and growth count, computed by every stage
+        from the combined overflow flag) would otherwise be updated once per local stage, and a
+        later stage would unscale its gradients by the scale an earlier one already changed."""
+        values = self.step.step_state.values
+        before = dict(values)
+        written: dict = {}
+        for s in self.mine:
+            values.update(before)
+            self.executors[s].apply()
+            written.update((k, v) for k, v in values.items() if before.get(k) is not v)
+        values.update(written)
 
     def timeline(self):
         """The measured timeline of the last step on this rank (``cann_passes.schedules.Timeline``)."""

@@ -67,7 +67,8 @@ def _fp16_reference(config: str, dp: int, pp: int):
     overflows) sees the rows it sees in the pipeline. Losses, parameters, (overflow, scale) per step."""
     model_name, what = pp_worker.parse_config(config, "")
     plan = pp_worker.plan_for(what, pp, dp, 1)
-    plan = plan.replace(pp=1, dp=1, microbatches=plan.microbatches * dp, pipeline_schedule="1f1b", verify="deep")
+    plan = plan.replace(pp=1, dp=1, microbatches=plan.microbatches * dp, pipeline_schedule="1f1b",
+                        pipeline_virtual_stages=1, verify="deep")
     model, opt = pp_worker.make_model(model_name, what.split(":")[1])
     step = compile_for_npu(model, plan, optimizer=opt, loss_fn=pp_worker.loss_fn(model_name))
     losses, scaling = [], []
@@ -223,9 +224,13 @@ def test_tied_weights_and_global_grad_clipping_across_stages_match_single_proces
     """GPT2LMHeadModel ties its embedding to the head, read by the first and the last stage: both hold it,
     each accumulates its part of the gradient, an all-reduce over the pipeline ranks sums the parts and
     both apply the same update. Global grad-norm clipping: each stage's squared norms are summed over
-    the pipeline ranks, so every stage clips by the same coefficient (``clip_grad_norm_``'s)."""
+    the pipeline ranks, so every stage clips by the same coefficient (``clip_grad_norm_``'s); with
+    several stages per rank (interleaved 1F1B, DualPipeV) each rank sums its stages' first."""
     configs = ["gpt2/1f1b:sgd", "gpt2/gpipe:adamw", "1f1b:sgd:clip=0.5", "gpt2/zb1p:sgd:clip=0.5",
-               "gpt2/interleaved_1f1b:sgd:2", f"llama/gpipe:sgd:{FP16}", f"gpt2/1f1b:adamw:{FP16}"]
+               "gpt2/interleaved_1f1b:sgd:2", f"llama/gpipe:sgd:{FP16}", f"gpt2/1f1b:adamw:{FP16}",
+               # several stages per rank: each rank's stages combine their terms before the all-reduce
+               "interleaved_1f1b:sgd:2:clip=0.5", "dualpipev:sgd:clip=0.5",
+               f"gpt4/interleaved_1f1b:adamw:2:clip=0.5:{FP16}", f"gpt4/dualpipev:sgd:{FP16}"]
     ranks = _launch(tmp_path_factory, "tied_clip", 2, "gpt4", 2, 1, configs)
     for config in configs:
         with subtests.test(config=config):

@@ -176,9 +176,6 @@ class TestRefusals:
                                       pipeline_virtual_stages=2))
         assert program.attrs[PP]["shared_params"] == {"wte.weight": [0, 3]}
         assert program.attrs[PP]["stage_to_rank"] == [0, 1, 0, 1]
-        with pytest.raises(PlanError, match=r"plan field 'pipeline_virtual_stages'.*one stage per pipeline rank"):
-            _program(_gpt(), Plan(pp=2, microbatches=4, backend="eager", grad_clip_norm=1.0,
-                                  pipeline_schedule="interleaved_1f1b", pipeline_virtual_stages=2))
 
     def test_a_text_pipeline_scaling_the_loss_before_accumulation_is_refused_naming_the_order(self):
         text = ("cleanup,autocast{dtype=fp16,policy=cuda},loss_scale{mode=dynamic},grad_accumulation{microbatches=2},"
@@ -186,11 +183,32 @@ class TestRefusals:
         with pytest.raises(PassFailure, match=r"loss_scale runs after grad_accumulation"):
             _program(_gpt(), Plan(pp=2, microbatches=2, backend="eager", precision="fp16", pipeline=text))
 
-    def test_loss_scaling_with_several_stages_per_rank_is_refused_by_field(self):
-        with pytest.raises(PlanError, match=r"plan field 'pipeline_virtual_stages'.*loss_scale:found_inf.*"
-                                              r"one stage per pipeline rank"):
-            _program(_gpt(), Plan(pp=2, microbatches=4, backend="eager", precision="fp16",
-                                  pipeline_schedule="interleaved_1f1b", pipeline_virtual_stages=2))
+    def test_clipping_and_loss_scaling_with_several_stages_per_rank_combine_each_rank_s_stages(self):
+        # Interleaved 1F1B, 4 stages on 2 ranks (stages 0, 2 on rank 0): each stage's apply graph reads
+        # the accumulators of the other stage on its rank, sums both stages' terms and all-reduces that
+        # over pp, once per local stage, so each all-reduce sums every stage once
+        program = _program(_gpt(), Plan(pp=2, microbatches=4, backend="eager", precision="fp16",
+                                        grad_clip_norm=1.0, pipeline_schedule="interleaved_1f1b",
+                                        pipeline_virtual_stages=2))
+        verify_program(program, deep=True)
+        assert program.attrs[PP]["stage_to_rank"] == [0, 1, 0, 1]
+        group = program.mesh.group_name("pp")
+
+        def accumulators(s):
+            return {i.name for i in program[f"stage{s}.apply"].signature.inputs
+                    if i.kind == "step_state" and i.name.startswith("grad_accumulation:")}
+        for s in range(4):
+            other = (s + 2) % 4
+            own = {o.name for o in program[f"stage{s}.backward"].signature.outputs
+                   if o.kind == "step_state" and o.name.startswith("grad_accumulation:")}
+            theirs = {o.name for o in program[f"stage{other}.backward"].signature.outputs
+                      if o.kind == "step_state" and o.name.startswith("grad_accumulation:")}
+            assert own <= accumulators(s) and theirs <= accumulators(s)
+            reduces = TestAcrossStages._reduces(program[f"stage{s}.apply"])
+            # the overflow flag (min of 0/1) and the clip's sum of squares
+            assert sorted(r.args[1] for r in reduces) == ["min", "sum"] and {r.args[2] for r in reduces} == {group}
+        flows = {(f.source, f.target) for f in program.flows if f.input.name in accumulators(0) - accumulators(1)}
+        assert ("stage2.backward", "stage0.apply") in flows
 
 
 class TestAcrossStages:

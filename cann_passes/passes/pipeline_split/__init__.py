@@ -58,9 +58,13 @@ first and the last) is summed over a process group of just those ranks
 (``pp_subgroup_name``, listed in ``attrs['pipeline_parallel']['pp_subgroups']``,
 created by the runtime on its members); the ranks between take no part.
 
-Refused, naming the rule: a value combined over every stage (the clip's norm,
-loss scaling's overflow flag) when a rank holds several stages (interleaved,
-DualPipeV), a tied weight two of whose stages are on one rank (DualPipeV's
+A rank holding several stages (interleaved 1F1B, DualPipeV) contributes the
+terms of all of them to such a combination: each of its stages' apply graphs
+computes the rank's part, reading the other local stages' gradient
+accumulators (step state the rank holds), so each of the rank's all-reduces,
+one per local stage, sums every stage's terms once.
+
+Refused, naming the rule: a tied weight two of whose stages are on one rank (DualPipeV's
 first and last), an optimizer value combining stages otherwise than
 by a sum, maximum, logical and, 2-norm or sum of squares (ZeRO's shard norms
 are one), and more stages than units.
@@ -186,10 +190,10 @@ def pipeline_split_pass(program: Program, ctx: PassContext, *, stages: int = 2, 
         _one_parameter_values_with_their_readers(graph, fstage)
     stage, homes, shared, mixed = _assign(nodes, fstage, stages)
     ranks = _default_ranks(stages, pp, schedule)
-    tied, reduced, subgroups = _share_across_stages(nodes, stage, homes, shared, mixed, ranks, stages, pp,
-                                                    schedule, ctx, program)
+    tied, reduced, subgroups, extra_cuts = _share_across_stages(nodes, stage, homes, shared, mixed, ranks, stages,
+                                                                pp, schedule, ctx, program)
     base = {k: v for k, v in graph.attrs.items() if k != GraphAttr.KIND}
-    graphs, flows, built = _build_stages(nodes, stage, homes, stages, ranks, base)
+    graphs, flows, built = _build_stages(nodes, stage, homes, stages, ranks, base, extra_cuts)
     stage_cost = _stage_seconds(cuts.costs.seconds, cuts.unit_of_stage, stages)
     mean = sum(stage_cost) / stages
     schedule_runs = [Run(g, EVERY_MICROBATCH) for g in graphs if not g.endswith(".apply")]

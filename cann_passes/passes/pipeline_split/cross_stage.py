@@ -10,7 +10,7 @@ import torch.fx
 
 from graph_ir.analysis.memory import aliases_input
 from graph_ir.build import add_node
-from graph_ir.meta import ACCUMULATOR_PREFIX, GraphAttr, Region
+from graph_ir.meta import ACCUMULATOR_PREFIX, GraphAttr, Region, region_of
 from graph_ir.signature import InputKind, OutputKind, Spec, split_state_name
 
 from ...pass_manager import PassOptionError
@@ -277,9 +277,14 @@ class _OverStages:
     """Rewrites the optimizer values combining several stages' into per-stage copies (see
     ``_reduce_over_stages``)."""
 
-    def __init__(self, rw: _Rewriter, up: dict, mixed: list, n_stages: int):
-        self.rw, self.up, self.n_stages = rw, up, n_stages
+    def __init__(self, rw: _Rewriter, up: dict, mixed: list, n_stages: int, ranks: list[int]):
+        self.rw, self.up, self.n_stages, self.ranks = rw, up, n_stages, ranks
         self.mixed = set(mixed)
+        # accumulator value -> its step-state name: what another stage's apply graph reads it as
+        self.accumulators = {value: spec.name for spec, value in rw.nodes.outputs
+                             if spec.kind == OutputKind.STEP_STATE and spec.name.startswith(ACCUMULATOR_PREFIX)}
+        self.imports: dict = {}                      # (other stage's node, stage) -> that stage's copy
+        self.extra_cuts: dict[int, list] = {}        # stage -> other stages' accumulators its apply reads
         self.replica: dict = {}                      # (original node, stage) -> that stage's copy
         self.replicated: set[torch.fx.Node] = set()  # values every stage has its own copy of
         self.own: dict[torch.fx.Node, int] = {}      # one stage's values that read a replicated one
@@ -307,10 +312,37 @@ class _OverStages:
             by_stage.setdefault(min(where), []).append(leaf)
         like = root.meta["val"]
         for s in range(self.n_stages):
-            self.replica[(root, s)] = self._total(s, root, kind, by_stage.get(s, []), like)
+            # A rank holding several stages (interleaved 1F1B, DualPipeV) contributes the terms of
+            # all of them: each of its stages' apply graphs computes the same local part (reading
+            # the other local stages' accumulators, which the rank holds), so every all-reduce over
+            # the pipeline ranks, one per local stage, sums every stage's terms once.
+            local = [t for t in range(self.n_stages) if self.ranks[t] == self.ranks[s]]
+            terms = [leaf if t == s else self._import(leaf, s) for t in local for leaf in by_stage.get(t, [])]
+            self.replica[(root, s)] = self._total(s, root, kind, terms, like)
         self.reduced.append(f"{root.name} ({kind})")
         self.replicated.add(root)
         self.done |= tree | {root}
+
+    def _import(self, node: torch.fx.Node, s: int) -> torch.fx.Node:
+        """Stage ``s``'s copy of another stage's optimizer value (a term of a combination): its
+        optimizer nodes copied, the accumulators it reads cut as step-state inputs of ``s``'s apply."""
+        key = (node, s)
+        if key in self.imports:
+            return self.imports[key]
+        if node in self.accumulators:
+            cut = (Spec(InputKind.STEP_STATE, self.accumulators[node]), node)
+            self.extra_cuts.setdefault(s, []).append(cut)
+            out = node
+        elif node not in self.rw.stage:   # a placeholder or a free value: extracted where it is read
+            out = node
+        elif region_of(node) != Region.OPTIMIZER:
+            raise PipelineSplitError(f"optimizer node {node.name} of stage {self.rw.stage[node]} is read by the "
+                                     f"combination of stages on pipeline rank {self.ranks[s]}, but depends on "
+                                     "a backward value that is not a gradient accumulator")
+        else:
+            out = self.rw.copy(node, s, {a: self._import(a, s) for a in node.all_input_nodes})
+        self.imports[key] = out
+        return out
 
     def _total(self, s: int, root: torch.fx.Node, kind: str, terms: list, like) -> torch.fx.Node:
         """Stage ``s``'s copy of the combined value ``root``: its own terms' part, all-reduced."""
@@ -373,18 +405,20 @@ class _OverStages:
         return out
 
 
-def _reduce_over_stages(rw: _Rewriter, homes: dict, n_stages: int) -> tuple[dict, list[str]]:
+def _reduce_over_stages(rw: _Rewriter, homes: dict, n_stages: int, ranks: list[int]) -> tuple[dict, list[str], dict]:
     """Optimizer values that combine every stage's (global gradient-norm clipping's total norm): each
-    stage computes its part, an all-reduce over the pipeline ranks combines the parts, and every stage
-    computes what follows from the total itself. Returns (original node, stage) -> that stage's copy."""
+    stage computes its part (with several stages per rank, its rank's part), an all-reduce over the
+    pipeline ranks combines the parts, and every stage computes what follows from the total itself.
+    Returns (original node, stage) -> that stage's copy, the combinations made, and per stage the
+    other stages' accumulators its apply graph reads."""
     nodes, stage = rw.nodes, rw.stage
     opt = set(nodes.optimizer)
     ordered = [n for n in rw.graph.nodes if n in opt]
     up = upstream_stages(nodes, homes, ordered, lambda a: (stage[a],) if a in stage else ())
     mixed = [n for n in ordered if len(up[n]) > 1]
     if not mixed:
-        return {}, []
-    over = _OverStages(rw, up, mixed, n_stages)
+        return {}, [], {}
+    over = _OverStages(rw, up, mixed, n_stages, ranks)
     for node in mixed:
         if node in over.done:
             continue
@@ -394,7 +428,7 @@ def _reduce_over_stages(rw: _Rewriter, homes: dict, n_stages: int) -> tuple[dict
             over.follow(node)
     nodes.outputs = over.outputs(nodes.outputs)
     rw.drop({n for n in over.done if n not in over.own})
-    return over.replica, over.reduced
+    return over.replica, over.reduced, over.extra_cuts
 
 
 # -- sharing across stages ------------------------------------------------------------------------
@@ -420,24 +454,19 @@ def pp_subgroup_name(pp_group: str, pp_ranks) -> str:
 
 
 def _share_across_stages(nodes: _Nodes, stage: dict, homes: dict, shared: dict, mixed: list, ranks: list[int],
-                         n_stages: int, pp: int, schedule: str, ctx, program) -> tuple[dict, list[str], dict]:
+                         n_stages: int, pp: int, schedule: str, ctx, program
+                         ) -> tuple[dict, list[str], dict, dict]:
     """Tied weights and values combined over every stage, rewritten into per-stage parts whose
     all-reduce runs over the pipeline ranks (the mesh's ``pp`` group; a tied weight whose stages
-    are some of them, over a group of just those: returned as name -> their pp ranks)."""
+    are some of them, over a group of just those: returned as name -> their pp ranks), and per
+    stage the other stages' accumulators its apply graph reads."""
     if not shared and not mixed:
-        return {}, [], {}
+        return {}, [], {}, {}
     what = (f"parameter '{next(iter(shared))}' (read by the forward of stages {next(iter(shared.values()))})"
             if shared else f"optimizer node {mixed[0].name}{_metrics_behind(nodes, mixed[0])}, which combines "
                            "values of several stages")
     option = "schedule" if schedule in ("dualpipev", "zbv") else "stages"
     value = schedule if option == "schedule" else n_stages
-    if mixed and len(set(ranks)) != n_stages:
-        # Each stage's apply graph would all-reduce its own part: a rank holding two stages would
-        # join two all-reduces, each summing a different set of stages, neither the total.
-        what = f"optimizer node {mixed[0].name}{_metrics_behind(nodes, mixed[0])}, which combines values of every stage,"
-        raise PassOptionError("pipeline_split", option, f"{what} needs an all-reduce over the stages, and schedule '{schedule}' puts "
-                               f"several stages on one pipeline rank (rule: global gradient clipping and loss "
-                               "scaling's overflow check need one stage per pipeline rank)", value)
     mesh = getattr(ctx, "mesh", None) or program.mesh
     if mesh is None or "pp" not in mesh.axes or mesh.size("pp") != pp:
         raise PipelineSplitError(f"{what} needs the mesh's pp axis of {pp} ranks to name its all-reduce's group")
@@ -462,6 +491,6 @@ def _share_across_stages(nodes: _Nodes, stage: dict, homes: dict, shared: dict, 
         return name
     rw = _Rewriter(nodes, stage, pp_group)
     tied = _split_tied_gradients(rw, homes, shared, group_of)
-    replica, reduced = _reduce_over_stages(rw, homes, n_stages)
+    replica, reduced, extra_cuts = _reduce_over_stages(rw, homes, n_stages, ranks)
     _copy_tied_updates(rw, homes, tied, replica)
-    return tied, reduced, subgroups
+    return tied, reduced, subgroups, extra_cuts

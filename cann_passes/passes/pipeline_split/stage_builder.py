@@ -92,8 +92,9 @@ def _acts_out(stages: list[_Stage], s: int) -> list:
     return stages[s + 1].acts_in if s + 1 < len(stages) else []
 
 
-def _stage_nodes(nodes: _Nodes, stage: dict, n: int) -> list[_Stage]:
-    """Every stage's nodes, the values crossing into it and those its forward saves for its backward."""
+def _stage_nodes(nodes: _Nodes, stage: dict, n: int, imported: frozenset = frozenset()) -> list[_Stage]:
+    """Every stage's nodes, the values crossing into it and those its forward saves for its backward.
+    ``imported``: (stage, accumulator) pairs of another stage's accumulator that stage's apply reads."""
     stages = [_Stage(i) for i in range(n)]
     fwd, back = set(nodes.forward), set(nodes.backward)
     for node in nodes.forward:
@@ -104,7 +105,7 @@ def _stage_nodes(nodes: _Nodes, stage: dict, n: int) -> list[_Stage]:
         stages[stage[node]].optimizer.append(node)
     for node in nodes.optimizer:
         for a in node.all_input_nodes:
-            if a in fwd or (a in back and stage[a] != stage[node]):
+            if a in fwd or (a in back and stage[a] != stage[node] and (stage[node], a) not in imported):
                 raise PipelineSplitError(f"optimizer node {node.name} reads {a.name} ({region_of(a).value}, "
                                          f"stage {stage[a]}) (rule: an update reads only accumulated gradients)")
     # Boundaries: a value crosses every cut between where it is made and its last reader.
@@ -159,7 +160,7 @@ def _placeholder_outputs(nodes: _Nodes, stage: dict, homes: dict, s: int, n: int
 
 
 def _stage_graphs(nodes: _Nodes, stage: dict, homes: dict, stages: list[_Stage], st: _Stage, ranks: list[int],
-                  base: dict) -> tuple[dict, list, list]:
+                  base: dict, extra_cut: list) -> tuple[dict, list, list]:
     """Stage ``st``'s graphs, the values its backward_input hands its backward_weight, and its
     accumulators (as the apply graph reads them)."""
     s, n = st.index, len(stages)
@@ -196,7 +197,7 @@ def _stage_graphs(nodes: _Nodes, stage: dict, homes: dict, stages: list[_Stage],
     updates = set(st.optimizer)
     a_outputs = [(sp, v) for sp, v in own_out if v in updates]
     a_outputs += _placeholder_outputs(nodes, stage, homes, s, n)
-    graphs[f"{name}.apply"] = _extract(nodes, st.optimizer, acc_cut, a_outputs,
+    graphs[f"{name}.apply"] = _extract(nodes, st.optimizer, acc_cut + extra_cut, a_outputs,
                                        attrs(GraphKind.STAGE_APPLY, "apply"))
     return graphs, handed, acc_cut
 
@@ -239,17 +240,26 @@ def _gradient_flows(stages: list[_Stage], graphs: dict) -> list[Flow]:
 
 
 def _build_stages(nodes: _Nodes, stage: dict, homes: dict, n: int, ranks: list[int],
-                  base: dict) -> tuple[dict, list, list]:
-    stages = _stage_nodes(nodes, stage, n)
+                  base: dict, extra_cuts: dict | None = None) -> tuple[dict, list, list]:
+    """Every stage's graphs and flows; ``extra_cuts``: per stage, the other stages' accumulators its
+    apply graph reads (a combination over the stages of one rank)."""
+    extra_cuts = extra_cuts or {}
+    stages = _stage_nodes(nodes, stage, n, frozenset((s, v) for s, cuts in extra_cuts.items() for _, v in cuts))
     graphs: dict = {}
     flows: list[Flow] = []
     loss_spec = Spec(OutputKind.LOSS, "loss")
     for st in stages:
-        own, handed, acc_cut = _stage_graphs(nodes, stage, homes, stages, st, ranks, base)
+        own, handed, acc_cut = _stage_graphs(nodes, stage, homes, stages, st, ranks, base,
+                                             extra_cuts.get(st.index, []))
         graphs.update(own)
         if st.index == n - 1 and loss_spec not in graphs[f"stage{st.index}.forward"].signature.outputs:
             raise PipelineSplitError("the loss is not computed by the last stage's forward")
         flows += _stage_flows(stages, st, handed, acc_cut, graphs)
+    for s, cuts in extra_cuts.items():
+        for spec, value in cuts:
+            out = Spec(OutputKind.STEP_STATE, spec.name)
+            for part in ("backward", "backward_weight"):
+                flows.append(Flow(f"stage{stage[value]}.{part}", out, f"stage{s}.apply", spec))
     flows += _gradient_flows(stages, graphs)
     covered = {(sp.kind, sp.name) for g in graphs.values() for sp in g.signature.outputs}
     lost = [sp for sp, _ in nodes.outputs if (sp.kind, sp.name) not in covered]
