@@ -24,7 +24,7 @@ API::
 ``MODELS`` lists the names: gpt (recipe GPT, explicit attention), gpt2
 (GPT2LMHeadModel), llama (GQA: 4 query heads, 2 key/value heads), mistral, qwen2,
 bert (BertForMaskedLM), t5 (T5ForConditionalGeneration), vit
-(ViTForImageClassification), clip (CLIPModel, contrastive loss through
+(ViTForImageClassification), phi3 (Phi3ForCausalLM: fused, sliced qkv_proj and gate_up_proj), clip (CLIPModel, contrastive loss through
 ``return_loss=True``), and three mixtures of experts with transformers' default experts
 implementation (a ``grouped_mm`` custom op with its registered backward) and the router's
 load-balancing loss in the loss (``output_router_logits=True``): mixtral, qwen2_moe (with a
@@ -62,7 +62,7 @@ IMAGE, PATCH, CHANNELS, CLASSES = 16, 8, 3, 5
 PAD_ID = 0
 
 MODELS = ("gpt", "gpt2", "llama", "mistral", "qwen2", "bert", "t5", "vit", "clip",
-          "mixtral", "qwen2_moe", "olmoe", "gpt_neox")
+          "mixtral", "qwen2_moe", "olmoe", "gpt_neox", "phi3")
 EXPERTS, TOP_K = 4, 2
 
 
@@ -259,6 +259,9 @@ _BUILDERS = {
     "olmoe": _decoder("OlmoeConfig", "OlmoeForCausalLM", num_experts=EXPERTS, num_experts_per_tok=TOP_K,
                       output_router_logits=True),
     "gpt_neox": _build_gpt_neox,
+    # Phi-3-mini's shape: q, k and v fused in qkv_proj (as many kv heads as heads), gate and up in
+    # gate_up_proj, each sliced apart in the forward
+    "phi3": _decoder("Phi3Config", "Phi3ForCausalLM", num_key_value_heads=HEADS),
     "bert": _build_bert, "t5": _build_t5, "vit": _build_vit, "clip": _build_clip,
 }
 

@@ -111,6 +111,20 @@ class TestRules:
 
 
 class TestRewrite:
+    def test_phi3_fused_projections_sliced_apart_split_per_part(self):
+        # Phi-3's qkv_proj (column:3) and gate_up_proj (column:2) are sliced, not split: each slice of
+        # a part is that part's shard, its gradient the part's place in the fused gradient
+        _, graph = _capture("phi3")
+        out = _run(graph, tp=2)
+        info = out.attrs["tensor_parallel"]
+        assert info["family"] == "phi3"
+        assert info["params"]["model.layers.0.self_attn.qkv_proj.weight"] == {
+            "dim": 0, "parts": 3, "rule": "*.self_attn.qkv_proj=column:3"}
+        assert info["params"]["model.layers.0.mlp.gate_up_proj.weight"]["parts"] == 2
+        found = _collectives(out)
+        assert [c[1] for c in found if c[0] == "forward"].count("all_reduce") == 2 * LAYERS + 1
+        assert [c[1] for c in found if c[0] == "backward"] == ["all_reduce"] * (2 * LAYERS + 1)
+
     def test_two_kv_heads_at_tp4_are_replicated_and_their_query_heads_cut_locally(self, llama):
         # LLaMA with 4 query and 2 kv heads at tp=4: k_proj and v_proj stay whole on every rank,
         # q_proj keeps one query head; in backward each rank's query-head share of dK and dV is
@@ -225,6 +239,14 @@ class TestBadPlans:
                            match=r"parameter 'model.layers.0.self_attn.k_proj.weight' .*3 kv heads .*tp=8 "
                                  r"\(rule: kv heads fewer than tp are replicated when tp is a multiple of them\)"):
             _run(graph, tp=8)
+
+    def test_a_fused_projection_sliced_into_unequal_parts_names_the_slice(self):
+        # Phi-3 with 1 kv head: qkv_proj is 32 + 8 + 8 features, sliced apart; 'column:3' means 3 equal parts
+        _, graph = _capture("phi3", num_key_value_heads=1)
+        with pytest.raises(tpp.TensorParallelError,
+                           match=r"sliced \[0:32\] along dim 2; its rule says 3 equal parts of 16 at node slice_\d+ "
+                                 r".*from parameter model.layers.0.self_attn.qkv_proj.weight"):
+            _run(graph, tp=2)
 
     def test_vocabulary_not_divisible_by_tp(self, llama):
         _, graph = llama

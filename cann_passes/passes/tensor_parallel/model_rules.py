@@ -19,6 +19,12 @@ BUILTIN_RULES: tuple[tuple[str, str, str], ...] = (
      "*.self_attn.q_proj=column;*.self_attn.k_proj=column;*.self_attn.v_proj=column;"
      "*.self_attn.o_proj=row;*.mlp.gate_proj=column;*.mlp.up_proj=column;*.mlp.down_proj=row;"
      "*embed_tokens=vocab;lm_head=column"),
+    # Phi-3: q, k and v fused in one projection and sliced apart, gate and up fused likewise
+    # (equal parts: Phi-3-mini's kv heads equal its heads; a GQA variant's unequal parts are
+    # refused naming the slice)
+    ("phi3", "*.self_attn.qkv_proj.weight",
+     "*.self_attn.qkv_proj=column:3;*.self_attn.o_proj=row;*.mlp.gate_up_proj=column:2;*.mlp.down_proj=row;"
+     "*embed_tokens=vocab;lm_head=column"),
     ("bert", "*.attention.self.query.weight",
      "*.attention.self.query=column;*.attention.self.key=column;*.attention.self.value=column;"
      "*.attention.output.dense=row;*.intermediate.dense=column;*.layer.*.output.dense=row;"

@@ -34,6 +34,11 @@ def _global_meta(target, args, kwargs):
         return target(*[meta(a) for a in args], **{k: meta(v) for k, v in kwargs.items()})
 
 
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    from torch._prims_common import make_contiguous_strides_for
+    return tuple(make_contiguous_strides_for(shape))
+
+
 def _to_local(v):
     from torch.distributed.tensor import DTensor
     return v.to_local() if isinstance(v, DTensor) else v
@@ -45,7 +50,8 @@ class OpRules:
 
     def local_rule(self, target, args, kwargs):
         """The first rule's result for this op, or None: DTensor's strategy applies."""
-        for rule in (self._vocab_embedding_backward, self._fused_split, self._fused_cat, self._fused_contraction,
+        for rule in (self._vocab_embedding_backward, self._fused_split, self._fused_slice,
+                     self._fused_slice_backward, self._fused_cat, self._fused_contraction,
                      self._same_placement, self._batch_local, self._head_local, self._legacy_empty_cat):
             out = rule(target, args, kwargs)
             if out is not None:
@@ -101,6 +107,53 @@ class OpRules:
         shape = list(x.shape)
         shape[dim:dim + 1] = [p.split_factor, size]
         return list(aten.unbind.int(aten.view.default(x, shape), dim))
+
+    def _fused_slice(self, target, args, kwargs):
+        """x[..., a:b] of a per-part shard, [a, b) one whole part (Phi-3's qkv_proj, its gate_up_proj
+        sliced rather than split): that part's shard, a view [.., parts, n, ..] and a select."""
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor.placement_types import _StridedShard
+        if target is not aten.slice.Tensor or not isinstance(args[0], DTensor):
+            return None
+        x = args[0]
+        dim, start, end, step = (list(args[1:]) + [0, None, None, 1][len(args) - 1:])[:4]
+        dim %= x.ndim
+        p = x.placements[0]
+        if not (isinstance(p, _StridedShard) and p.dim == dim):
+            return None
+        length, size = x.shape[dim], x.shape[dim] // p.split_factor
+        start, end = min(start or 0, length), min(length if end is None else end, length)
+        if step != 1 or start % size or end - start != size:
+            raise TensorParallelError(self._origin_message(
+                x, f"a fused projection sliced [{start}:{end}] along dim {dim}; its rule says "
+                   f"{p.split_factor} equal parts of {size}"))
+        shape = list(x.shape)
+        shape[dim:dim + 1] = [p.split_factor, size]
+        return aten.select.int(aten.view.default(x, shape), dim, start // size)
+
+    def _fused_slice_backward(self, target, args, kwargs):
+        """The gradient of one part's slice (``_fused_slice``): zeros with the part's shard in its
+        place, the per-part shard of the fused value (the parts' gradients then add locally)."""
+        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor.placement_types import _StridedShard
+        if target is not aten.slice_backward.default or not isinstance(args[0], DTensor):
+            return None
+        g, sizes, dim, start, end, step = args[:6]
+        dim %= g.ndim
+        if g.placements[0] != Shard(dim) or type(g.placements[0]) is not Shard or step != 1:
+            return None
+        size, length = g.shape[dim], sizes[dim]
+        start, end = min(start, length), min(end, length)
+        if end - start != size or start % size or length % size or length == size:
+            return None
+        parts, local = length // size, g.to_local()
+        n = local.shape[dim]
+        local_sizes = list(local.shape)
+        local_sizes[dim] = parts * n
+        k = start // size
+        out = aten.slice_backward.default(local, local_sizes, dim, k * n, (k + 1) * n, 1)
+        return DTensor.from_local(out, self.mesh, [_StridedShard(dim, split_factor=parts)], run_check=False,
+                                  shape=torch.Size(sizes), stride=_contiguous_strides(sizes))
 
     def _fused_cat(self, target, args, kwargs):
         """cat of equal shards along their sharded dim (a fused projection's gradient): stack + view."""

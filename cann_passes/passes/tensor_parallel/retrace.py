@@ -61,16 +61,17 @@ def _gradient_placements(graph: TrainGraph, layouts: dict[str, ParamLayout]) -> 
 
 
 def _origins(graph: TrainGraph, layouts: dict[str, ParamLayout]) -> dict:
-    """Node -> the first split parameter it derives from (for error messages)."""
-    origin = {}
+    """Node -> the nearest split parameter it derives from (for error messages): the fewest ops
+    away, so a projection's output names its weight, not the embedding its input came from."""
+    origin, distance = {}, {}
     for spec, node in zip(graph.signature.inputs, graph.placeholders()):
         if spec.kind == InputKind.PARAM and layouts[spec.name].dim is not None:
-            origin[node] = spec.name
+            origin[node], distance[node] = spec.name, 0
     for node in graph.graph.nodes:
         if node not in origin:
-            found = next((origin[a] for a in node.all_input_nodes if a in origin), None)
-            if found:
-                origin[node] = found
+            near = min((a for a in node.all_input_nodes if a in origin), key=distance.__getitem__, default=None)
+            if near is not None:
+                origin[node], distance[node] = origin[near], distance[near] + 1
     return origin
 
 
