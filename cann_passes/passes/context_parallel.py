@@ -180,6 +180,7 @@ class _Rewriter(Rewriter):
     def __init__(self, gm, mesh, seq: int, grad_places: dict):
         super().__init__(gm, mesh, sequence_parallel=False, origins={}, grad_places=grad_places)
         self.seq, self.cp = seq, mesh.size(0)
+        self._masks: dict = {}
 
     def call_function(self, target, args, kwargs):
         for rule in (self._local_collective, self._strided_split, self._attention, self._attention_backward, self._loss,
@@ -313,7 +314,15 @@ class _Rewriter(Rewriter):
         return t.redistribute(self.mesh, [Shard(dim)]).to_local() if isinstance(t, DTensor) else t
 
     def _mask_rows(self, mask, causal: bool, q, k):
-        """This rank's query rows of the mask (``is_causal``: of the causal mask it stands for)."""
+        """This rank's query rows of the mask (``is_causal``: of the causal mask it stands for), cut
+        once per mask: every layer's attention, forward and backward, reads the same rows (cut per
+        call, each layer would hold its own copy, and recompute would save each one)."""
+        key = (id(mask), causal, q.shape[2], k.shape[2])
+        if key not in self._masks:
+            self._masks[key] = (mask, self._cut_mask_rows(mask, causal, q, k))   # (the mask kept: its id stays)
+        return self._masks[key][1]
+
+    def _cut_mask_rows(self, mask, causal: bool, q, k):
         from torch.distributed.tensor import DTensor, Replicate, Shard
         rows = q.shape[2] // self.cp
         start = self.mesh.get_local_rank(0) * rows
