@@ -67,11 +67,6 @@ def _fused(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sc
         query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
 
 
-@contextlib.contextmanager
 def fused_attention_on_meta(enabled: bool):
     """While ``enabled`` (the step is captured on meta), SDPA traces as CPU's fused kernel where CPU uses it."""
-    if not enabled:
-        yield
-        return
-    with _FusedAttentionOnMeta():
-        yield
+    return _FusedAttentionOnMeta() if enabled else contextlib.nullcontext()

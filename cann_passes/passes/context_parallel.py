@@ -63,8 +63,8 @@ from graph_ir.signature import InputKind
 from ..pass_manager import PassContext, register_pass
 from .tensor_parallel.cleanup import finish
 from .tensor_parallel.common import TensorParallelError
-from .tensor_parallel.op_rules import _global_meta
-from .tensor_parallel.rewriter import Rewriter
+from .tensor_parallel.op_rules import _contiguous_strides, _global_meta
+from .tensor_parallel.rewriter import _VIEW_OPS, Rewriter
 from .tensor_parallel.tracing_mesh import tracing_mesh
 
 aten = torch.ops.aten
@@ -76,7 +76,6 @@ _ATTENTION_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.
 _OTHER_ATTENTION = tuple(getattr(aten, name).default for name in (
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention") if hasattr(aten, name))
-_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 # Collectives of an earlier pass (tensor_parallel's, on its own group), run on each rank's tokens.
 _LOCAL_COLLECTIVES = (c10d.all_reduce.default, c10d.wait_tensor.default, c10d.all_gather_into_tensor.default,
                       c10d.reduce_scatter_tensor.default)
@@ -217,7 +216,7 @@ class _Rewriter(Rewriter):
         dim of length ``seq``. A replicated value flattened so is cut to the sequence first, so
         that its rows line up with the sharded ones (the labels against the logits)."""
         from torch.distributed.tensor import DTensor, Replicate, Shard
-        if target not in _VIEWS or not isinstance(args[0], DTensor):
+        if target not in _VIEW_OPS or not isinstance(args[0], DTensor):
             return None
         x = args[0]
         src, dst = list(x.shape), list(self.current.meta["val"].shape)
@@ -399,7 +398,7 @@ class _Rewriter(Rewriter):
             elif place != Replicate() and not (type(place) is Shard and place.dim != 0):
                 raise self._refuse(target, f"a tensor-parallel reduce-scatter of a value placed {place} over cp")
         return DTensor.from_local(local, self.mesh, [out_place], run_check=False, shape=torch.Size(shape),
-                                  stride=_contiguous(shape))
+                                  stride=_contiguous_strides(shape))
 
     def _strided_split(self, target, args, kwargs):
         """The parts of a stacked tp gather (above), each this rank's token rows of its part."""
@@ -419,12 +418,7 @@ class _Rewriter(Rewriter):
         whole = list(x.shape)
         whole[dim] = parts[0]
         return [DTensor.from_local(p, self.mesh, [Shard(dim)], run_check=False, shape=torch.Size(whole),
-                                   stride=_contiguous(whole)) for p in pieces]
-
-
-def _contiguous(shape) -> tuple[int, ...]:
-    from torch._prims_common import make_contiguous_strides_for
-    return tuple(make_contiguous_strides_for(shape))
+                                   stride=_contiguous_strides(whole)) for p in pieces]
 
 
 def _sharded(t, dim: int | None = None) -> bool:

@@ -579,8 +579,7 @@ class _Legalizer:
 
     # -- flash attention pairs -> npu_fusion_attention ----------------------------------------
     def _fuse_attention_pairs(self) -> None:
-        fwd_op = aten._scaled_dot_product_flash_attention_for_cpu.default
-        bwd_op = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+        fwd_op, bwd_op = _FLASH_PAIR
         for fwd in [n for n in self.graph.nodes if n.target is fwd_op]:
             outs = {u.args[1]: u for u in fwd.users if u.target is _getitem}
             bwds = [u for u in outs.get(1, fwd).users if u.target is bwd_op] if 1 in outs else []

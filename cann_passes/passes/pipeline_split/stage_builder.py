@@ -218,11 +218,17 @@ def _stage_flows(stages: list[_Stage], st: _Stage, handed: list, acc_cut: list, 
     for v in handed:
         flows.append(Flow(f"{name}.backward_input", _inter(v), f"{name}.backward_weight", _inter(v)))
     for spec, _ in acc_cut:
+        flows += _accumulator_flows(s, spec, s)
         out = Spec(OutputKind.STEP_STATE, spec.name)
         for part in ("backward", "backward_weight"):
-            flows.append(Flow(f"{name}.{part}", out, f"{name}.apply", spec))
             flows.append(Flow(f"{name}.{part}", out, f"{name}.{part}", spec))
     return flows
+
+
+def _accumulator_flows(source: int, spec: Spec, target: int) -> list[Flow]:
+    """Stage ``source``'s accumulator ``spec``, written by its backward graphs, to stage ``target``'s apply."""
+    out = Spec(OutputKind.STEP_STATE, spec.name)
+    return [Flow(f"stage{source}.{part}", out, f"stage{target}.apply", spec) for part in ("backward", "backward_weight")]
 
 
 def _gradient_flows(stages: list[_Stage], graphs: dict) -> list[Flow]:
@@ -257,9 +263,7 @@ def _build_stages(nodes: _Nodes, stage: dict, homes: dict, n: int, ranks: list[i
         flows += _stage_flows(stages, st, handed, acc_cut, graphs)
     for s, cuts in extra_cuts.items():
         for spec, value in cuts:
-            out = Spec(OutputKind.STEP_STATE, spec.name)
-            for part in ("backward", "backward_weight"):
-                flows.append(Flow(f"stage{stage[value]}.{part}", out, f"stage{s}.apply", spec))
+            flows += _accumulator_flows(stage[value], spec, s)
     flows += _gradient_flows(stages, graphs)
     covered = {(sp.kind, sp.name) for g in graphs.values() for sp in g.signature.outputs}
     lost = [sp for sp, _ in nodes.outputs if (sp.kind, sp.name) not in covered]
