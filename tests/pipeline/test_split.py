@@ -176,6 +176,12 @@ class TestRefusals:
                                       pipeline_virtual_stages=2))
         assert program.attrs[PP]["shared_params"] == {"wte.weight": [0, 3]}
         assert program.attrs[PP]["stage_to_rank"] == [0, 1, 0, 1]
+        # with clipping too, the tied weight's all-reduce (stages 0 and 3 only) would pair with the
+        # clip's all-reduce of another stage on the other rank
+        with pytest.raises(PlanError, match=r"plan field 'pipeline_virtual_stages'.*wte.weight.*tied across stages.*"
+                                              r"several stages on one pipeline rank"):
+            _program(tied, Plan(pp=2, microbatches=4, backend="eager", grad_clip_norm=1.0,
+                                pipeline_schedule="interleaved_1f1b", pipeline_virtual_stages=2))
 
     def test_a_text_pipeline_scaling_the_loss_before_accumulation_is_refused_naming_the_order(self):
         text = ("cleanup,autocast{dtype=fp16,policy=cuda},loss_scale{mode=dynamic},grad_accumulation{microbatches=2},"

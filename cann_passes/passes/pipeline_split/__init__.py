@@ -65,7 +65,9 @@ accumulators (step state the rank holds), so each of the rank's all-reduces,
 one per local stage, sums every stage's terms once.
 
 Refused, naming the rule: a tied weight two of whose stages are on one rank (DualPipeV's
-first and last), an optimizer value combining stages otherwise than
+first and last), a tied weight together with such a combination when a rank holds several
+stages (its all-reduce is in some stages' apply graphs only: the ranks would pair it with the
+combination's), an optimizer value combining stages otherwise than
 by a sum, maximum, logical and, 2-norm or sum of squares (ZeRO's shard norms
 are one), and more stages than units.
 

@@ -467,6 +467,14 @@ def _share_across_stages(nodes: _Nodes, stage: dict, homes: dict, shared: dict, 
                            "values of several stages")
     option = "schedule" if schedule in ("dualpipev", "zbv") else "stages"
     value = schedule if option == "schedule" else n_stages
+    if shared and mixed and len(set(ranks)) != n_stages:
+        # Each rank runs its stages' apply graphs in stage order; the tied weight's all-reduce is in
+        # some of them only, so the ranks would pair it with the combination's all-reduce of another.
+        raise PassOptionError("pipeline_split", option, f"parameter '{next(iter(shared))}' is tied across stages and "
+                              f"optimizer node {mixed[0].name}{_metrics_behind(nodes, mixed[0])} combines every "
+                              f"stage's values, and schedule '{schedule}' puts several stages on one pipeline rank "
+                              "(rule: with several stages per rank, a tied weight and global clipping or loss "
+                              "scaling are not combined; untie the weight or run one stage per rank)", value)
     mesh = getattr(ctx, "mesh", None) or program.mesh
     if mesh is None or "pp" not in mesh.axes or mesh.size("pp") != pp:
         raise PipelineSplitError(f"{what} needs the mesh's pp axis of {pp} ranks to name its all-reduce's group")
