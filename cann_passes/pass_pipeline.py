@@ -8,6 +8,8 @@
     tensor_parallel{...}         Megatron tensor parallelism (plan.tp > 1)
     context_parallel             the sequence split over cp  (plan.cp > 1; after tensor_parallel:
                                                               it re-traces tp's per-rank graph)
+    expert_parallel              experts split over ep       (plan.ep > 1; rows sent to their experts'
+                                                              ranks and back by all-to-alls)
     recompute{policy,budget}     activation recompute        (plan.recompute != none)
     grad_accumulation{...}       accumulate over microbatches (plan.microbatches > 1 or accumulate_target)
     data_parallel{...}           gradient all-reduce         (plan.dp > 1)
@@ -127,6 +129,8 @@ def build_pipeline(plan: Plan, backend: str) -> Pipeline:
                               vocab_parallel_loss=plan.vocab_parallel_loss)))
     if plan.cp > 1:
         steps.append("context_parallel")
+    if plan.ep > 1:
+        steps.append("expert_parallel")
     if plan.recompute != "none":
         steps.append(recompute_spec(plan))
     if accumulating:

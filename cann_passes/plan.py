@@ -47,7 +47,7 @@ _ENUMS = {"precision": PRECISIONS, "recompute": RECOMPUTE_POLICIES, "backend": B
           "allreduce_algo": ALLREDUCE_ALGOS, "loss_scale": LOSS_SCALES,
           "device_profile": DEVICE_PROFILES, "grad_reduce_dtype": ("fp32", "bf16"),
           "zero_master": ("whole", "sharded"), "optimizer_kernel": OPTIMIZER_KERNELS}
-_POSITIVE_INTS = ("dp", "cp", "tp", "pp", "microbatches", "recompute_every_n", "loss_scale_growth_interval",
+_POSITIVE_INTS = ("dp", "ep", "cp", "tp", "pp", "microbatches", "recompute_every_n", "loss_scale_growth_interval",
                   "pipeline_virtual_stages")
 
 
@@ -87,6 +87,7 @@ class Plan:
     model_blocks: tuple[str, ...] = ()         # module-path globs of the repeated blocks, where detection needs help
     attention_ops: tuple[str, ...] = ()        # fused attention ops beyond SDPA's ("aten.my_attention")
     dp: int = 1
+    ep: int = 1                                # expert parallel: the experts split over ep of the dp ranks
     cp: int = 1                                # context parallel: each sequence split over cp ranks
     tp: int = 1
     tp_rules: dict = field(default_factory=dict)  # module-path pattern -> column|row|vocab|replicate[:parts]
@@ -257,6 +258,7 @@ class Plan:
                   "dynamic gradient accumulation"),
                  ("tp", self.tp > 1, "tensor_parallel", "tensor parallelism"),
                  ("cp", self.cp > 1, "context_parallel", "context parallelism"),
+                 ("ep", self.ep > 1, "expert_parallel", "expert parallelism"),
                  ("pp", self.pp > 1, "pipeline_split", "pipeline parallelism")]
         for field_name, asked, pass_name, capability in needs:
             if asked and not is_registered(pass_name):
@@ -267,6 +269,8 @@ class Plan:
             raise PlanError("cp", "context parallelism with pipeline parallelism (pp > 1) is not built yet: "
                                   "pipeline_split and the stage runtime do not cut the sequence chunks' "
                                   "activations", self.cp)
+        if self.ep > 1:
+            self._check_expert_parallel()
         if self.cp > 1 and self.sequence_parallel:
             raise PlanError("cp", "context parallelism with sequence_parallel: both split the sequence "
                                   "dimension; use one of them", self.cp)
@@ -274,6 +278,25 @@ class Plan:
             raise NotImplementedError(
                 f"plan field 'grad_reduce_dtype' = {self.grad_reduce_dtype!r} asks for gradient "
                 "reduction in low precision, which is not built yet (gradients are reduced in fp32)")
+
+    def _check_expert_parallel(self) -> None:
+        """What expert parallelism composes with so far, refused by field."""
+        if self.dp % self.ep:
+            raise PlanError("ep", f"the expert-parallel ranks are data-parallel ranks (dp = edp x ep, as "
+                                  f"Megatron's expert-data-parallel groups): ep must divide dp = {self.dp}",
+                            self.ep)
+        not_built = [("tp", self.tp > 1), ("cp", self.cp > 1), ("pp", self.pp > 1),
+                     ("zero_stage", self.zero_stage > 0), ("microbatches", self.microbatches > 1),
+                     ("accumulate_target", self.accumulate_target is not None)]
+        for name, asked in not_built:
+            if asked:
+                raise PlanError("ep", f"expert parallelism with {name} = {getattr(self, name)!r} is not built "
+                                      "yet (built: ep within dp, with clipping, mixed precision, recompute)",
+                                self.ep)
+        if self.backend in ("inductor", "torchair"):
+            raise PlanError("ep", f"expert parallelism runs on the eager backend only (backend = "
+                                  f"{self.backend!r}): the rows a rank receives depend on the routing, and "
+                                  "the graph's static shapes carry only their balanced count", self.ep)
 
     def _check_pipeline_parallel(self) -> None:
         """The pipeline fields: each schedule's own requirements (torch's), refused by field.
@@ -482,6 +505,8 @@ class Plan:
             agree("tp", "tensor_parallel")
         if self.cp > 1:
             agree("cp", "context_parallel")
+        if self.ep > 1:
+            agree("ep", "expert_parallel")
         if self.pp > 1:
             agree("pp", "pipeline_split")
 

@@ -194,7 +194,8 @@ class CompiledStep:
                  loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]):
         self.model, self.plan, self.optimizer, self.loss_fn = model, plan, optimizer, loss_fn
         self.rule = rule_for(optimizer)  # refuses unsupported optimizers before any work
-        self.backend = resolve_backend(plan.backend)
+        # Expert parallelism runs on the eager backend only (the plan refuses the others by name).
+        self.backend = "eager" if plan.ep > 1 and plan.backend == "auto" else resolve_backend(plan.backend)
         self._compiled: dict[tuple, Compilation] = {}
         self.recompile_reasons: list[str] = []
         self.step_state = StepState()
@@ -206,7 +207,7 @@ class CompiledStep:
                                "run: call cann_passes.runtime.distributed.init_distributed(plan) first, in a "
                                "process launched by torchrun (to compile without processes, use "
                                "cann_passes.compile_program with a MeshDesc.fake mesh)")
-        self.mesh = MeshDesc.from_device_mesh(self.world.mesh) if self.world is not None else MeshDesc.single()
+        self.mesh = self.world.info if self.world is not None else MeshDesc.single()
         if self.world is None and plan.pp > 1:   # every stage in this process (runtime/pipeline_parallel.py)
             self.mesh = MeshDesc.fake(pp=plan.pp)
         self.shards = ShardStore(self.mesh)

@@ -13,6 +13,12 @@ sees it. It is built two ways:
   fake-tensor propagation never resolves; such a graph is for inspection,
   not for running.
 
+Expert parallelism adds *sub-axes* of ``dp``: ``ep`` (the ranks whose experts together make
+one copy of every expert: consecutive data-parallel coordinates) and ``edp`` (the ranks holding
+the same experts, whose expert gradients are averaged), with ``dp = edp x ep`` as Megatron's
+expert-data-parallel layout has it. They are read like axes (``size``, ``local_rank``,
+``group_name``) but are not in ``axes``: the process layout and the world stay ``(pp, dp, cp, tp)``.
+
 Passes read only this description (``ctx.mesh``), never a process group.
 """
 from __future__ import annotations
@@ -35,6 +41,8 @@ class MeshDesc:
     # The process-group backend of each axis ("gloo", "nccl", "hccl"); empty on a fake mesh, which
     # has no process groups. The passes a backend needs are chosen from it (compile.required_passes).
     backends: tuple[str, ...] = ()
+    # (name, size, coord, group name) of each sub-axis of dp: ``ep`` and ``edp`` under expert parallelism.
+    subaxes: tuple[tuple[str, int, int, str], ...] = ()
 
     def __post_init__(self):
         if not (len(self.axes) == len(self.shape) == len(self.coords) == len(self.groups)):
@@ -47,17 +55,20 @@ class MeshDesc:
 
     # -- making one -----------------------------------------------------------------------------
     @classmethod
-    def fake(cls, *, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, rank: int = 0,
+    def fake(cls, *, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, rank: int = 0,
              device_type: str = "cpu") -> "MeshDesc":
-        """A ``(pp, dp, cp, tp)`` mesh of any size, seen from global ``rank``; no process group behind it."""
+        """A ``(pp, dp, cp, tp)`` mesh of any size, seen from global ``rank``; no process group behind
+        it. ``ep`` > 1 adds the ``ep`` and ``edp`` sub-axes of dp (``ep`` must divide ``dp``)."""
         shape = (pp, dp, cp, tp)
         world = math.prod(shape)
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} is outside a mesh of {world} ranks (pp={pp}, dp={dp}, cp={cp}, "
                              f"tp={tp})")
+        if ep < 1 or dp % ep:
+            raise ValueError(f"ep={ep} must divide dp={dp} (the expert-parallel ranks are data-parallel ranks)")
         coords = _unravel(rank, shape)
         groups = tuple(_fake_group_name(AXES, shape, coords, i) for i in range(len(AXES)))
-        return cls(AXES, shape, coords, groups, True, device_type)
+        return cls(AXES, shape, coords, groups, True, device_type, (), _fake_subaxes(shape, coords, ep))
 
     @classmethod
     def single(cls) -> "MeshDesc":
@@ -73,6 +84,13 @@ class MeshDesc:
                    tuple(mesh.get_group(a).group_name for a in axes), False, mesh.device_type,
                    tuple(str(dist.get_backend(mesh.get_group(a))) for a in axes))
 
+    def with_subaxes_of(self, mesh: Any) -> "MeshDesc":
+        """This description with the sub-axes of a live mesh that unflattened ``dp`` (``edp``, ``ep``)."""
+        names = mesh.mesh_dim_names
+        coords = mesh.get_coordinate()
+        return replace(self, subaxes=tuple((a, int(mesh.size(names.index(a))), int(coords[names.index(a)]),
+                                            mesh.get_group(a).group_name) for a in ("ep", "edp")))
+
     def for_rank(self, rank: int) -> "MeshDesc":
         """The same mesh seen from another rank (fake meshes only: real group names are per process)."""
         if not self.fake:
@@ -80,7 +98,8 @@ class MeshDesc:
                              "compile for other ranks")
         coords = _unravel(rank, self.shape)
         groups = tuple(_fake_group_name(self.axes, self.shape, coords, i) for i in range(len(self.axes)))
-        return replace(self, coords=coords, groups=groups)
+        ep = self.size("ep") if self.has_axis("ep") else 1
+        return replace(self, coords=coords, groups=groups, subaxes=_fake_subaxes(self.shape, coords, ep))
 
     # -- reading it (the interface passes use) ----------------------------------------------------
     def _index(self, axis: str) -> int:
@@ -88,8 +107,16 @@ class MeshDesc:
             raise KeyError(f"the mesh has no axis '{axis}'; its axes are {', '.join(self.axes)}")
         return self.axes.index(axis)
 
+    def _sub(self, axis: str) -> tuple[str, int, int, str] | None:
+        return next((s for s in self.subaxes if s[0] == axis), None)
+
+    def has_axis(self, axis: str) -> bool:
+        """An axis or a sub-axis of this mesh."""
+        return axis in self.axes or self._sub(axis) is not None
+
     def size(self, axis: str) -> int:
-        return self.shape[self._index(axis)]
+        sub = self._sub(axis)
+        return sub[1] if sub else self.shape[self._index(axis)]
 
     def span(self, axis: str) -> int:
         """How many consecutive global ranks one group of ``axis`` covers (its size times the sizes
@@ -99,16 +126,21 @@ class MeshDesc:
 
     def local_rank(self, axis: str) -> int:
         """This rank's coordinate on ``axis``."""
-        return self.coords[self._index(axis)]
+        sub = self._sub(axis)
+        return sub[2] if sub else self.coords[self._index(axis)]
 
     def group_name(self, axis: str) -> str:
-        return self.groups[self._index(axis)]
+        sub = self._sub(axis)
+        return sub[3] if sub else self.groups[self._index(axis)]
 
     def group_size(self, group_name: str) -> int | None:
         """The size of the axis whose process group is called ``group_name`` here (None: not this mesh's)."""
         for axis, name in zip(self.axes, self.groups):
             if name == group_name:
                 return self.size(axis)
+        for _, size, _, name in self.subaxes:
+            if name == group_name:
+                return size
         return None
 
     def backend_of_group(self, group_name: str | None) -> str | None:
@@ -119,6 +151,8 @@ class MeshDesc:
         for name, backend in zip(self.groups, self.backends):
             if name == group_name:
                 return backend
+        if any(name == group_name for *_, name in self.subaxes):
+            return self.backends[self.axes.index("dp")]
         return self.backends[0] if len(set(self.backends)) == 1 else None
 
     @property
@@ -136,15 +170,18 @@ class MeshDesc:
     def to_json(self) -> dict:
         return {"axes": list(self.axes), "shape": list(self.shape), "coords": list(self.coords),
                 "groups": list(self.groups), "fake": self.fake, "device_type": self.device_type,
-                "backends": list(self.backends)}
+                "backends": list(self.backends), "subaxes": [list(s) for s in self.subaxes]}
 
     @classmethod
     def from_json(cls, data: dict) -> "MeshDesc":
         return cls(tuple(data["axes"]), tuple(data["shape"]), tuple(data["coords"]), tuple(data["groups"]),
-                   bool(data.get("fake", True)), data.get("device_type", "cpu"), tuple(data.get("backends", ())))
+                   bool(data.get("fake", True)), data.get("device_type", "cpu"), tuple(data.get("backends", ())),
+                   tuple((str(a), int(n), int(c), str(g)) for a, n, c, g in data.get("subaxes", ())))
 
     def __str__(self) -> str:
         sizes = " x ".join(f"{a}={s}" for a, s in zip(self.axes, self.shape))
+        if self.subaxes:
+            sizes += " (" + " x ".join(f"{a}={n}" for a, n, *_ in reversed(self.subaxes)) + ")"
         return f"mesh({sizes}; rank {self.rank}{', fake' if self.fake else ''})"
 
 
@@ -161,6 +198,17 @@ def _ravel(coords: tuple[int, ...], shape: tuple[int, ...]) -> int:
     for c, size in zip(coords, shape):
         rank = rank * size + c
     return rank
+
+
+def _fake_subaxes(shape, coords, ep: int) -> tuple:
+    """The ``ep`` and ``edp`` sub-axes of a fake ``(pp, dp, cp, tp)`` mesh: dp coordinate ``d`` is
+    ``edp * ep + ep_rank`` (ep inner, as DeviceMesh._unflatten lays it out)."""
+    if ep == 1:
+        return ()
+    pp, dp, cp, tp = coords
+    e, x = dp % ep, dp // ep
+    return (("ep", ep, e, f"fake:ep[pp{pp},edp{x},cp{cp},tp{tp}]"),
+            ("edp", shape[1] // ep, x, f"fake:edp[pp{pp},ep{e},cp{cp},tp{tp}]"))
 
 
 def _fake_group_name(axes, shape, coords, i: int) -> str:

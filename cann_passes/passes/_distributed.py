@@ -59,7 +59,7 @@ def mesh_dim(ctx: Any, dim: str, pass_name: str) -> MeshDim:
 def axis_size(ctx: Any, axis: str) -> int:
     """The size of ``ctx.mesh``'s ``axis``; 1 without a mesh or without that axis."""
     mesh = getattr(ctx, "mesh", None)
-    return int(mesh.size(axis)) if mesh is not None and axis in getattr(mesh, "axes", ()) else 1
+    return int(mesh.size(axis)) if mesh is not None and mesh.has_axis(axis) else 1
 
 
 # -- gradients (the analysis lives in graph_ir) ------------------------------------------------

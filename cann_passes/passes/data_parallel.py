@@ -12,6 +12,11 @@ it happens once per optimizer step, at the start of the optimizer region.
 Under fp16 loss scaling the overflow flag is all-reduced too (``max``), so
 that every rank skips the same steps.
 
+Expert parameters (placed on the ``ep`` axis by ``expert_parallel``) hold, on each rank, the
+gradient of every expert-parallel rank's rows for this rank's experts: they are summed over the
+expert-data-parallel group (``edp``, the ranks holding the same experts) and divided by the whole
+dp size, in their own buckets, so the mean is over the global batch as for the dense ones.
+
 ``algo`` (ring/tree/auto) is not written into the graph: the runtime maps it
 onto the collective library's own setting (``HCCL_ALGO``/``NCCL_ALGO``) before
 the process group exists; the pass records it in ``graph.attrs``.
@@ -25,6 +30,8 @@ import torch
 from graph_ir import TrainGraph
 from graph_ir.meta import GRADIENT_OF, GraphAttr, Region, nbytes, region_of
 
+from graph_ir.placement import placements
+
 from ..pass_manager import PassContext, register_pass
 from ._distributed import (DistributedRewriteError, MeshDim, NodeBuilder, after, agree_on_overflow, aten,
                            average_loss, c10d, collective_elements, first_user, gradients, later_region,
@@ -33,8 +40,15 @@ from ._distributed import (DistributedRewriteError, MeshDim, NodeBuilder, after,
 ALGOS = ("auto", "ring", "tree")
 
 
+def expert_params(tg: TrainGraph) -> set[str]:
+    """Parameters split over the ``ep`` axis (expert_parallel's experts)."""
+    return {key.partition(":")[2] for key, p in placements(tg).items()
+            if key.startswith("param:") and any(axis == "ep" for axis, _ in p.axes)}
+
+
 def _all_reduce_bucket(tg: TrainGraph, bucket: list[str], grads: dict[str, torch.fx.Node],
-                       group: MeshDim, reduce_op: str) -> None:
+                       group: MeshDim | None, reduce_op: str, scale: float = 1.0) -> None:
+    """One bucket's all-reduce (none for ``group`` None: a group of one rank), then ``scale``."""
     position = position_map(tg)
     values = [grads[n] for n in bucket]
     readers = {n: [u for u in grads[n].users if region_of(u) == Region.OPTIMIZER] for n in bucket}
@@ -43,9 +57,13 @@ def _all_reduce_bucket(tg: TrainGraph, bucket: list[str], grads: dict[str, torch
     send = NodeBuilder(tg, after(last), later_region(*(region_of(v) for v in values)), "data_parallel")
     flats = [send.flat(v) for v in values]
     flat = send(aten.cat.default, flats) if len(flats) > 1 else flats[0]
-    reduced = send(c10d.all_reduce.default, flat, reduce_op, group.group_name)
     receive = NodeBuilder(tg, first_read, Region.OPTIMIZER, "data_parallel")
-    synced = receive(c10d.wait_tensor.default, reduced)
+    if group is not None:
+        synced = receive(c10d.wait_tensor.default, send(c10d.all_reduce.default, flat, reduce_op, group.group_name))
+    else:
+        synced = flat
+    if scale != 1.0:
+        synced = receive(aten.mul.Tensor, synced, scale)
     offset = 0
     for name, value in zip(bucket, values):
         val = value.meta["val"]
@@ -73,12 +91,22 @@ def data_parallel_pass(graph: TrainGraph, ctx: PassContext, *, bucket_mb: float 
     grads = gradients(graph)
     position = position_map(graph)
     order = sorted(grads, key=lambda n: position[grads[n]])
-    buckets = make_buckets(order, {n: nbytes(grads[n].meta["val"]) for n in order}, bucket_mb * 2**20)
+    experts = expert_params(graph)
+    sizes = {n: nbytes(grads[n].meta["val"]) for n in order}
+    buckets = make_buckets([n for n in order if n not in experts], sizes, bucket_mb * 2**20)
     for bucket in buckets:
         _all_reduce_bucket(graph, bucket, grads, group, "sum" if accumulating else "avg")
+    expert_buckets = make_buckets([n for n in order if n in experts], sizes, bucket_mb * 2**20)
+    if expert_buckets:
+        edp = mesh_dim(ctx, "edp", "data_parallel")
+        for bucket in expert_buckets:
+            _all_reduce_bucket(graph, bucket, grads, edp if edp.size > 1 else None, "sum",
+                               1.0 if accumulating else 1.0 / group.size)
     average_loss(graph, group, "data_parallel")
     agree_on_overflow(graph, group, "data_parallel")
     graph.attrs[GraphAttr.DATA_PARALLEL] = {"dp": group.size, "buckets": len(buckets), "algo": algo}
+    if expert_buckets:
+        graph.attrs[GraphAttr.DATA_PARALLEL]["expert_buckets"] = len(expert_buckets)
     ctx.stat("buckets", len(buckets))
     ctx.stat("all_reduce_elements", collective_elements(graph)["all_reduce"])
     return graph

@@ -62,6 +62,9 @@ def check_world(plan: Plan, world_size: int) -> None:
         raise PlanError("dp", f"dp x cp x tp x pp = {plan.dp} x {plan.cp} x {plan.tp} x {plan.pp} = {degrees} "
                               f"must equal the number of processes ({world_size}); for {world_size} "
                               f"processes use dp={world_size // model}", plan.dp)
+    if plan.dp % plan.ep:
+        raise PlanError("ep", f"the expert-parallel ranks are data-parallel ranks: ep={plan.ep} must "
+                              f"divide dp={plan.dp}", plan.ep)
     if plan.zero_stage and plan.dp < 2:
         raise PlanError("zero_stage", "ZeRO shards over data-parallel ranks and needs dp > 1",
                         plan.zero_stage)
@@ -155,8 +158,15 @@ class DistributedRuntime:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.watchdog, self.store = watchdog, store
         self.info = MeshDesc.from_device_mesh(mesh)
+        # Expert parallelism: dp unflattened into (edp, ep), ep inner (graph_ir.mesh's sub-axes).
+        self.expert_mesh = (mesh._unflatten("dp", (plan.dp // plan.ep, plan.ep), ("edp", "ep"))
+                            if plan.ep > 1 else None)
+        if self.expert_mesh is not None:
+            self.info = self.info.with_subaxes_of(self.expert_mesh)
 
     def group(self, dim: str):
+        if dim in ("ep", "edp") and self.expert_mesh is not None:
+            return self.expert_mesh.get_group(dim)
         return self.mesh.get_group(dim)
 
     @property

@@ -29,11 +29,16 @@ _KIND_OF_OP = {
     "all_to_all_single": "all_to_all", "broadcast": "broadcast",
 }
 WAIT = "wait_tensor"
+# Collectives outside the functional namespaces, by (namespace, op): synchronous ones, no wait
+# (expert_parallel's all-to-all of rows, whose split sizes are read from tensors).
+_OTHER_KINDS = {("cann", "all_to_all_rows"): "all_to_all"}
 
 
 def kind_of_target_name(name: str) -> str | None:
     """``"_c10d_functional.all_reduce.default"`` -> ``"all_reduce"``; None for waits and other ops."""
     namespace, _, rest = name.partition(".")
+    if (namespace, rest.partition(".")[0]) in _OTHER_KINDS:
+        return _OTHER_KINDS[namespace, rest.partition(".")[0]]
     if namespace not in NAMESPACES:
         return None
     return _KIND_OF_OP.get(rest.partition(".")[0])
@@ -41,14 +46,18 @@ def kind_of_target_name(name: str) -> str | None:
 
 def is_communication_op(node: torch.fx.Node) -> bool:
     """Any functional-collective op, ``wait_tensor`` included (what passes must not merge or copy)."""
-    return node.op == "call_function" and getattr(node.target, "namespace", None) in NAMESPACES
+    if node.op != "call_function":
+        return False
+    namespace = getattr(node.target, "namespace", None)
+    return namespace in NAMESPACES or (namespace, getattr(node.target, "_opname", None)) in _OTHER_KINDS
 
 
 def collective_kind(node: torch.fx.Node) -> str | None:
     """The collective a node performs (``all_reduce``, ``all_gather``, ...); None for waits and non-collectives."""
     if not is_communication_op(node):
         return None
-    return _KIND_OF_OP.get(node.target._opname)
+    other = _OTHER_KINDS.get((node.target.namespace, node.target._opname))
+    return other or _KIND_OF_OP.get(node.target._opname)
 
 
 def is_collective(node: torch.fx.Node) -> bool:

@@ -1,0 +1,105 @@
+"""One rank of expert-parallel runs: ``python tests/expert_parallel/ep_worker.py OUT MESH SCENARIO...``.
+
+``MESH`` is ``dp=2,ep=2`` or ``dp=4,ep=2`` (dp counts every data-parallel rank; ep of them split the
+experts). A scenario is ``model:optimizer[:option...]``: a ``tests.zoo`` mixture of experts trained
+10 steps with ``compile_for_npu``, each data-parallel rank fed its rows of the global batch.
+Options: ``clip`` (gradient clipping at 1.0), ``bf16`` (bf16 autocast), ``selective`` / ``full``
+(recompute), ``ckpt`` (save a
+checkpoint after step 5 and go on). ``resume:model:optimizer`` resumes the ``ckpt`` run's checkpoint
+on this mesh (its plan's ep, possibly 1) and trains the last 5 steps. Rank 0 writes the losses,
+the parameters as ``model.state_dict()`` gives them (whole), the graph's collectives and the bytes
+of expert parameters this rank holds to OUT/<scenario>.<mesh>.pt.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from cann_passes.passes.tensor_parallel import count_collectives  # noqa: E402
+from tests import zoo  # noqa: E402
+
+STEPS = 10
+
+
+def make(name: str, opt: str):
+    entry = zoo.build(name, layers=2, seed=0)
+    if opt == "sgd":
+        optimizer = torch.optim.SGD(entry.model.parameters(), lr=0.1, momentum=0.9)
+    else:
+        optimizer = torch.optim.AdamW(entry.model.parameters(), lr=1e-3, weight_decay=0.01)
+    return entry, optimizer
+
+
+def batches(entry):
+    return [entry.make_batch(1000 + i, pad=False) for i in range(STEPS)]
+
+
+def mesh_of(text: str) -> dict[str, int]:
+    return {k: int(v) for k, v in (part.split("=") for part in text.split(","))}
+
+
+def ckpt_path(out: str, name: str, opt: str) -> str:
+    return os.path.join(out, f"ckpt.{name}.{opt}")
+
+
+def resume(out: str, world, sizes: dict, scenario: str) -> None:
+    from cann_passes import Plan, compile_for_npu
+    from cann_passes.runtime import checkpoint
+    from cann_passes.runtime.distributed import shard_batch
+    _, name, opt = scenario.split(":")
+    entry, optimizer = make(name, opt)
+    with torch.no_grad():    # resumed values must come from the checkpoint, not the seed
+        for p in entry.model.parameters():
+            p.add_(1.0)
+    step = compile_for_npu(entry.model, Plan(backend="eager", verify="deep", **sizes), optimizer=optimizer,
+                           loss_fn=entry.loss_fn)
+    data = batches(entry)
+    checkpoint.load(step, ckpt_path(out, name, opt), shard_batch(data[5], world.dp_rank, sizes["dp"]))
+    assert step.steps_run == 5, step.steps_run
+    losses = [float(step(shard_batch(b, world.dp_rank, sizes["dp"]))) for b in data[5:]]
+    state = entry.model.state_dict()
+    if world.rank == 0:
+        torch.save({"losses": losses, "params": {n: state[n].detach().clone() for n, _ in entry.model.named_parameters()}},
+                   os.path.join(out, f"{scenario}.{','.join(f'{k}={v}' for k, v in sizes.items())}.pt"))
+
+
+def main(out: str, mesh: str, *scenarios: str):
+    from cann_passes import Plan, compile_for_npu
+    from cann_passes.runtime import checkpoint
+    from cann_passes.runtime.distributed import init_distributed, shard_batch
+    sizes = mesh_of(mesh)
+    with init_distributed(Plan(backend="eager", **sizes)) as world:
+        for scenario in scenarios:
+            if scenario.startswith("resume:"):
+                resume(out, world, sizes, scenario)
+                continue
+            name, opt, *options = scenario.split(":")
+            entry, optimizer = make(name, opt)
+            plan = Plan(backend="eager", verify="deep", grad_clip_norm=1.0 if "clip" in options else None,
+                        precision="bf16" if "bf16" in options else "fp32",
+                        recompute=next((o for o in options if o in ("selective", "full")), "none"), **sizes)
+            step = compile_for_npu(entry.model, plan, optimizer=optimizer, loss_fn=entry.loss_fn)
+            losses = []
+            for i, batch in enumerate(batches(entry)):
+                losses.append(float(step(shard_batch(batch, world.dp_rank, sizes["dp"]))))
+                if i == 4 and "ckpt" in options:
+                    checkpoint.save(step, ckpt_path(out, name, opt))
+            graph = step.last.graph
+            experts = graph.attrs.get("expert_parallel", {}).get("experts", {})
+            held = sum(t.numel() * t.element_size() for n, t in step.param_shards.items() if n in experts)
+            state = entry.model.state_dict()
+            params = {n: state[n].detach().clone() for n, _ in entry.model.named_parameters()}
+            if world.rank == 0:
+                torch.save({"losses": losses, "params": params, "held_expert_bytes": held,
+                            "collectives": {f"{r}.{c}": n for (r, c), n in count_collectives(graph).items()},
+                            "attrs": graph.attrs.get("expert_parallel")},
+                           os.path.join(out, f"{scenario}.{mesh}.pt"))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
