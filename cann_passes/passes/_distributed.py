@@ -20,6 +20,7 @@ from graph_ir.analysis.collectives import collective_elements as graph_collectiv
 from graph_ir.analysis.gradients import GradientNotFound, find_gradients, optimizer_subgraph  # noqa: F401
 from graph_ir.build import fake_value, tag
 from graph_ir.meta import GRADIENT_OF, Region, region_of  # noqa: F401  (GRADIENT_OF: passes' import)
+from graph_ir.placement import placements
 from graph_ir.signature import OutputKind
 
 aten = torch.ops.aten
@@ -210,3 +211,41 @@ def agree_on_overflow(tg: TrainGraph, group: MeshDim, origin: str) -> bool:
     for user in users:
         user.replace_input_with(local, anywhere)
     return True
+
+
+# -- gradient reductions shared by data_parallel and optimizer_shard ---------------------------------
+
+def expert_params(tg: TrainGraph) -> set[str]:
+    """Parameters split over the ``ep`` axis (expert_parallel's experts)."""
+    return {key.partition(":")[2] for key, p in placements(tg).items()
+            if key.startswith("param:") and any(axis == "ep" for axis, _ in p.axes)}
+
+
+def all_reduce_bucket(tg: TrainGraph, bucket: list[str], grads: dict[str, torch.fx.Node],
+                      group: MeshDim | None, reduce_op: str, scale: float = 1.0,
+                      origin: str = "data_parallel") -> None:
+    """One bucket's all-reduce (none for ``group`` None: a group of one rank), then ``scale``."""
+    position = position_map(tg)
+    values = [grads[n] for n in bucket]
+    readers = {n: [u for u in grads[n].users if region_of(u) == Region.OPTIMIZER] for n in bucket}
+    first_read = first_user(values, position, Region.OPTIMIZER)
+    last = max(values, key=position.__getitem__)
+    send = NodeBuilder(tg, after(last), later_region(*(region_of(v) for v in values)), origin)
+    flats = [send.flat(v) for v in values]
+    flat = send(aten.cat.default, flats) if len(flats) > 1 else flats[0]
+    receive = NodeBuilder(tg, first_read, Region.OPTIMIZER, origin)
+    if group is not None:
+        synced = receive(c10d.wait_tensor.default, send(c10d.all_reduce.default, flat, reduce_op, group.group_name))
+    else:
+        synced = flat
+    if scale != 1.0:
+        synced = receive(aten.mul.Tensor, synced, scale)
+    offset = 0
+    for name, value in zip(bucket, values):
+        val = value.meta["val"]
+        synced_grad = receive.unflat(synced, offset, val.numel(), val.shape)
+        redirect(value, synced_grad, readers[name])
+        # The update reads the synchronized copy now: that is its gradient (graph_ir.analysis.gradients).
+        value.meta.pop(GRADIENT_OF, None)
+        synced_grad.meta[GRADIENT_OF] = name
+        offset += val.numel()

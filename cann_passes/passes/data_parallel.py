@@ -30,49 +30,11 @@ import torch
 from graph_ir import TrainGraph
 from graph_ir.meta import GRADIENT_OF, GraphAttr, Region, nbytes, region_of
 
-from graph_ir.placement import placements
-
 from ..pass_manager import PassContext, register_pass
-from ._distributed import (DistributedRewriteError, MeshDim, NodeBuilder, after, agree_on_overflow, aten,
-                           average_loss, c10d, collective_elements, first_user, gradients, later_region,
-                           make_buckets, mesh_dim, position_map, redirect)
+from ._distributed import (DistributedRewriteError, agree_on_overflow, all_reduce_bucket, average_loss,
+                           collective_elements, expert_params, gradients, make_buckets, mesh_dim, position_map)
 
 ALGOS = ("auto", "ring", "tree")
-
-
-def expert_params(tg: TrainGraph) -> set[str]:
-    """Parameters split over the ``ep`` axis (expert_parallel's experts)."""
-    return {key.partition(":")[2] for key, p in placements(tg).items()
-            if key.startswith("param:") and any(axis == "ep" for axis, _ in p.axes)}
-
-
-def _all_reduce_bucket(tg: TrainGraph, bucket: list[str], grads: dict[str, torch.fx.Node],
-                       group: MeshDim | None, reduce_op: str, scale: float = 1.0) -> None:
-    """One bucket's all-reduce (none for ``group`` None: a group of one rank), then ``scale``."""
-    position = position_map(tg)
-    values = [grads[n] for n in bucket]
-    readers = {n: [u for u in grads[n].users if region_of(u) == Region.OPTIMIZER] for n in bucket}
-    first_read = first_user(values, position, Region.OPTIMIZER)
-    last = max(values, key=position.__getitem__)
-    send = NodeBuilder(tg, after(last), later_region(*(region_of(v) for v in values)), "data_parallel")
-    flats = [send.flat(v) for v in values]
-    flat = send(aten.cat.default, flats) if len(flats) > 1 else flats[0]
-    receive = NodeBuilder(tg, first_read, Region.OPTIMIZER, "data_parallel")
-    if group is not None:
-        synced = receive(c10d.wait_tensor.default, send(c10d.all_reduce.default, flat, reduce_op, group.group_name))
-    else:
-        synced = flat
-    if scale != 1.0:
-        synced = receive(aten.mul.Tensor, synced, scale)
-    offset = 0
-    for name, value in zip(bucket, values):
-        val = value.meta["val"]
-        synced_grad = receive.unflat(synced, offset, val.numel(), val.shape)
-        redirect(value, synced_grad, readers[name])
-        # The update reads the synchronized copy now: that is its gradient (graph_ir.analysis.gradients).
-        value.meta.pop(GRADIENT_OF, None)
-        synced_grad.meta[GRADIENT_OF] = name
-        offset += val.numel()
 
 
 @register_pass("data_parallel", preserves=())
@@ -95,12 +57,12 @@ def data_parallel_pass(graph: TrainGraph, ctx: PassContext, *, bucket_mb: float 
     sizes = {n: nbytes(grads[n].meta["val"]) for n in order}
     buckets = make_buckets([n for n in order if n not in experts], sizes, bucket_mb * 2**20)
     for bucket in buckets:
-        _all_reduce_bucket(graph, bucket, grads, group, "sum" if accumulating else "avg")
+        all_reduce_bucket(graph, bucket, grads, group, "sum" if accumulating else "avg")
     expert_buckets = make_buckets([n for n in order if n in experts], sizes, bucket_mb * 2**20)
     if expert_buckets:
         edp = mesh_dim(ctx, "edp", "data_parallel")
         for bucket in expert_buckets:
-            _all_reduce_bucket(graph, bucket, grads, edp if edp.size > 1 else None, "sum",
+            all_reduce_bucket(graph, bucket, grads, edp if edp.size > 1 else None, "sum",
                                1.0 if accumulating else 1.0 / group.size)
     average_loss(graph, group, "data_parallel")
     agree_on_overflow(graph, group, "data_parallel")

@@ -52,7 +52,8 @@ from graph_ir.placement import FlatShard, Placement, placement_of, set_placement
 from graph_ir.signature import InputKind, OutputKind
 
 from ..pass_manager import PassContext, register_pass
-from ._distributed import (DistributedRewriteError, MeshDim, NodeBuilder, after, agree_on_overflow, aten, axis_size,
+from ._distributed import (DistributedRewriteError, MeshDim, NodeBuilder, after, agree_on_overflow,
+                           all_reduce_bucket, aten, axis_size, expert_params,
                            average_loss, c10d, collective_elements, first_node_of, first_user, gradients,
                            later_region, make_buckets, mesh_dim, optimizer_subgraph, position_map,
                            recompute_val, redirect)
@@ -70,12 +71,12 @@ class ShardLayout:
     is the composition, ``tp: Shard(d)`` then ``dp: FlatShard`` (ZeRO over TP on a 2-D mesh).
     """
 
-    def __init__(self, tg: TrainGraph, names: list[str], group: MeshDim):
+    def __init__(self, tg: TrainGraph, names: list[str], group: MeshDim, axis: str = DP):
         self.group = group
         self.shape = {n: tuple(tg.input_node(InputKind.PARAM, n).meta["val"].shape) for n in names}
         # Sizes of this rank's flat shards come from the local (per-rank graph) shape.
-        self.local = {n: Placement.flat_shard(self.shape[n], DP) for n in names}
-        self.placement = {n: _over_dp(tg, n, self.local[n]) for n in names}
+        self.local = {n: Placement.flat_shard(self.shape[n], axis) for n in names}
+        self.placement = {n: _over_dp(tg, n, self.local[n], axis) for n in names}
         self.numel = {n: p.numel for n, p in self.local.items()}
         self.shard = {n: p.flat_shard_numel(group.size) for n, p in self.local.items()}
 
@@ -91,18 +92,19 @@ class ShardLayout:
                     "padding": self.padding(n), "placement": str(self.placement[n])} for n in self.shape}
 
 
-def _over_dp(tg: TrainGraph, name: str, local: Placement) -> Placement:
-    """The placement of ``name``'s dp flat shard: on top of its tensor-parallel one, if it has one."""
+def _over_dp(tg: TrainGraph, name: str, local: Placement, axis: str = DP) -> Placement:
+    """The placement of ``name``'s flat shard over ``axis`` (dp; edp for an expert parameter): on
+    top of its tensor- or expert-parallel one, if it has one."""
     before = placement_of(tg, InputKind.PARAM, name)
     if before is None or before.is_replicated:
         return local
-    return before.then(DP, FlatShard())
+    return before.then(axis, FlatShard())
 
 
 # -- gradients: reduce-scatter ------------------------------------------------------------------
 
 def _reduce_scatter_bucket(tg: TrainGraph, bucket: list[str], grads, layout: ShardLayout, stage: int,
-                           reduce_op: str) -> dict[str, torch.fx.Node]:
+                           reduce_op: str, scale: float = 1.0) -> dict[str, torch.fx.Node]:
     position = position_map(tg)
     values = [grads[n] for n in bucket]
     readers = {n: [u for u in grads[n].users if region_of(u) == Region.OPTIMIZER] for n in bucket}
@@ -121,6 +123,8 @@ def _reduce_scatter_bucket(tg: TrainGraph, bucket: list[str], grads, layout: Sha
                      reduce_op, n_ranks, layout.group.group_name)
     receive = NodeBuilder(tg, first_read, Region.OPTIMIZER, ORIGIN)
     mine = receive(c10d.wait_tensor.default, scattered)
+    if scale != 1.0:
+        mine = receive(aten.mul.Tensor, mine, scale)
     shards, offset = {}, 0
     for name in bucket:
         shards[name] = receive(aten.slice.Tensor, mine, 0, offset, offset + layout.shard[name])
@@ -389,6 +393,30 @@ def _master_sharded(graph: TrainGraph, stage: int, master: str, pp: int) -> bool
     return True
 
 
+def _expert_gradients(graph: TrainGraph, ctx: PassContext, names: list[str], grads, sizes: dict, bucket_bytes: float,
+                      stage: int, accumulating: bool, dp: int) -> ShardLayout | None:
+    """Expert parameters (``expert_parallel``'s, already 1/ep per rank) are ZeRO-sharded over the
+    expert-data-parallel group (``edp``, the ranks holding the same experts), their gradients
+    reduce-scattered there and divided by the whole dp size (the global-batch mean); with one such
+    rank there is nothing to shard and the gradient is only divided. Returns their layout, or None."""
+    if not names:
+        return None
+    if stage == 3:
+        raise DistributedRewriteError("optimizer_shard stage=3 with expert parameters is not built (rule: "
+                                      "the expert shards would be gathered over edp where forward reads "
+                                      "them; use stage 1 or 2)")
+    edp = mesh_dim(ctx, "edp", ORIGIN)
+    scale = 1.0 if accumulating else 1.0 / dp
+    if edp.size == 1:
+        for bucket in make_buckets(names, sizes, bucket_bytes):
+            all_reduce_bucket(graph, bucket, grads, None, "sum", scale, ORIGIN)
+        return None
+    layout = ShardLayout(graph, names, edp, axis="edp")
+    for bucket in make_buckets(names, sizes, bucket_bytes):
+        _reduce_scatter_bucket(graph, bucket, grads, layout, stage, "sum", scale)
+    return layout
+
+
 # -- the pass -----------------------------------------------------------------------------------
 
 @register_pass("optimizer_shard", preserves=())
@@ -409,30 +437,45 @@ def optimizer_shard_pass(graph: TrainGraph, ctx: PassContext, *, stage: int = 1,
     grads = gradients(graph)
     position = position_map(graph)
     order = sorted(grads, key=lambda n: position[grads[n]])
-    layout = ShardLayout(graph, order, group)
+    experts = expert_params(graph)
+    dense = [n for n in order if n not in experts]
+    layout = ShardLayout(graph, dense, group)
     sizes = {n: nbytes(grads[n].meta["val"]) for n in order}
-    buckets = make_buckets(order, sizes, bucket_bytes)
+    buckets = make_buckets(dense, sizes, bucket_bytes)
     sharded_master = _master_sharded(graph, stage, master, axis_size(ctx, "pp"))
     for bucket in buckets:
         _reduce_scatter_bucket(graph, bucket, grads, layout, stage, "sum" if accumulating else "avg")
-    _shard_inputs(graph, order, layout, shard_params=sharded_master)
+    expert_layout = _expert_gradients(graph, ctx, [n for n in order if n in experts], grads, sizes,
+                                      bucket_bytes, stage, accumulating, group.size)
+    _shard_inputs(graph, dense, layout, shard_params=sharded_master)
+    if expert_layout is not None:
+        _shard_inputs(graph, list(expert_layout.shape), expert_layout, shard_params=sharded_master)
     for node in optimizer_subgraph(graph, order):
         recompute_val(graph, node)
     gathered = {}
     if stage == 3:
         _shard_parameters(graph, order, layout, bucket_bytes)
     elif sharded_master:
-        gathered = _gather_whole_for_step(graph, order, layout, bucket_bytes)
+        gathered = _gather_whole_for_step(graph, dense, layout, bucket_bytes)
+        if expert_layout is not None:
+            gathered.update(_gather_whole_for_step(graph, list(expert_layout.shape), expert_layout, bucket_bytes))
     else:
         for bucket in buckets:
             _gather_new_params(graph, bucket, layout)
+        if expert_layout is not None:
+            for bucket in make_buckets(list(expert_layout.shape), sizes, bucket_bytes):
+                _gather_new_params(graph, bucket, expert_layout)
     average_loss(graph, group, ORIGIN)
     agree_on_overflow(graph, group, ORIGIN)      # every rank skips the same fp16 steps
-    padding = {n: layout.padding(n) for n in order}
+    padding = {n: layout.padding(n) for n in dense}
+    if expert_layout is not None:
+        padding.update({n: expert_layout.padding(n) for n in expert_layout.shape})
     graph.attrs[GraphAttr.SHARDED_STATE] = True
     graph.attrs[GraphAttr.ZERO] = {"stage": stage, "dp": group.size, "rank": group.rank, "axis": DP,
                                    "master": "sharded" if sharded_master else "whole",
                                    "gathered_for_step": gathered, "params": layout.to_json()}
+    if expert_layout is not None:
+        graph.attrs[GraphAttr.ZERO]["expert_params"] = expert_layout.to_json()
     ctx.stat("buckets", len(buckets))
     ctx.stat("padding_elements", sum(padding.values()))
     for kind, elements in collective_elements(graph).items():

@@ -66,10 +66,10 @@ def _writes(placement: Placement, mesh: MeshDesc) -> bool:
     """Whether this rank writes its piece: ranks that differ only on axes the value is replicated
     over hold the same piece, and the one at coordinate 0 on those axes writes it."""
     placed = {a for a, _ in placement._active()}
-    replicated = [a for a in mesh.axes if a not in placed]
-    if "ep" in placed:   # an expert shard is replicated over the expert-data-parallel part of dp only
-        replicated = ["edp" if a == "dp" else a for a in replicated]
-    return all(mesh.local_rank(a) == 0 for a in replicated)
+    axes = list(mesh.axes)
+    if placed & {"ep", "edp"}:   # an expert shard: dp is the product of its sub-axes ep and edp
+        axes = [a for a in axes if a != "dp"] + ["ep", "edp"]
+    return all(mesh.local_rank(a) == 0 for a in axes if a not in placed)
 
 
 def _flat(step, key: str, tensor: torch.Tensor, *, saving: bool):

@@ -4,7 +4,7 @@
 experts). A scenario is ``model:optimizer[:option...]``: a ``tests.zoo`` mixture of experts trained
 10 steps with ``compile_for_npu``, each data-parallel rank fed its rows of the global batch.
 Options: ``clip`` (gradient clipping at 1.0), ``bf16`` (bf16 autocast), ``selective`` / ``full``
-(recompute), ``ckpt`` (save a
+(recompute), ``zero1`` / ``zero2`` (ZeRO over dp, the experts' over edp), ``ckpt`` (save a
 checkpoint after step 5 and go on). ``resume:model:optimizer`` resumes the ``ckpt`` run's checkpoint
 on this mesh (its plan's ep, possibly 1) and trains the last 5 steps. Rank 0 writes the losses,
 the parameters as ``model.state_dict()`` gives them (whole), the graph's collectives and the bytes
@@ -82,6 +82,7 @@ def main(out: str, mesh: str, *scenarios: str):
             entry, optimizer = make(name, opt)
             plan = Plan(backend="eager", verify="deep", grad_clip_norm=1.0 if "clip" in options else None,
                         precision="bf16" if "bf16" in options else "fp32",
+                        zero_stage=next((int(o[4:]) for o in options if o.startswith("zero")), 0),
                         recompute=next((o for o in options if o in ("selective", "full")), "none"), **sizes)
             step = compile_for_npu(entry.model, plan, optimizer=optimizer, loss_fn=entry.loss_fn)
             losses = []

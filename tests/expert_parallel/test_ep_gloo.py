@@ -87,10 +87,15 @@ def test_ep2_matches_and_its_checkpoint_resumes_at_ep1(tmp_path):
         assert (resumed["params"][pname] - value).abs().max().item() <= 1e-5, pname
 
 
-def test_dp4_ep2_matches_single_process(tmp_path):
+def test_dp4_ep2_with_zero_matches_and_resumes_without_ep(tmp_path):
     """dp=4 with ep=2 (two expert-data-parallel copies of the experts): expert gradients summed over
-    the 2 ranks holding the same experts; Mixtral, Qwen2-MoE (with its shared expert), OLMoE."""
-    scenarios = ["mixtral:sgd", "qwen2_moe:sgd", "olmoe:adamw:clip"]
+    the 2 ranks holding the same experts; Mixtral, Qwen2-MoE (with its shared expert), OLMoE; ZeRO-1
+    and ZeRO-2 (dense state sharded over dp, the experts' over edp), whose checkpoint resumes at
+    dp=4 without ep or ZeRO."""
+    scenarios = ["mixtral:sgd:zero1", "qwen2_moe:sgd", "olmoe:adamw:clip", "mixtral:adamw:zero2:ckpt"]
     got = launch(tmp_path, 4, "dp=4,ep=2", scenarios)
     for scenario in scenarios:
         assert_matches(scenario, got[scenario], dp=4)
+    resumed = launch(tmp_path, 4, "dp=4", ["resume:mixtral:adamw"])["resume:mixtral:adamw"]
+    uninterrupted = got["mixtral:adamw:zero2:ckpt"]["losses"][5:]
+    assert max(abs(a - b) for a, b in zip(resumed["losses"], uninterrupted, strict=True)) <= 1e-5

@@ -13,7 +13,7 @@ from cann_passes.plan import PlanError
 from graph_ir import capture_train_step
 from graph_ir.mesh import MeshDesc
 from graph_ir.meta import SHARDING
-from graph_ir.placement import Placement, placements
+from graph_ir.placement import FlatShard, Placement, placements
 from graph_ir.signature import InputKind
 from tests import zoo
 
@@ -90,6 +90,19 @@ def test_expert_gradients_reduce_over_the_expert_data_parallel_group(mixtral):
     assert out.attrs["data_parallel"]["expert_buckets"] == two.attrs["data_parallel"]["expert_buckets"] == 1
 
 
+def test_zero_shards_the_experts_state_over_the_expert_data_parallel_group(mixtral):
+    out = _run(mixtral, pipeline="expert_parallel,optimizer_shard{stage=1}", dp=4, ep=2, rank=3)
+    mesh = MeshDesc.fake(dp=4, ep=2, rank=3)
+    name = _experts(mixtral)[0]
+    full = tuple(mixtral.input_node(InputKind.PARAM, name).meta["val"].shape)
+    state = placements(out)[f"opt_state:{name}:exp_avg"]
+    assert state == Placement.sharded(full, 0, "ep").then("edp", FlatShard())
+    assert state.local_shape(mesh) == (full[0] // 2 * full[1] * full[2] // 2,)
+    scatters = [n for n in out.graph.nodes if n.target is c10d.reduce_scatter_tensor.default]
+    assert {n.args[-1] for n in scatters} == {mesh.group_name("dp"), mesh.group_name("edp")}
+    assert sorted(out.attrs["zero"]["expert_params"]) == _experts(mixtral)
+
+
 def test_expert_major_order_groups_each_experts_rows_in_rank_order():
     # 2 source ranks x 2 local experts: rank 0 sent 1 row of e0 and 2 of e1, rank 1 2 of e0 and 0 of e1
     counts = torch.tensor([[1, 2], [2, 0]])
@@ -101,7 +114,7 @@ def test_expert_major_order_groups_each_experts_rows_in_rank_order():
 @pytest.mark.parametrize("fields, rule", [
     (dict(dp=4, ep=3), "ep must divide dp"),
     (dict(dp=2, ep=2, tp=2), "with tp = 2 is not built"),
-    (dict(dp=2, ep=2, zero_stage=1), "with zero_stage = 1 is not built"),
+    (dict(dp=2, ep=2, zero_stage=3), "with zero_stage = 3 is not built"),
     (dict(dp=2, ep=2, microbatches=2), "with microbatches = 2 is not built"),
     (dict(dp=2, ep=2, backend="inductor"), "eager backend only"),
 ])

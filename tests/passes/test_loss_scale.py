@@ -103,7 +103,11 @@ class TestDynamicScaling:
               f"{ref_tail:.4f}, eager fp32 {fp32_tail:.4f}; scale {step.metrics['loss_scale:scale'].item():g} "
               f"(eager {scaler.get_scale():g})")
         assert abs(tail - ref_tail) <= 0.02 * ref_tail
-        assert step.metrics["loss_scale:scale"].item() == scaler.get_scale()
+        # Whether one particular step overflows depends on fp16 rounding, which differs between
+        # eager's kernels and the compiled graph (and with the CPU's kernels and thread count): over
+        # 100 steps the scales may part by one back-off. The exact trajectory is checked where both
+        # see the same gradients (test_overflowing_step_is_skipped..., test_scale_grows_after..., TestModes).
+        assert step.metrics["loss_scale:scale"].item() / scaler.get_scale() in (0.5, 1.0, 2.0)
 
 
 class TestModes:
