@@ -195,7 +195,7 @@ def _op_name(node: torch.fx.Node) -> str:
 
 def _axis_of_collective(node: torch.fx.Node, mesh: MeshDesc) -> str | None:
     name = group_name_of(node)
-    for axis in mesh.axes:
+    for axis in mesh.all_axes:
         if mesh.group_name(axis) == name:
             return axis
     return None

@@ -144,7 +144,7 @@ def _pp_args(plan: Plan, pp: int | None, schedule: str | None, v: int | None) ->
 
 
 def mesh_for(plan: Plan, rank: int = 0) -> MeshDesc:
-    return MeshDesc.fake(dp=plan.dp, cp=plan.cp, tp=plan.tp, rank=rank)
+    return MeshDesc.fake(dp=plan.dp, cp=plan.cp, tp=plan.tp, ep=plan.ep, rank=rank)
 
 
 def _finish(figures: dict, plan: Plan, profile: DeviceProfile, flops: float, tokens_per_microbatch: int,
@@ -372,7 +372,7 @@ def simulate_stage_programs(captured: TrainGraph, plan: Plan, *, profile: Device
     if layers is not None and layers != depth:
         raise SimulationError(f"the stage programs are compiled at the captured depth ({depth} blocks), "
                               f"not {layers}")
-    mesh = MeshDesc.fake(dp=plan.dp, cp=plan.cp, tp=plan.tp, pp=plan.pp, rank=rank)
+    mesh = MeshDesc.fake(dp=plan.dp, cp=plan.cp, tp=plan.tp, pp=plan.pp, ep=plan.ep, rank=rank)
     program = compile_program(captured, plan.replace(dump_dir=None), mesh)
     figs, costs = stage_program_figures(program, plan, profile)
     name = _SCHEDULE_ALIASES.get(plan.pipeline_schedule, plan.pipeline_schedule)

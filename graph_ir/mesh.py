@@ -110,6 +110,11 @@ class MeshDesc:
     def _sub(self, axis: str) -> tuple[str, int, int, str] | None:
         return next((s for s in self.subaxes if s[0] == axis), None)
 
+    @property
+    def all_axes(self) -> tuple[str, ...]:
+        """The axes and the sub-axes."""
+        return self.axes + tuple(s[0] for s in self.subaxes)
+
     def has_axis(self, axis: str) -> bool:
         """An axis or a sub-axis of this mesh."""
         return axis in self.axes or self._sub(axis) is not None
@@ -121,6 +126,10 @@ class MeshDesc:
     def span(self, axis: str) -> int:
         """How many consecutive global ranks one group of ``axis`` covers (its size times the sizes
         of the axes inside it, row-major): whether the group crosses a node of that many devices."""
+        if axis == "ep" and self._sub(axis):   # ep is the inner part of dp
+            return self.size("ep") * math.prod(self.shape[self._index("dp") + 1:])
+        if axis == "edp" and self._sub(axis):
+            return self.span("dp")
         i = self._index(axis)
         return math.prod(self.shape[i:])
 

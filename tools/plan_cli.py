@@ -12,7 +12,10 @@ tp must divide the heads, cp the sequence; cp is not combined with pp, which ref
 pipelined plan runs 1F1B over its microbatches, simulated from its pp = 1
 program's per-block figures, see :func:`cann_passes.simulate.simulate_pipeline`). A cp plan is
 compiled with its context_parallel pass like any other, so its K/V all-gathers, dK/dV
-reduce-scatters and gradient all-reduces over cp are priced from its graph. Before anything is compiled, a candidate whose model state
+reduce-scatters and gradient all-reduces over cp are priced from its graph. ``--ep 1,2,4,8`` searches
+expert parallelism for a mixture of experts (``mixtral-8x7b``): ep divides dp and is not combined
+with tp, cp, pp, ZeRO-3 or microbatches; an ep plan compiles for the eager backend, the only one
+that runs it, and its all-to-alls are priced at the balanced row count. Before anything is compiled, a candidate whose model state
 alone cannot fit is dropped (the bound: fp32 master parameters, one gradient
 shard and the optimizer state, as the captured graph holds them, divided as
 the ZeRO stage divides them), and so is one whose bound plus the activations a
@@ -86,6 +89,18 @@ def _llama(hidden, ffn, layers, heads, kv_heads, vocab=32000):
     return build
 
 
+def _mixtral(hidden, ffn, layers, heads, kv_heads, experts, top_k, vocab=32000):
+    def build(rows, seq, depth=None):
+        from transformers import MixtralConfig, MixtralForCausalLM
+        cfg = MixtralConfig(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=depth or layers,
+                            num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
+                            num_local_experts=experts, num_experts_per_tok=top_k,
+                            max_position_embeddings=max(seq, 64), tie_word_embeddings=False)
+        cfg._attn_implementation = "sdpa"
+        return MixtralForCausalLM(cfg), _hf_loss, torch.zeros(rows, seq, dtype=torch.long)
+    return build
+
+
 def _gpt(**overrides):
     def build(rows, seq, depth=None):
         from recipes.models.gpt import GPT, gpt_7b, gpt_loss
@@ -112,6 +127,8 @@ MODELS = {
     "llama-7b": ModelSpec("llama-7b", _llama(4096, 11008, 32, 32, 32), 32, 4096, 32),
     "llama-13b": ModelSpec("llama-13b", _llama(5120, 13824, 40, 40, 40), 40, 4096, 40),
     "llama-70b": ModelSpec("llama-70b", _llama(8192, 28672, 80, 64, 8), 80, 4096, 64),
+    "mixtral-tiny": ModelSpec("mixtral-tiny", _mixtral(64, 128, 4, 4, 2, 4, 2, vocab=256), 4, 32, 4),
+    "mixtral-8x7b": ModelSpec("mixtral-8x7b", _mixtral(4096, 14336, 32, 32, 8, 8, 2), 32, 4096, 32),
     "gpt-7b": ModelSpec("gpt-7b", _gpt(), 32, 2048, 32),
     "gpt3-175b": ModelSpec("gpt3-175b", _gpt(n_layer=96, n_head=96, d_model=12288), 96, 2048, 96),
 }
@@ -202,17 +219,19 @@ class Candidate:
     def label(self) -> str:
         p = self.plan
         rc = f"budget {p.recompute_budget:g}" if p.recompute == "budget" else p.recompute
-        return (f"dp={p.dp}{f' cp={p.cp}' if p.cp > 1 else ''} tp={p.tp}{f' pp={self.pp}' if self.pp > 1 else ''} "
+        return (f"dp={p.dp}{f' ep={p.ep}' if p.ep > 1 else ''}{f' cp={p.cp}' if p.cp > 1 else ''} tp={p.tp}{f' pp={self.pp}' if self.pp > 1 else ''} "
                 f"zero={p.zero_stage} "
                 f"recompute={rc} mb={p.microbatches} {p.precision}")
 
 
 def model_state_terms(state: dict[str, float], plan: Plan, pp: int = 1) -> dict[str, float]:
-    """Per-rank bytes no plan of this shape goes below: master params, a gradient shard, optimizer state."""
+    """Per-rank bytes no plan of this shape goes below: master params, a gradient shard, optimizer state.
+    Under ep a rank holds its dense parameters whole and 1/ep of the experts, never less than 1/ep
+    of all (the state under ZeRO: dense over dp, experts over edp x ep = dp)."""
     params = state["params"] / plan.tp / pp
     opt = state["optimizer_state"] / plan.tp / pp
-    return {"params": params / (plan.dp if plan.zero_stage >= 3 else 1), "grads": params / plan.dp,
-            "optimizer_state": opt / (plan.dp if plan.zero_stage >= 1 else 1)}
+    return {"params": params / (plan.dp if plan.zero_stage >= 3 else plan.ep), "grads": params / plan.dp,
+            "optimizer_state": opt / (plan.dp if plan.zero_stage >= 1 else plan.ep)}
 
 
 def model_state_bound(state: dict[str, float], plan: Plan) -> float:
@@ -220,11 +239,11 @@ def model_state_bound(state: dict[str, float], plan: Plan) -> float:
 
 
 def candidates(devices: int, global_batch: int, *, tps, stages, recomputes, microbatches, precisions,
-               budget: float, heads: int, backend: str = "eager", pps=(1,), cps=(1,), seq: int = 0
-               ) -> list[Candidate]:
+               budget: float, heads: int, backend: str = "eager", pps=(1,), cps=(1,), seq: int = 0,
+               eps=(1,)) -> list[Candidate]:
     out = []
-    for tp, cp, pp, z, rc, m, prec in itertools.product(tps, cps, pps, stages, recomputes, microbatches,
-                                                        precisions):
+    for tp, cp, pp, ep, z, rc, m, prec in itertools.product(tps, cps, pps, eps, stages, recomputes, microbatches,
+                                                            precisions):
         if devices % (tp * cp * pp) or (heads and heads % tp) or (pp > 1 and m < pp):
             continue
         if cp > 1 and (pp > 1 or (seq and seq % cp)):
@@ -234,9 +253,12 @@ def candidates(devices: int, global_batch: int, *, tps, stages, recomputes, micr
             continue
         if z and dp == 1:
             continue
+        # What expert parallelism composes with (Plan._check_expert_parallel); it runs on eager only.
+        if ep > 1 and (dp % ep or tp > 1 or cp > 1 or pp > 1 or z == 3 or m > 1):
+            continue
         extra = {"recompute_budget": budget} if rc == "budget" else {}
-        plan = Plan(dp=dp, tp=tp, cp=cp, zero_stage=z, recompute=rc, microbatches=m, precision=prec,
-                    backend=backend, verify="off", **extra)
+        plan = Plan(dp=dp, ep=ep, tp=tp, cp=cp, zero_stage=z, recompute=rc, microbatches=m, precision=prec,
+                    backend="eager" if ep > 1 else backend, verify="off", **extra)
         out.append(Candidate(plan, global_batch // dp // m, pp=pp))
     out.sort(key=lambda c: (sum(c.axes[:2]) + c.axes[2].bit_length(), c.plan.tp, c.plan.cp, c.pp,
                             c.plan.precision != "bf16"))
@@ -244,7 +266,7 @@ def candidates(devices: int, global_batch: int, *, tps, stages, recomputes, micr
 
 
 def _group(c: Candidate):
-    return (c.plan.tp, c.plan.cp, c.pp, c.plan.precision)
+    return (c.plan.tp, c.plan.cp, c.plan.ep, c.pp, c.plan.precision)
 
 
 def _activation_key(c: Candidate):
@@ -253,7 +275,7 @@ def _activation_key(c: Candidate):
     p = c.plan
     if p.zero_stage >= 3:
         return None
-    return (p.tp, p.cp, c.pp, p.precision, p.recompute, p.recompute_budget if p.recompute == "budget" else None,
+    return (p.tp, p.cp, p.ep, c.pp, p.precision, p.recompute, p.recompute_budget if p.recompute == "budget" else None,
             p.microbatches, c.rows)
 
 
@@ -406,6 +428,8 @@ def parse(argv):
     p.add_argument("--precision", default="bf16", help="comma list of fp32,bf16 (fp32 doubles the search)")
     p.add_argument("--tp", default="1", help="comma list of tensor-parallel degrees to try")
     p.add_argument("--cp", default="1", help="comma list of context-parallel degrees to try (cp must divide --seq)")
+    p.add_argument("--ep", default="1", help="comma list of expert-parallel degrees to try (MoE models; ep "
+                   "divides dp, not with tp, cp, pp, ZeRO-3 or microbatches)")
     p.add_argument("--pp", default="1", help="comma list of pipeline degrees to try (1F1B, microbatches >= pp)")
     p.add_argument("--breakdown", default=None, metavar="PNG",
                    help="write the best (or, when none fits, the closest) plan's per-rank memory and time picture")
@@ -464,8 +488,9 @@ def check(args) -> ModelSpec:
     args.tps = _ints(args.tp, "tp")
     args.pps = _ints(args.pp, "pp")
     args.cps = _ints(args.cp, "cp")
-    if 0 in args.microbatch_counts or 0 in args.tps or 0 in args.pps or 0 in args.cps:
-        raise UsageError("--microbatches, --tp, --cp and --pp values must be >= 1")
+    args.eps = _ints(args.ep, "ep")
+    if 0 in args.microbatch_counts or 0 in args.tps or 0 in args.pps or 0 in args.cps or 0 in args.eps:
+        raise UsageError("--microbatches, --tp, --cp, --ep and --pp values must be >= 1")
     args.recomputes = _words(args.recompute, "recompute", RECOMPUTE_ORDER)
     args.precisions = _words(args.precision, "precision", ("bf16", "fp32"))
     spec = resolve_model(args.model)
@@ -492,7 +517,7 @@ def plan_candidates(args, spec: ModelSpec) -> list[Candidate]:
                        recomputes=args.recomputes, microbatches=args.microbatch_counts,
                        precisions=args.precisions, budget=args.budget, heads=spec.heads,
                        backend=backend_for(get_profile(args.device_profile).name), pps=args.pps,
-                       cps=args.cps, seq=args.seq)
+                       cps=args.cps, seq=args.seq, eps=args.eps)
     if not cands:
         raise UsageError(f"no plan divides --global-batch {args.global_batch} over {args.devices} devices with "
                          f"microbatches {args.microbatches}, tp {args.tp}, cp {args.cp} and pp {args.pp}"

@@ -30,6 +30,16 @@ _ATTENTION_FLOPS = {
         lambda grad, q, k, v, *_, **__: sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape),
 }
 
+# A grouped matmul over experts multiplies each of its S rows by one expert's [in, out] weight:
+# 2*S*in*out forward, twice that backward (input and weight gradients). Keyed by name: the op is
+# transformers' (a custom op, defined once transformers' MoE module is imported).
+_GROUPED_MM_FLOPS = {
+    "transformers.grouped_mm_fallback.default":
+        lambda x, w, offs: 2 * x.shape[0] * w.shape[1] * w.shape[2],
+    "transformers.grouped_mm_fallback_backward.default":
+        lambda x, w, offs, grad: 4 * x.shape[0] * w.shape[1] * w.shape[2],
+}
+
 # Ops that only move or re-describe data, costing no arithmetic.
 _DATA_MOVEMENT = {
     aten.clone.default, aten._to_copy.default, aten.copy.default, aten.cat.default,
@@ -83,6 +93,10 @@ def node_cost(node: torch.fx.Node) -> NodeCost:
     if node.target in _ATTENTION_FLOPS:
         args = torch.fx.node.map_aggregate(node.args, _val)
         return NodeCost(int(_ATTENTION_FLOPS[node.target](*args)), read, written, matmul=True)
+    grouped = _GROUPED_MM_FLOPS.get(str(node.target))
+    if grouped is not None:
+        args = torch.fx.node.map_aggregate(node.args, _val)
+        return NodeCost(int(grouped(*args)), read, written, matmul=True)
     packet = getattr(node.target, "overloadpacket", None)
     if packet in flop_registry:
         args = torch.fx.node.map_aggregate(node.args, _val)
