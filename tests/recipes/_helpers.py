@@ -47,7 +47,7 @@ def capture(model: torch.nn.Module, loss_fn, batch, optimizer: torch.optim.Optim
 
 def compile_plan(captured: TrainGraph, plan: Plan, verify: str = "deep"):
     """The program ``plan`` makes of ``captured`` (rank 0 of a fake mesh when dp > 1)."""
-    return compile_program(captured, plan.replace(verify=verify), MeshDesc.fake(dp=plan.dp))
+    return compile_program(captured, plan.replace(verify=verify), MeshDesc.fake(dp=plan.dp, ep=plan.ep))
 
 
 def _nodes(program):
@@ -74,6 +74,8 @@ def plan_effects(plan: Plan, program) -> list[str]:
         missing.append(f"graphs {sorted(program.graphs)}, not a grad and an apply graph")
     if plan.zero_stage and not any("reduce_scatter" in str(n.target) for n in nodes):
         missing.append("no reduce_scatter (ZeRO)")
+    if plan.ep > 1 and not any("all_to_all_rows" in str(n.target) for n in nodes):
+        missing.append("no all-to-all of rows (expert parallelism)")
     if plan.dp > 1 and not any(C10D in str(n.target) for n in nodes):
         missing.append("no collective")
     return missing

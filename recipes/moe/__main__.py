@@ -1,0 +1,3 @@
+from recipes.moe.train import main
+
+main()
