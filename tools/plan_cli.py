@@ -14,7 +14,7 @@ program's per-block figures, see :func:`cann_passes.simulate.simulate_pipeline`)
 compiled with its context_parallel pass like any other, so its K/V all-gathers, dK/dV
 reduce-scatters and gradient all-reduces over cp are priced from its graph. ``--ep 1,2,4,8`` searches
 expert parallelism for a mixture of experts (``mixtral-8x7b``): ep divides dp and is not combined
-with tp, cp, pp, ZeRO-3 or microbatches; an ep plan compiles for the eager backend, the only one
+with tp, cp, pp or microbatches, and must divide a named shape's experts; an ep plan compiles for the eager backend, the only one
 that runs it, and its all-to-alls are priced at the balanced row count. Before anything is compiled, a candidate whose model state
 alone cannot fit is dropped (the bound: fp32 master parameters, one gradient
 shard and the optimizer state, as the captured graph holds them, divided as
@@ -120,6 +120,7 @@ class ModelSpec:
     layers: int | None   # the real depth; None: captured as built (no extrapolation)
     seq: int
     heads: int = 0
+    experts: int = 0     # experts per MoE layer (ep must divide them); 0: dense or unknown
 
 
 MODELS = {
@@ -127,8 +128,8 @@ MODELS = {
     "llama-7b": ModelSpec("llama-7b", _llama(4096, 11008, 32, 32, 32), 32, 4096, 32),
     "llama-13b": ModelSpec("llama-13b", _llama(5120, 13824, 40, 40, 40), 40, 4096, 40),
     "llama-70b": ModelSpec("llama-70b", _llama(8192, 28672, 80, 64, 8), 80, 4096, 64),
-    "mixtral-tiny": ModelSpec("mixtral-tiny", _mixtral(64, 128, 4, 4, 2, 4, 2, vocab=256), 4, 32, 4),
-    "mixtral-8x7b": ModelSpec("mixtral-8x7b", _mixtral(4096, 14336, 32, 32, 8, 8, 2), 32, 4096, 32),
+    "mixtral-tiny": ModelSpec("mixtral-tiny", _mixtral(64, 128, 4, 4, 2, 4, 2, vocab=256), 4, 32, 4, 4),
+    "mixtral-8x7b": ModelSpec("mixtral-8x7b", _mixtral(4096, 14336, 32, 32, 8, 8, 2), 32, 4096, 32, 8),
     "gpt-7b": ModelSpec("gpt-7b", _gpt(), 32, 2048, 32),
     "gpt3-175b": ModelSpec("gpt3-175b", _gpt(n_layer=96, n_head=96, d_model=12288), 96, 2048, 96),
 }
@@ -240,7 +241,7 @@ def model_state_bound(state: dict[str, float], plan: Plan) -> float:
 
 def candidates(devices: int, global_batch: int, *, tps, stages, recomputes, microbatches, precisions,
                budget: float, heads: int, backend: str = "eager", pps=(1,), cps=(1,), seq: int = 0,
-               eps=(1,)) -> list[Candidate]:
+               eps=(1,), experts: int = 0) -> list[Candidate]:
     out = []
     for tp, cp, pp, ep, z, rc, m, prec in itertools.product(tps, cps, pps, eps, stages, recomputes, microbatches,
                                                             precisions):
@@ -254,7 +255,7 @@ def candidates(devices: int, global_batch: int, *, tps, stages, recomputes, micr
         if z and dp == 1:
             continue
         # What expert parallelism composes with (Plan._check_expert_parallel); it runs on eager only.
-        if ep > 1 and (dp % ep or tp > 1 or cp > 1 or pp > 1 or z == 3 or m > 1):
+        if ep > 1 and (dp % ep or tp > 1 or cp > 1 or pp > 1 or m > 1 or (experts and experts % ep)):
             continue
         extra = {"recompute_budget": budget} if rc == "budget" else {}
         plan = Plan(dp=dp, ep=ep, tp=tp, cp=cp, zero_stage=z, recompute=rc, microbatches=m, precision=prec,
@@ -429,7 +430,7 @@ def parse(argv):
     p.add_argument("--tp", default="1", help="comma list of tensor-parallel degrees to try")
     p.add_argument("--cp", default="1", help="comma list of context-parallel degrees to try (cp must divide --seq)")
     p.add_argument("--ep", default="1", help="comma list of expert-parallel degrees to try (MoE models; ep "
-                   "divides dp, not with tp, cp, pp, ZeRO-3 or microbatches)")
+                   "divides dp and the experts, not with tp, cp, pp or microbatches)")
     p.add_argument("--pp", default="1", help="comma list of pipeline degrees to try (1F1B, microbatches >= pp)")
     p.add_argument("--breakdown", default=None, metavar="PNG",
                    help="write the best (or, when none fits, the closest) plan's per-rank memory and time picture")
@@ -517,7 +518,7 @@ def plan_candidates(args, spec: ModelSpec) -> list[Candidate]:
                        recomputes=args.recomputes, microbatches=args.microbatch_counts,
                        precisions=args.precisions, budget=args.budget, heads=spec.heads,
                        backend=backend_for(get_profile(args.device_profile).name), pps=args.pps,
-                       cps=args.cps, seq=args.seq, eps=args.eps)
+                       cps=args.cps, seq=args.seq, eps=args.eps, experts=spec.experts)
     if not cands:
         raise UsageError(f"no plan divides --global-batch {args.global_batch} over {args.devices} devices with "
                          f"microbatches {args.microbatches}, tp {args.tp}, cp {args.cp} and pp {args.pp}"

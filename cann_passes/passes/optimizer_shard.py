@@ -395,16 +395,12 @@ def _master_sharded(graph: TrainGraph, stage: int, master: str, pp: int) -> bool
 
 def _expert_gradients(graph: TrainGraph, ctx: PassContext, names: list[str], grads, sizes: dict, bucket_bytes: float,
                       stage: int, accumulating: bool, dp: int) -> ShardLayout | None:
-    """Expert parameters (``expert_parallel``'s, already 1/ep per rank) are ZeRO-sharded over the
-    expert-data-parallel group (``edp``, the ranks holding the same experts), their gradients
+    """Expert parameters (``expert_parallel``'s, already 1/ep per rank) are ZeRO-sharded (stage 3:
+    the parameters too) over the expert-data-parallel group (``edp``, the ranks holding the same experts), their gradients
     reduce-scattered there and divided by the whole dp size (the global-batch mean); with one such
     rank there is nothing to shard and the gradient is only divided. Returns their layout, or None."""
     if not names:
         return None
-    if stage == 3:
-        raise DistributedRewriteError("optimizer_shard stage=3 with expert parameters is not built (rule: "
-                                      "the expert shards would be gathered over edp where forward reads "
-                                      "them; use stage 1 or 2)")
     edp = mesh_dim(ctx, "edp", ORIGIN)
     scale = 1.0 if accumulating else 1.0 / dp
     if edp.size == 1:
@@ -454,7 +450,9 @@ def optimizer_shard_pass(graph: TrainGraph, ctx: PassContext, *, stage: int = 1,
         recompute_val(graph, node)
     gathered = {}
     if stage == 3:
-        _shard_parameters(graph, order, layout, bucket_bytes)
+        _shard_parameters(graph, dense, layout, bucket_bytes)
+        if expert_layout is not None:   # gathered over edp, where forward and backward read them
+            _shard_parameters(graph, list(expert_layout.shape), expert_layout, bucket_bytes)
     elif sharded_master:
         gathered = _gather_whole_for_step(graph, dense, layout, bucket_bytes)
         if expert_layout is not None:

@@ -89,13 +89,19 @@ def test_ep2_matches_and_its_checkpoint_resumes_at_ep1(tmp_path):
 
 def test_dp4_ep2_with_zero_matches_and_resumes_without_ep(tmp_path):
     """dp=4 with ep=2 (two expert-data-parallel copies of the experts): expert gradients summed over
-    the 2 ranks holding the same experts; Mixtral, Qwen2-MoE (with its shared expert), OLMoE; ZeRO-1
-    and ZeRO-2 (dense state sharded over dp, the experts' over edp), whose checkpoint resumes at
-    dp=4 without ep or ZeRO."""
-    scenarios = ["mixtral:sgd:zero1", "qwen2_moe:sgd", "olmoe:adamw:clip", "mixtral:adamw:zero2:ckpt"]
+    the 2 ranks holding the same experts; Mixtral, Qwen2-MoE (with its shared expert), OLMoE; ZeRO-1,
+    ZeRO-2 (dense state sharded over dp, the experts' over edp), whose checkpoint resumes at dp=4
+    without ep or ZeRO, and ZeRO-3 (the expert parameters gathered over edp where they are read)."""
+    scenarios = ["mixtral:sgd:zero1", "qwen2_moe:sgd", "olmoe:adamw:clip", "mixtral:adamw:zero2:ckpt",
+                 "mixtral:sgd:zero3"]
     got = launch(tmp_path, 4, "dp=4,ep=2", scenarios)
     for scenario in scenarios:
         assert_matches(scenario, got[scenario], dp=4)
+    # ZeRO-3: each rank holds a quarter of the expert bytes (its 2 experts, flat-sharded over edp=2)
+    zero3 = got["mixtral:sgd:zero3"]
+    entry, _ = ep_worker.make("mixtral", "sgd")
+    whole = sum(p.numel() * p.element_size() for n, p in entry.model.named_parameters() if n in zero3["attrs"]["experts"])
+    assert zero3["held_expert_bytes"] * 4 == whole
     resumed = launch(tmp_path, 4, "dp=4", ["resume:mixtral:adamw"])["resume:mixtral:adamw"]
     uninterrupted = got["mixtral:adamw:zero2:ckpt"]["losses"][5:]
     assert max(abs(a - b) for a, b in zip(resumed["losses"], uninterrupted, strict=True)) <= 1e-5

@@ -60,8 +60,12 @@ def test_cann_plan_searches_ep_where_it_composes():
                            "--zero", "0,1,3", "--recompute", "none"])
     cands = plan_cli.plan_candidates(args, plan_cli.check(args))
     eps = {(c.plan.ep, c.plan.tp, c.plan.zero_stage) for c in cands}
-    assert {(1, 1, 0), (2, 1, 0), (4, 1, 1), (1, 2, 3)} <= eps
-    assert not any(ep > 1 and (tp > 1 or z == 3) for ep, tp, z in eps)
+    assert {(1, 1, 0), (2, 1, 0), (4, 1, 1), (2, 1, 3), (1, 2, 3)} <= eps
+    assert not any(ep > 1 and tp > 1 for ep, tp, z in eps)
+    # ep=8 would not divide the tiny Mixtral's 4 experts
+    eight = plan_cli.candidates(8, 8, tps=(1,), stages=(0,), recomputes=("none",), microbatches=(1,),
+                                precisions=("bf16",), budget=0.5, heads=4, eps=(1, 4, 8), experts=SPEC.experts)
+    assert sorted({c.plan.ep for c in eight}) == [1, 4]
     assert all(c.plan.backend == "eager" for c in cands if c.plan.ep > 1)
 
 
