@@ -12,7 +12,8 @@
                                                               ranks and back by all-to-alls)
     recompute{policy,budget}     activation recompute        (plan.recompute != none)
     grad_accumulation{...}       accumulate over microbatches (plan.microbatches > 1 or accumulate_target)
-    data_parallel{...}           gradient all-reduce         (plan.dp > 1)
+    data_parallel{...}           gradient all-reduce         (plan.dp > 1; in bf16 with
+                                                              plan.grad_reduce_dtype)
     optimizer_shard{stage,...}   ZeRO                        (plan.zero_stage > 0)
     grad_clip{max_norm}          global grad-norm clipping   (plan.grad_clip_norm set; after every
                                                               pass that changes what the update reads)
@@ -87,6 +88,7 @@ PLAN_FIELD_OF: dict[tuple[str, str], str] = {
     ("recompute", "attention_ops"): "attention_ops",
     ("grad_accumulation", "microbatches"): "microbatches", ("grad_accumulation", "target"): "accumulate_target",
     ("data_parallel", "bucket_mb"): "bucket_mb", ("data_parallel", "algo"): "allreduce_algo",
+    ("data_parallel", "reduce_dtype"): "grad_reduce_dtype", ("optimizer_shard", "reduce_dtype"): "grad_reduce_dtype",
     ("optimizer_shard", "stage"): "zero_stage", ("optimizer_shard", "bucket_mb"): "bucket_mb",
     ("optimizer_shard", "master"): "zero_master",
     ("grad_clip", "max_norm"): "grad_clip_norm", ("fuse_optimizer", "kernel"): "optimizer_kernel",
@@ -139,11 +141,12 @@ def build_pipeline(plan: Plan, backend: str) -> Pipeline:
         if loss_scale:   # unscale and check the accumulated gradients, once per optimizer step
             steps.append(loss_scale)
     bucket_mb = ONE_BUCKET_PER_GRADIENT_MB if plan.pp > 1 else plan.bucket_mb
+    reduce_dtype = f",reduce_dtype={plan.grad_reduce_dtype}" if plan.grad_reduce_dtype != "fp32" else ""
     if plan.dp > 1 and plan.zero_stage == 0:
-        steps.append(f"data_parallel{{bucket_mb={bucket_mb},algo={plan.allreduce_algo}}}")
+        steps.append(f"data_parallel{{bucket_mb={bucket_mb},algo={plan.allreduce_algo}{reduce_dtype}}}")
     if plan.zero_stage:
         master = ",master=sharded" if getattr(plan, "zero_master", "whole") == "sharded" else ""
-        steps.append(f"optimizer_shard{{stage={plan.zero_stage},bucket_mb={bucket_mb}{master}}}")
+        steps.append(f"optimizer_shard{{stage={plan.zero_stage},bucket_mb={bucket_mb}{master}{reduce_dtype}}}")
     if plan.grad_clip_norm is not None:
         steps.append(f"grad_clip{{max_norm={float(plan.grad_clip_norm)!r}}}")
     kernel = optimizer_kernel(plan, backend)

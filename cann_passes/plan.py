@@ -274,10 +274,6 @@ class Plan:
         if self.cp > 1 and self.sequence_parallel:
             raise PlanError("cp", "context parallelism with sequence_parallel: both split the sequence "
                                   "dimension; use one of them", self.cp)
-        if self.grad_reduce_dtype != "fp32":
-            raise NotImplementedError(
-                f"plan field 'grad_reduce_dtype' = {self.grad_reduce_dtype!r} asks for gradient "
-                "reduction in low precision, which is not built yet (gradients are reduced in fp32)")
 
     def _check_expert_parallel(self) -> None:
         """What expert parallelism composes with so far, refused by field."""
@@ -360,7 +356,7 @@ class Plan:
         if self.torchair and self.backend not in ("torchair", "auto"):
             raise PlanError("torchair", "options apply only to backend 'torchair' "
                             f"(backend = {self.backend!r})", self.torchair)
-        for name in ("bucket_mb", "allreduce_algo"):
+        for name in ("bucket_mb", "allreduce_algo", "grad_reduce_dtype"):
             if self._changed(name) and self.dp == 1:
                 raise PlanError(name, "applies only to gradient reduction across data-parallel ranks "
                                 "(dp = 1)", getattr(self, name))

@@ -221,10 +221,34 @@ def expert_params(tg: TrainGraph) -> set[str]:
             if key.startswith("param:") and any(axis == "ep" for axis, _ in p.axes)}
 
 
+REDUCE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+
+
+def reduce_dtype_of(option: str, pass_name: str) -> torch.dtype | None:
+    if option not in REDUCE_DTYPES:
+        raise DistributedRewriteError(f"{pass_name} option reduce_dtype={option!r} must be one of "
+                                      f"{tuple(REDUCE_DTYPES)}")
+    return REDUCE_DTYPES[option]
+
+
+def compress(build: "NodeBuilder", flat: torch.fx.Node, dtype: torch.dtype | None, reduce_op: str,
+             n_ranks: int) -> tuple[torch.fx.Node, str]:
+    """``flat`` cast to ``dtype`` for a 16-bit reduction, divided by the ranks first when averaging
+    (a sum of N values cannot overflow where their mean does not), as torch DDP's
+    ``bf16_compress_hook`` does; the op the collective then runs."""
+    if dtype is None or flat.meta["val"].dtype == dtype:
+        return flat, reduce_op
+    low = build(aten._to_copy.default, flat, dtype=dtype)
+    if reduce_op == "avg":
+        return build(aten.div.Tensor, low, n_ranks), "sum"
+    return low, reduce_op
+
+
 def all_reduce_bucket(tg: TrainGraph, bucket: list[str], grads: dict[str, torch.fx.Node],
                       group: MeshDim | None, reduce_op: str, scale: float = 1.0,
-                      origin: str = "data_parallel") -> None:
-    """One bucket's all-reduce (none for ``group`` None: a group of one rank), then ``scale``."""
+                      origin: str = "data_parallel", dtype: torch.dtype | None = None) -> None:
+    """One bucket's all-reduce (none for ``group`` None: a group of one rank), then ``scale``;
+    with ``dtype`` (bf16) the bucket is reduced in it and cast back."""
     position = position_map(tg)
     values = [grads[n] for n in bucket]
     readers = {n: [u for u in grads[n].users if region_of(u) == Region.OPTIMIZER] for n in bucket}
@@ -235,7 +259,10 @@ def all_reduce_bucket(tg: TrainGraph, bucket: list[str], grads: dict[str, torch.
     flat = send(aten.cat.default, flats) if len(flats) > 1 else flats[0]
     receive = NodeBuilder(tg, first_read, Region.OPTIMIZER, origin)
     if group is not None:
-        synced = receive(c10d.wait_tensor.default, send(c10d.all_reduce.default, flat, reduce_op, group.group_name))
+        wire, op = compress(send, flat, dtype, reduce_op, group.size)
+        synced = receive(c10d.wait_tensor.default, send(c10d.all_reduce.default, wire, op, group.group_name))
+        if synced.meta["val"].dtype != flat.meta["val"].dtype:
+            synced = receive(aten._to_copy.default, synced, dtype=flat.meta["val"].dtype)
     else:
         synced = flat
     if scale != 1.0:

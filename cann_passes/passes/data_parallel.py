@@ -17,6 +17,9 @@ gradient of every expert-parallel rank's rows for this rank's experts: they are 
 expert-data-parallel group (``edp``, the ranks holding the same experts) and divided by the whole
 dp size, in their own buckets, so the mean is over the global batch as for the dense ones.
 
+``reduce_dtype=bf16`` reduces each bucket in bf16, as torch DDP's ``bf16_compress_hook``: cast,
+divided by the ranks, summed, cast back (half the bytes on the wire; the update reads fp32).
+
 ``algo`` (ring/tree/auto) is not written into the graph: the runtime maps it
 onto the collective library's own setting (``HCCL_ALGO``/``NCCL_ALGO``) before
 the process group exists; the pass records it in ``graph.attrs``.
@@ -31,16 +34,20 @@ from graph_ir import TrainGraph
 from graph_ir.meta import GRADIENT_OF, GraphAttr, Region, nbytes, region_of
 
 from ..pass_manager import PassContext, register_pass
-from ._distributed import (DistributedRewriteError, agree_on_overflow, all_reduce_bucket, average_loss,
-                           collective_elements, expert_params, gradients, make_buckets, mesh_dim, position_map)
+from ._distributed import (REDUCE_DTYPES, DistributedRewriteError, agree_on_overflow, all_reduce_bucket,
+                           average_loss, collective_elements, expert_params, gradients, make_buckets, mesh_dim,
+                           position_map, reduce_dtype_of)
 
 ALGOS = ("auto", "ring", "tree")
 
 
 @register_pass("data_parallel", preserves=())
 def data_parallel_pass(graph: TrainGraph, ctx: PassContext, *, bucket_mb: float = 25.0,
-                       algo: Literal[ALGOS] = "auto") -> TrainGraph:
-    """Bucketed gradient all-reduce over the mesh's ``dp`` dimension; loss averaged over ranks."""
+                       algo: Literal[ALGOS] = "auto", reduce_dtype: Literal[tuple(REDUCE_DTYPES)] = "fp32"
+                       ) -> TrainGraph:
+    """Bucketed gradient all-reduce over the mesh's ``dp`` dimension; loss averaged over ranks.
+    ``reduce_dtype=bf16``: each bucket reduced in bf16 (divided by the ranks first) and cast back."""
+    dtype = reduce_dtype_of(reduce_dtype, "data_parallel")
     if algo not in ALGOS:
         raise DistributedRewriteError(f"data_parallel option algo={algo!r} must be one of {ALGOS}")
     if bucket_mb <= 0:
@@ -57,13 +64,13 @@ def data_parallel_pass(graph: TrainGraph, ctx: PassContext, *, bucket_mb: float 
     sizes = {n: nbytes(grads[n].meta["val"]) for n in order}
     buckets = make_buckets([n for n in order if n not in experts], sizes, bucket_mb * 2**20)
     for bucket in buckets:
-        all_reduce_bucket(graph, bucket, grads, group, "sum" if accumulating else "avg")
+        all_reduce_bucket(graph, bucket, grads, group, "sum" if accumulating else "avg", dtype=dtype)
     expert_buckets = make_buckets([n for n in order if n in experts], sizes, bucket_mb * 2**20)
     if expert_buckets:
         edp = mesh_dim(ctx, "edp", "data_parallel")
         for bucket in expert_buckets:
             all_reduce_bucket(graph, bucket, grads, edp if edp.size > 1 else None, "sum",
-                               1.0 if accumulating else 1.0 / group.size)
+                              1.0 if accumulating else 1.0 / group.size, dtype=dtype)
     average_loss(graph, group, "data_parallel")
     agree_on_overflow(graph, group, "data_parallel")
     graph.attrs[GraphAttr.DATA_PARALLEL] = {"dp": group.size, "buckets": len(buckets), "algo": algo}

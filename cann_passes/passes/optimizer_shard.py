@@ -52,8 +52,8 @@ from graph_ir.placement import FlatShard, Placement, placement_of, set_placement
 from graph_ir.signature import InputKind, OutputKind
 
 from ..pass_manager import PassContext, register_pass
-from ._distributed import (DistributedRewriteError, MeshDim, NodeBuilder, after, agree_on_overflow,
-                           all_reduce_bucket, aten, axis_size, expert_params,
+from ._distributed import (REDUCE_DTYPES, DistributedRewriteError, MeshDim, NodeBuilder, after, agree_on_overflow,
+                           all_reduce_bucket, aten, axis_size, compress, expert_params, reduce_dtype_of,
                            average_loss, c10d, collective_elements, first_node_of, first_user, gradients,
                            later_region, make_buckets, mesh_dim, optimizer_subgraph, position_map,
                            recompute_val, redirect)
@@ -104,7 +104,8 @@ def _over_dp(tg: TrainGraph, name: str, local: Placement, axis: str = DP) -> Pla
 # -- gradients: reduce-scatter ------------------------------------------------------------------
 
 def _reduce_scatter_bucket(tg: TrainGraph, bucket: list[str], grads, layout: ShardLayout, stage: int,
-                           reduce_op: str, scale: float = 1.0) -> dict[str, torch.fx.Node]:
+                           reduce_op: str, scale: float = 1.0, dtype: torch.dtype | None = None
+                           ) -> dict[str, torch.fx.Node]:
     position = position_map(tg)
     values = [grads[n] for n in bucket]
     readers = {n: [u for u in grads[n].users if region_of(u) == Region.OPTIMIZER] for n in bucket}
@@ -119,10 +120,12 @@ def _reduce_scatter_bucket(tg: TrainGraph, bucket: list[str], grads, layout: Sha
     rows = [send(aten.view.default, send.pad_to(send.flat(v), n_ranks * layout.shard[n]),
                  [n_ranks, layout.shard[n]]) for n, v in zip(bucket, values)]
     table = send(aten.cat.default, rows, 1) if len(rows) > 1 else rows[0]
-    scattered = send(c10d.reduce_scatter_tensor.default, send(aten.view.default, table, [-1]),
-                     reduce_op, n_ranks, layout.group.group_name)
+    wire, op = compress(send, send(aten.view.default, table, [-1]), dtype, reduce_op, n_ranks)
+    scattered = send(c10d.reduce_scatter_tensor.default, wire, op, n_ranks, layout.group.group_name)
     receive = NodeBuilder(tg, first_read, Region.OPTIMIZER, ORIGIN)
     mine = receive(c10d.wait_tensor.default, scattered)
+    if mine.meta["val"].dtype != table.meta["val"].dtype:
+        mine = receive(aten._to_copy.default, mine, dtype=table.meta["val"].dtype)
     if scale != 1.0:
         mine = receive(aten.mul.Tensor, mine, scale)
     shards, offset = {}, 0
@@ -394,7 +397,8 @@ def _master_sharded(graph: TrainGraph, stage: int, master: str, pp: int) -> bool
 
 
 def _expert_gradients(graph: TrainGraph, ctx: PassContext, names: list[str], grads, sizes: dict, bucket_bytes: float,
-                      stage: int, accumulating: bool, dp: int) -> ShardLayout | None:
+                      stage: int, accumulating: bool, dp: int, dtype: torch.dtype | None = None
+                      ) -> ShardLayout | None:
     """Expert parameters (``expert_parallel``'s, already 1/ep per rank) are ZeRO-sharded (stage 3:
     the parameters too) over the expert-data-parallel group (``edp``, the ranks holding the same experts), their gradients
     reduce-scattered there and divided by the whole dp size (the global-batch mean); with one such
@@ -405,11 +409,11 @@ def _expert_gradients(graph: TrainGraph, ctx: PassContext, names: list[str], gra
     scale = 1.0 if accumulating else 1.0 / dp
     if edp.size == 1:
         for bucket in make_buckets(names, sizes, bucket_bytes):
-            all_reduce_bucket(graph, bucket, grads, None, "sum", scale, ORIGIN)
+            all_reduce_bucket(graph, bucket, grads, None, "sum", scale, ORIGIN, dtype)
         return None
     layout = ShardLayout(graph, names, edp, axis="edp")
     for bucket in make_buckets(names, sizes, bucket_bytes):
-        _reduce_scatter_bucket(graph, bucket, grads, layout, stage, "sum", scale)
+        _reduce_scatter_bucket(graph, bucket, grads, layout, stage, "sum", scale, dtype)
     return layout
 
 
@@ -417,8 +421,11 @@ def _expert_gradients(graph: TrainGraph, ctx: PassContext, names: list[str], gra
 
 @register_pass("optimizer_shard", preserves=())
 def optimizer_shard_pass(graph: TrainGraph, ctx: PassContext, *, stage: int = 1,
-                         bucket_mb: float = 25.0, master: Literal[MASTER_OPTIONS] = "whole") -> TrainGraph:
-    """ZeRO stage 1/2/3 over the mesh's ``dp`` dimension (see the module docstring)."""
+                         bucket_mb: float = 25.0, master: Literal[MASTER_OPTIONS] = "whole",
+                         reduce_dtype: Literal[tuple(REDUCE_DTYPES)] = "fp32") -> TrainGraph:
+    """ZeRO stage 1/2/3 over the mesh's ``dp`` dimension (see the module docstring);
+    ``reduce_dtype=bf16``: gradients reduce-scattered in bf16 (divided by the ranks first)."""
+    dtype = reduce_dtype_of(reduce_dtype, ORIGIN)
     if stage not in (1, 2, 3):
         raise DistributedRewriteError(f"optimizer_shard option stage={stage} must be 1, 2 or 3")
     group = mesh_dim(ctx, DP, ORIGIN)
@@ -440,9 +447,10 @@ def optimizer_shard_pass(graph: TrainGraph, ctx: PassContext, *, stage: int = 1,
     buckets = make_buckets(dense, sizes, bucket_bytes)
     sharded_master = _master_sharded(graph, stage, master, axis_size(ctx, "pp"))
     for bucket in buckets:
-        _reduce_scatter_bucket(graph, bucket, grads, layout, stage, "sum" if accumulating else "avg")
+        _reduce_scatter_bucket(graph, bucket, grads, layout, stage, "sum" if accumulating else "avg",
+                               dtype=dtype)
     expert_layout = _expert_gradients(graph, ctx, [n for n in order if n in experts], grads, sizes,
-                                      bucket_bytes, stage, accumulating, group.size)
+                                      bucket_bytes, stage, accumulating, group.size, dtype)
     _shard_inputs(graph, dense, layout, shard_params=sharded_master)
     if expert_layout is not None:
         _shard_inputs(graph, list(expert_layout.shape), expert_layout, shard_params=sharded_master)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -105,9 +106,15 @@ def test_a_plan_file_that_does_not_parse_is_named(tmp_path):
         Plan.load(path)
 
 
-def test_low_precision_gradient_reduction_is_not_built():
-    with pytest.raises(NotImplementedError, match="grad_reduce_dtype"):
+def test_low_precision_gradient_reduction_needs_data_parallel_ranks():
+    with pytest.raises(PlanError, match="grad_reduce_dtype.*dp = 1"):
         Plan(grad_reduce_dtype="bf16")
+    with pytest.raises(PlanError, match="grad_reduce_dtype"):
+        Plan(dp=2, grad_reduce_dtype="fp16")
+    from cann_passes.pass_pipeline import build_pipeline
+    for zero, pass_name in ((0, "data_parallel"), (2, "optimizer_shard")):
+        text = str(build_pipeline(Plan(dp=2, zero_stage=zero, grad_reduce_dtype="bf16", backend="eager"), "eager"))
+        assert re.search(pass_name + r"\{[^}]*reduce_dtype=bf16", text), text
 
 
 # -- pipeline parallelism: schedules, virtual stages, split ------------------------------------

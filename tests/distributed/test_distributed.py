@@ -95,6 +95,21 @@ def test_inductor_dp_zero1_and_zero3_on_gloo_match_single_process_adamw(tmp_path
     assert_every_rank_matches(tmp_path, "parity", 2, "dp,zero1,zero3", reference, "inductor", param_tol=2e-5)
 
 
+def test_bf16_gradient_reduction_is_torch_ddps_bf16_compress_hook(tmp_path):
+    # grad_reduce_dtype: bf16 under DP and ZeRO-2 (a bf16 reduce-scatter) on 2 ranks, 10 SGD steps,
+    # against torch DDP with bf16_compress_hook: the same parameters bit for bit; fp32 DP differs
+    assert_all_ok(run_ranks(2, "bf16_reduce", str(tmp_path)))
+    got = torch.load(tmp_path / "bf16_reduce.pt", weights_only=False)
+    ref = got["ddp_bf16_hook"]
+    for name in ("dp_bf16", "zero2_bf16"):
+        assert got[name]["wire"] == ["torch.bfloat16"], got[name]["wire"]
+        assert max(abs(a - b) for a, b in zip(got[name]["losses"], ref["losses"], strict=True)) <= 1e-6
+        for pname, want in ref["params"].items():
+            assert torch.equal(got[name]["params"][pname], want), f"{name}: {pname}"
+    assert got["dp_fp32"]["wire"] == ["torch.float32"]
+    assert max((got["dp_fp32"]["params"][n] - w).abs().max().item() for n, w in ref["params"].items()) > 1e-6
+
+
 def zoo_reference(name: str, world_size: int):
     """Eager PyTorch in this process: each step's loss the mean of the ranks' shard losses (as the
     data-parallel step averages them; with padding the shards hold different token counts)."""
