@@ -282,13 +282,12 @@ class Plan:
                                   f"Megatron's expert-data-parallel groups): ep must divide dp = {self.dp}",
                             self.ep)
         not_built = [("tp", self.tp > 1), ("cp", self.cp > 1), ("pp", self.pp > 1),
-                     ("microbatches", self.microbatches > 1),
                      ("accumulate_target", self.accumulate_target is not None)]
         for name, asked in not_built:
             if asked:
                 raise PlanError("ep", f"expert parallelism with {name} = {getattr(self, name)!r} is not built "
-                                      "yet (built: ep within dp, with ZeRO 1-3, clipping, mixed precision, "
-                                      "recompute)",
+                                      "yet (built: ep within dp, with ZeRO 1-3, microbatches, clipping, mixed "
+                                      "precision, recompute)",
                                 self.ep)
         if self.backend in ("inductor", "torchair"):
             raise PlanError("ep", f"expert parallelism runs on the eager backend only (backend = "

@@ -82,6 +82,7 @@ def main(out: str, mesh: str, *scenarios: str):
             entry, optimizer = make(name, opt)
             plan = Plan(backend="eager", verify="deep", grad_clip_norm=1.0 if "clip" in options else None,
                         precision="bf16" if "bf16" in options else "fp32",
+                        microbatches=2 if "mb2" in options else 1,
                         zero_stage=next((int(o[4:]) for o in options if o.startswith("zero")), 0),
                         recompute=next((o for o in options if o in ("selective", "full")), "none"), **sizes)
             step = compile_for_npu(entry.model, plan, optimizer=optimizer, loss_fn=entry.loss_fn)

@@ -32,8 +32,10 @@ def eager_reference(name: str, opt: str, options: list[str], dp: int):
     losses = []
     for batch in ep_worker.batches(entry):
         optimizer.zero_grad()
+        chunks = 2 if "mb2" in options else 1      # accumulation: each shard's rows in equal chunks
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled="bf16" in options):
-            loss = sum(entry.loss_fn(entry.model, shard_batch(batch, r, dp)) for r in range(dp)) / dp
+            loss = sum(entry.loss_fn(entry.model, shard_batch(shard_batch(batch, r, dp), c, chunks))
+                       for r in range(dp) for c in range(chunks)) / (dp * chunks)
         loss.backward()
         if "clip" in options:
             torch.nn.utils.clip_grad_norm_(entry.model.parameters(), 1.0)
@@ -64,8 +66,9 @@ def assert_matches(scenario: str, got: dict, dp: int):
 
 def test_ep2_matches_and_its_checkpoint_resumes_at_ep1(tmp_path):
     """dp=2 = ep=2: each rank keeps 2 of the 4 experts of every layer, the rows cross by all-to-all;
-    fp32, bf16, full recompute and clipping; a checkpoint saved at ep=2 resumes at dp=2, ep=1."""
-    scenarios = ["mixtral:sgd", "mixtral:adamw:ckpt", "mixtral:sgd:clip", "mixtral:sgd:bf16", "mixtral:sgd:full"]
+    fp32, bf16, full recompute, clipping and two microbatches; a checkpoint saved at ep=2 resumes at dp=2, ep=1."""
+    scenarios = ["mixtral:sgd", "mixtral:adamw:ckpt", "mixtral:sgd:clip", "mixtral:sgd:bf16", "mixtral:sgd:full",
+                 "mixtral:sgd:mb2"]
     got = launch(tmp_path, 2, "dp=2,ep=2", scenarios)
     for scenario in scenarios:
         assert_matches(scenario, got[scenario], dp=2)
