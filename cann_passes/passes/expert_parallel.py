@@ -142,23 +142,6 @@ def _param_of(graph: TrainGraph, node: torch.fx.Node) -> str | None:
     return params[seen]
 
 
-def _between(start: torch.fx.Node, ends: set[torch.fx.Node]) -> set[torch.fx.Node]:
-    """Nodes on a path from ``start`` to any of ``ends`` (both excluded)."""
-    down, stack = set(), [start]
-    while stack:
-        for u in stack.pop().users:
-            if u not in down:
-                down.add(u)
-                stack.append(u)
-    up, stack = set(), list(ends)
-    while stack:
-        for a in stack.pop().all_input_nodes:
-            if a not in up:
-                up.add(a)
-                stack.append(a)
-    return (down & up) - {start} - ends
-
-
 class _Block:
     """One expert block: its forward grouped matmuls in order and the backward node of each."""
 
@@ -213,11 +196,8 @@ def _expert_rows(block: _Block) -> set[torch.fx.Node]:
         if node in reached:
             continue
         reached.add(node)
-        if node in stops and node is not block.last:
-            continue
-        users = [u for u in node.users if u.target is node.target or u in block.forward
-                 or u in block.backward.values()] if node is block.last else node.users
-        stack.extend(u for u in users if u.op != "output")
+        if node not in stops:
+            stack.extend(u for u in node.users if u.op != "output")
     return reached
 
 
