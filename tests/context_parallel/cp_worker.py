@@ -19,18 +19,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from cann_passes.passes.tensor_parallel import count_collectives  # noqa: E402
-from tests import zoo  # noqa: E402
+from tests.gloo_scenarios import make  # noqa: E402,F401  (the tests' import too)
 
 STEPS = 10
-
-
-def make(name: str, opt: str):
-    entry = zoo.build(name, layers=2, seed=0)
-    if opt == "sgd":
-        optimizer = torch.optim.SGD(entry.model.parameters(), lr=0.1, momentum=0.9)
-    else:
-        optimizer = torch.optim.AdamW(entry.model.parameters(), lr=1e-3, weight_decay=0.01)
-    return entry, optimizer
 
 
 def batches(entry, pad: bool):

@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from cann_passes.runtime.distributed import launch_local, rank_failures, shard_batch
+from cann_passes.runtime.distributed import shard_batch
+
+from tests import gloo_scenarios
 
 sys.path.insert(0, str(Path(__file__).parent))
 import ep_worker  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
 WORKER = str(Path(__file__).parent / "ep_worker.py")
-RANK_ENV = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 
 pytestmark = pytest.mark.slow
 
@@ -45,11 +45,7 @@ def eager_reference(name: str, opt: str, options: list[str], dp: int):
 
 
 def launch(tmp_path, world: int, mesh: str, scenarios: list[str]) -> dict[str, dict]:
-    results = launch_local([WORKER, str(tmp_path), mesh, *scenarios], world, env=RANK_ENV, timeout_s=900,
-                           cwd=str(REPO))
-    report = rank_failures(results)
-    assert not report, report
-    return {s: torch.load(tmp_path / f"{s}.{mesh}.pt", weights_only=False) for s in scenarios}
+    return gloo_scenarios.launch(WORKER, tmp_path, world, mesh, scenarios)
 
 
 def assert_matches(scenario: str, got: dict, dp: int):

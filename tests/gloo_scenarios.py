@@ -1,0 +1,32 @@
+"""What the gloo scenario tests share: a zoo model with its optimizer, and a launch of a worker's
+scenarios on local ranks whose results come back as ``OUT/<scenario>.<mesh>.pt``."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tests import zoo
+
+REPO = Path(__file__).resolve().parents[1]
+RANK_ENV = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+
+
+def make(name: str, opt: str):
+    """``tests.zoo`` model ``name`` (2 layers, seed 0) and ``sgd`` (momentum 0.9) or AdamW."""
+    entry = zoo.build(name, layers=2, seed=0)
+    if opt == "sgd":
+        optimizer = torch.optim.SGD(entry.model.parameters(), lr=0.1, momentum=0.9)
+    else:
+        optimizer = torch.optim.AdamW(entry.model.parameters(), lr=1e-3, weight_decay=0.01)
+    return entry, optimizer
+
+
+def launch(worker: str, tmp_path, world: int, mesh: str, scenarios: list[str]) -> dict[str, dict]:
+    """Run ``worker OUT MESH SCENARIO...`` on ``world`` local ranks; each scenario's saved result."""
+    from cann_passes.runtime.distributed import launch_local, rank_failures
+    results = launch_local([worker, str(tmp_path), mesh, *scenarios], world, env=RANK_ENV, timeout_s=900,
+                           cwd=str(REPO))
+    report = rank_failures(results)
+    assert not report, report
+    return {s: torch.load(Path(tmp_path) / f"{s}.{mesh}.pt", weights_only=False) for s in scenarios}
