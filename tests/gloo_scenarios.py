@@ -30,3 +30,18 @@ def launch(worker: str, tmp_path, world: int, mesh: str, scenarios: list[str]) -
     report = rank_failures(results)
     assert not report, report
     return {s: torch.load(Path(tmp_path) / f"{s}.{mesh}.pt", weights_only=False) for s in scenarios}
+
+
+def eager_training(entry, optimizer, batches, loss_of, clip: bool = False):
+    """Plain PyTorch over ``batches`` (``loss_of(batch)`` the step's loss, optionally clipped at 1.0):
+    (the losses, the parameters after the last step)."""
+    losses = []
+    for batch in batches:
+        optimizer.zero_grad()
+        loss = loss_of(batch)
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(entry.model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in entry.model.named_parameters()}

@@ -24,16 +24,8 @@ pytestmark = pytest.mark.slow
 
 def eager_reference(name: str, opt: str, options: list[str]):
     entry, optimizer = cp_worker.make(name, opt)
-    losses = []
-    for batch in cp_worker.batches(entry, "pad" in options):
-        optimizer.zero_grad()
-        loss = entry.loss_fn(entry.model, batch)
-        loss.backward()
-        if "clip" in options:
-            torch.nn.utils.clip_grad_norm_(entry.model.parameters(), 1.0)
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in entry.model.named_parameters()}
+    return gloo_scenarios.eager_training(entry, optimizer, cp_worker.batches(entry, "pad" in options),
+                                         lambda batch: entry.loss_fn(entry.model, batch), clip="clip" in options)
 
 
 def launch(tmp_path, world: int, mesh: str, scenarios: list[str]) -> dict[str, dict]:

@@ -29,19 +29,13 @@ pytestmark = pytest.mark.slow
 
 def eager_reference(name: str, opt: str, options: list[str], dp: int):
     entry, optimizer = ep_worker.make(name, opt)
-    losses = []
-    for batch in ep_worker.batches(entry):
-        optimizer.zero_grad()
-        chunks = 2 if "mb2" in options else 1      # accumulation: each shard's rows in equal chunks
+    chunks = 2 if "mb2" in options else 1      # accumulation: each shard's rows in equal chunks
+
+    def loss_of(batch):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled="bf16" in options):
-            loss = sum(entry.loss_fn(entry.model, shard_batch(shard_batch(batch, r, dp), c, chunks))
+            return sum(entry.loss_fn(entry.model, shard_batch(shard_batch(batch, r, dp), c, chunks))
                        for r in range(dp) for c in range(chunks)) / (dp * chunks)
-        loss.backward()
-        if "clip" in options:
-            torch.nn.utils.clip_grad_norm_(entry.model.parameters(), 1.0)
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in entry.model.named_parameters()}
+    return gloo_scenarios.eager_training(entry, optimizer, ep_worker.batches(entry), loss_of, clip="clip" in options)
 
 
 def launch(tmp_path, world: int, mesh: str, scenarios: list[str]) -> dict[str, dict]:
