@@ -24,9 +24,11 @@ backward), so their saved bytes follow the published activation counts.
 Recomputed values are copied into the backward region just before their first
 use, tagged ``meta[RECOMPUTE] = True``. Never recomputed: random ops (a second
 draw gives other numbers; the eager backend would also shift the RNG stream of
-every later draw), collectives, and what ``plan.recompute_bans`` names (op
-names like ``aten.mm`` or module path prefixes). So a recomputed step is bitwise
-identical to the original one.
+every later draw), collectives other than all-gathers, and what ``plan.recompute_bans``
+names (op names like ``aten.mm`` or module path prefixes). An all-gather inside a block
+(context parallelism's K/V, sequence parallelism's activations) may be re-run in backward
+instead of keeping its gathered result: it is exact and every rank runs the same
+graph. So a recomputed step is bitwise identical to the original one.
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ import torch.fx
 
 from graph_ir import TrainGraph
 from graph_ir.analysis.cost import layout_key, node_cost
-from graph_ir.analysis.effects import communicates, draws_random, random_op
+from graph_ir.analysis.effects import communicates, draws_random, random_op, regathers
 from graph_ir.analysis.memory import aliases_input, buffer_bytes, memory_profile, saved_activations, storage_roots
 from graph_ir.analysis.structure import Structure, attention_cores, find_blocks
 from graph_ir.build import eliminate_dead_code, fake_value
@@ -99,8 +101,10 @@ def _elementwise_time(profile: DeviceProfile, elements: int, moved: int, ops: in
 class _Builder:
     """Turns a TrainGraph into a solver Problem, remembering which value is which node."""
 
-    def __init__(self, graph: TrainGraph, profile: DeviceProfile, bans: tuple[str, ...], world_size: int):
+    def __init__(self, graph: TrainGraph, profile: DeviceProfile, bans: tuple[str, ...], world_size: int,
+                 structure: Structure | None = None):
         self.graph, self.profile, self.bans, self.world = graph, profile, bans, world_size
+        self.structure = structure
         self.root = storage_roots(graph.graph)
         self.values: list[Value] = []
         self.node_of: dict[int, torch.fx.Node] = {}
@@ -149,13 +153,19 @@ class _Builder:
         elif draws_random(node):
             v.recomputable, v.reason = False, "random op: saved so that backward sees the same draw"
         # (FX calls a seeded op impure; one given dropout_p=0 draws nothing and recomputes bitwise)
-        elif communicates(node) or (node.is_impure() and not random_op(node.target)):
+        elif (communicates(node) and not self._regathers_in_block(node)) \
+                or (node.is_impure() and not random_op(node.target) and not communicates(node)):
             v.recomputable, v.reason = False, "collective or side effect: never recomputed"
         elif (why := _ban_reason(node, self.bans)):
             v.recomputable, v.reason = False, why
         self.index[node] = len(self.values)
         self.node_of[len(self.values)] = node
         self.values.append(v)
+
+    def _regathers_in_block(self, node: torch.fx.Node) -> bool:
+        """An all-gather inside a transformer block (cp's K/V, sp's activations) may be re-run in
+        backward; one outside every block (vocab-parallel logits) stays as forward made it."""
+        return regathers(node) and self.structure is not None and bool(self.structure.block_of(module_path_of(node)))
 
     def _add_mask(self, node: torch.fx.Node) -> None:
         """bits (saved, never recomputed) -> bool (unpack) -> float mask (cast)."""
@@ -513,12 +523,12 @@ def recompute_pass(graph: TrainGraph, ctx: PassContext, *, policy: Literal[POLIC
     _check_bans(graph, bans)
     device = _profile(profile)
     before = memory_profile(graph.graph).saved_bytes
-    builder = _Builder(graph, device, bans, ctx.world_size)
+    structure = find_blocks(graph.graph, blocks)
+    builder = _Builder(graph, device, bans, ctx.world_size, structure)
     problem = builder.build()
     limit = math.inf
     if policy != "budget":
         builder.compact_masks(problem)
-    structure = find_blocks(graph.graph, blocks)
     if policy == "none":
         _apply_none(builder, problem)
     elif policy in ("full", "every_n_layers"):

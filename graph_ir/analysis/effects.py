@@ -55,6 +55,14 @@ def communicates(node: torch.fx.Node) -> bool:
     return is_communication_op(node)
 
 
+def regathers(node: torch.fx.Node) -> bool:
+    """An all-gather or the wait of one: rebuilding it re-runs the same exact collective (every rank
+    runs the same graph, so the copies meet in the same order), as Megatron's recompute re-gathers
+    context- and sequence-parallel activations instead of saving them whole."""
+    from .collectives import collective_kind, collective_of
+    return communicates(node) and collective_kind(collective_of(node)) == "all_gather"
+
+
 def may_merge(node: torch.fx.Node) -> bool:
     """Two nodes with this op and the same inputs may become one (CSE): neither a draw, a
     communication, nor an in-place view. Impurity (FX's ``is_impure``) is the caller's check."""

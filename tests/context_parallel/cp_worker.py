@@ -5,7 +5,8 @@ scenario is ``model:optimizer[:option...]``: a ``tests.zoo`` model trained 10 st
 ``compile_for_npu`` on the plan's mesh; every cp rank of a data-parallel rank is fed that rank's
 rows of the global batch, whole (the graph cuts its part of the sequence). Options: ``pad``
 (right-padded rows: the loss' count of tokens differs between the sequence chunks), ``clip``
-(gradient clipping at 1.0), ``mb2`` (two microbatches accumulated per step). Rank 0 writes the losses, the parameters as ``model.state_dict()``
+(gradient clipping at 1.0), ``mb2`` (two microbatches accumulated per step), ``full`` (full
+recompute: K and V gathered again in backward). Rank 0 writes the losses, the parameters as ``model.state_dict()``
 gives them and the graph's collectives to OUT/<scenario>.<mesh>.pt.
 """
 from __future__ import annotations
@@ -44,7 +45,8 @@ def main(out: str, mesh: str, *scenarios: str):
             name, opt, *options = scenario.split(":")
             entry, optimizer = make(name, opt)
             plan = Plan(backend="eager", verify="deep", grad_clip_norm=1.0 if "clip" in options else None,
-                        microbatches=2 if "mb2" in options else 1, **sizes)
+                        microbatches=2 if "mb2" in options else 1,
+                        recompute="full" if "full" in options else "none", **sizes)
             step = compile_for_npu(entry.model, plan, optimizer=optimizer, loss_fn=entry.loss_fn)
             dp = sizes["dp"]
             losses = [float(step(shard_batch(b, world.dp_rank, dp))) for b in batches(entry, "pad" in options)]

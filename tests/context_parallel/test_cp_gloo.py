@@ -45,13 +45,17 @@ def assert_matches(scenario: str, got: dict):
 
 def test_cp2_matches_single_process(tmp_path):
     """cp=2 on padded rows (the chunks count different numbers of tokens), with clipping, and
-    with two microbatches (unpadded: equal token counts, so their mean is the batch's):
+    with two microbatches (unpadded: equal token counts, so their mean is the batch's), with full
+    recompute:
     K and V are all-gathered per layer, their gradients reduce-scattered, each parameter's
     gradient all-reduced over cp in backward."""
-    scenarios = ["llama:sgd:pad", "llama:adamw:pad", "llama:sgd:pad:clip", "llama:sgd:mb2"]
+    scenarios = ["llama:sgd:pad", "llama:adamw:pad", "llama:sgd:pad:clip", "llama:sgd:mb2", "llama:sgd:pad:full"]
     got = launch(tmp_path, 2, "cp=2", scenarios)
     for scenario in scenarios:
         assert_matches(scenario, got[scenario])
+    # full recompute gathers K and V again in backward instead of keeping them whole
+    again = got["llama:sgd:pad:full"]["collectives"]["backward.all_gather_into_tensor"]
+    assert again > got["llama:sgd:pad"]["collectives"]["backward.all_gather_into_tensor"]
     collectives, attrs = got["llama:sgd:pad"]["collectives"], got["llama:sgd:pad"]["attrs"]
     assert attrs == {"cp": 2, "rank": 0, "seq": 12, "local_seq": 6}
     layers = 2
