@@ -128,10 +128,8 @@ def _row_local(node: torch.fx.Node) -> bool:
     return False
 
 
-def _param_of(graph: TrainGraph, node: torch.fx.Node) -> str | None:
-    """The parameter a grouped matmul's weight is a view (or a cast) of."""
-    params = {n: s.name for s, n in zip(graph.signature.inputs, graph.placeholders())
-              if s.kind == InputKind.PARAM}
+def _param_of(params: dict[torch.fx.Node, str], node: torch.fx.Node) -> str | None:
+    """The parameter (of ``params``: placeholder -> name) a grouped matmul's weight is a view or a cast of."""
     seen = node
     while seen not in params:
         if seen.op != "call_function" or seen.target not in (aten.transpose.int, aten.permute.default,
@@ -240,10 +238,11 @@ def expert_parallel_pass(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
             "implementation on CPU; an eager per-expert loop or batched_mm is not split)")
     ep, coord = group.size, group.rank
     experts: dict[str, int] = {}
+    params = {n: s.name for s, n in zip(graph.signature.inputs, graph.placeholders()) if s.kind == InputKind.PARAM}
     for block in blocks:
         count = block.offs.meta["val"].shape[0]
         for f in block.forward:
-            name = _param_of(graph, f.args[1])
+            name = _param_of(params, f.args[1])
             if name is None:
                 raise DistributedRewriteError(
                     f"expert_parallel: the weight of grouped matmul {f.name} ({f.args[1].name}) is not a "
@@ -259,8 +258,7 @@ def expert_parallel_pass(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
         _check_rows(block, block.first.args[0].meta["val"].shape[0])
     for block in blocks:
         _rewrite_block(graph, block, group)
-    _shard_parameters(graph, experts, ep, coord)
-    _propagate(graph)
+    _propagate(graph, _shard_parameters(graph, experts, ep, coord))
     graph.attrs[ATTR] = {"ep": ep, "rank": coord, "blocks": len(blocks),
                          "experts": {n: e for n, e in sorted(experts.items())},
                          "local_experts": {n: e // ep for n, e in sorted(experts.items())}}
@@ -348,8 +346,10 @@ def _on_local_rows(graph: TrainGraph, value: torch.fx.Node, rows: torch.fx.Node,
     return made
 
 
-def _shard_parameters(graph: TrainGraph, experts: dict[str, int], ep: int, coord: int) -> None:
-    """Each expert parameter and its optimizer state: this rank's ``E/ep`` experts (``Shard(0)``)."""
+def _shard_parameters(graph: TrainGraph, experts: dict[str, int], ep: int, coord: int) -> list[torch.fx.Node]:
+    """Each expert parameter and its optimizer state: this rank's ``E/ep`` experts (``Shard(0)``).
+    Returns the inputs whose shape changed."""
+    changed = []
     mode = graph.fake_mode()
     for spec, node in zip(graph.signature.inputs, graph.placeholders()):
         name = spec.name if spec.kind == InputKind.PARAM else (
@@ -364,6 +364,7 @@ def _shard_parameters(graph: TrainGraph, experts: dict[str, int], ep: int, coord
             node.meta["val"] = torch.empty((val.shape[0] // ep, *val.shape[1:]), dtype=val.dtype,
                                            device=val.device)
         set_placement(graph, spec.kind, spec.name, placement, node)
+        changed.append(node)
     for spec in graph.signature.outputs:
         if spec.kind not in (OutputKind.PARAM, OutputKind.OPT_STATE):
             continue
@@ -371,10 +372,14 @@ def _shard_parameters(graph: TrainGraph, experts: dict[str, int], ep: int, coord
         placement = placement_of(graph, source, spec.name)
         if placement is not None:
             set_placement(graph, spec.kind, spec.name, placement)
+    return changed
 
 
-def _propagate(graph: TrainGraph) -> None:
-    """Every computed value again from its inputs: the expert shards' shapes flow to the updates."""
+def _propagate(graph: TrainGraph, changed: list[torch.fx.Node]) -> None:
+    """The values computed from the expert shards again, in graph order: their shapes flow to the
+    weight views, the weight gradients and the updates (nothing else changed shape)."""
+    dirty = set(changed)
     for node in graph.graph.nodes:
-        if node.op == "call_function":
+        if node.op == "call_function" and any(a in dirty for a in node.all_input_nodes):
             recompute_val(graph, node)
+            dirty.add(node)
