@@ -39,6 +39,8 @@ class TorchairLowering:
 
     def compile(self, graph: TrainGraph, example_inputs, plan):
         torchair = import_torchair()
+        from .ge_converters import register
+        register()   # the converters torchair lacks for our graphs' custom ops
         backend = torchair.get_npu_backend(compiler_config=build_compiler_config(torchair, plan))
         graph.recompile()
         return backend(graph.gm, list(example_inputs))

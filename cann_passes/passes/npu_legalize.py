@@ -287,7 +287,48 @@ def _bitwise(tensor_op):
     return decomposition
 
 
+def _histc(x, bins=100, min=0, max=0):  # noqa: A002 - aten's argument names
+    """ATen's CPU histc: bin ``trunc((x - min) * bins / (max - min))`` in the input's precision, the
+    right edge in the last bin, NaN and values outside [min, max] not counted; the counts as an
+    index_add of ones (exact below 2**24). transformers' routing counts its expert ids so."""
+    if x.dtype not in (torch.float32, torch.float64):
+        raise _NoDecomposition(f"histc of {x.dtype} values (float32 and float64 only)")
+    if not min < max:
+        raise _NoDecomposition("histc without an explicit min < max (the range comes from the data)")
+    lo, hi = _rounded(min, x.dtype), _rounded(max, x.dtype)
+    span = _rounded(hi - lo, x.dtype)        # ATen subtracts the edges in the input's precision
+    flat = x.reshape(-1)
+    pos = ((flat - lo) * bins / span).to(torch.int64).clamp(0, bins - 1)
+    counted = ((flat >= lo) & (flat <= hi)).to(x.dtype)
+    return torch.zeros(bins, dtype=x.dtype, device=x.device).index_add(0, pos, counted)
+
+
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    import struct
+    return struct.unpack("f", struct.pack("f", value))[0] if dtype == torch.float32 else float(value)
+
+
+def _argsort(x, dim=-1, descending=False):
+    return torch.sort(x, dim, descending).indices
+
+
+def _expert_major_order(rows, counts):
+    """``cann.expert_major_order`` (expert_parallel's stable sort of the received rows by local
+    expert) as a sort of unique keys ``expert * rows + row``, the same permutation."""
+    n, experts = rows.shape[0], counts.shape[-1]
+    ends = torch.cumsum(counts.reshape(-1).to(torch.int64), 0)
+    row = torch.arange(n, device=rows.device)
+    expert = torch.searchsorted(ends, row, right=True) % experts
+    return torch.sort(expert * n + row).indices
+
+
+# Ops of other namespaces, found by name: they exist only once their module registered them.
+_BY_NAME: dict[str, Callable] = {"cann.expert_major_order.default": _expert_major_order}
+
+
 DECOMPOSITIONS: dict[Any, Callable] = {
+    aten.histc.default: _histc,
+    aten.argsort.default: _argsort,
     aten.index_put.default: _index_put,
     aten.bitwise_left_shift.Tensor: _shift_left,
     aten.bitwise_left_shift.Tensor_Scalar: _shift_left,
@@ -356,6 +397,8 @@ class _NoDecomposition(Exception):
 def decomposition_for(target) -> Callable | None:
     if target in DECOMPOSITIONS:
         return DECOMPOSITIONS[target]
+    if str(target) in _BY_NAME:
+        return _BY_NAME[str(target)]
     name = target._schema.name.split("::")[-1]
     if target.namespace == "aten" and name.startswith("_foreach_"):
         return _foreach(name.removeprefix("_foreach_"), target._overloadname)

@@ -121,8 +121,15 @@ def _registry() -> dict[str, tuple[Any, bool]]:
 
 def supported_ops() -> set[str]:
     """Overload names (``"aten.addmm.default"``, ``"_c10d_functional.all_reduce.default"``, ...)
-    that have a real (non-stub) torchair FX->GE converter."""
-    return {name for name, (_, real) in _registry().items() if real}
+    that have a real (non-stub) torchair FX->GE converter: torchair's own, and ours
+    (``cann_passes.lowering.ge_converters``: transformers' grouped matmuls, the all-to-alls)."""
+    return {name for name, (_, real) in _registry().items() if real} | _our_converters()
+
+
+def _our_converters() -> set[str]:
+    load_torchair()
+    from ..ge_converters import register
+    return register()
 
 
 def _unsupported_reason(target) -> str | None:
@@ -275,7 +282,7 @@ def lower_to_ge(
     ``inputs_on_device`` marks tensor inputs as NPU-resident (the graph is usually traced on CPU);
     SymInt inputs stay host tensors, as in torchair.
     """
-    load_torchair()
+    _our_converters()
     OfflineGeConcreteGraph, OfflineFxToGe = _classes()
     from torchair.configs.compiler_config import CompilerConfig
 
