@@ -265,10 +265,6 @@ class Plan:
                 raise NotImplementedError(
                     f"plan field '{field_name}' = {getattr(self, field_name)!r} asks for {capability}, "
                     f"which is not built yet (no '{pass_name}' pass is registered)")
-        if self.cp > 1 and self.pp > 1:
-            raise PlanError("cp", "context parallelism with pipeline parallelism (pp > 1) is not built yet: "
-                                  "pipeline_split and the stage runtime do not cut the sequence chunks' "
-                                  "activations", self.cp)
         if self.ep > 1:
             self._check_expert_parallel()
         if self.cp > 1 and self.sequence_parallel:

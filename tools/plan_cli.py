@@ -8,7 +8,7 @@ called under ``torch.device("meta")`` and captured at its own depth.
 
 Search: dp (= devices / (tp x cp x pp)) x ZeRO stage x recompute (none, selective, full,
 budget) x microbatches x precision (x tp, cp and pp where asked: ``--tp 1,2 --cp 1,2 --pp 1,2``;
-tp must divide the heads, cp the sequence; cp is not combined with pp, which refuses it; a
+tp must divide the heads, cp the sequence; a
 pipelined plan runs 1F1B over its microbatches, simulated from its pp = 1
 program's per-block figures, see :func:`cann_passes.simulate.simulate_pipeline`). A cp plan is
 compiled with its context_parallel pass like any other, so its K/V all-gathers, dK/dV
@@ -247,7 +247,7 @@ def candidates(devices: int, global_batch: int, *, tps, stages, recomputes, micr
                                                             precisions):
         if devices % (tp * cp * pp) or (heads and heads % tp) or (pp > 1 and m < pp):
             continue
-        if cp > 1 and (pp > 1 or (seq and seq % cp)):
+        if cp > 1 and seq and seq % cp:
             continue
         dp = devices // (tp * cp * pp)
         if global_batch % dp or (global_batch // dp) % m:
@@ -522,7 +522,7 @@ def plan_candidates(args, spec: ModelSpec) -> list[Candidate]:
     if not cands:
         raise UsageError(f"no plan divides --global-batch {args.global_batch} over {args.devices} devices with "
                          f"microbatches {args.microbatches}, tp {args.tp}, cp {args.cp} and pp {args.pp}"
-                         + (" (cp must divide --seq and is not combined with pp)" if args.cp != "1" else ""))
+                         + (" (cp must divide --seq)" if args.cp != "1" else ""))
     return cands
 
 

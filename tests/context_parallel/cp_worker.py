@@ -1,13 +1,15 @@
 """One rank of context-parallel runs: ``python tests/context_parallel/cp_worker.py OUT MESH SCENARIO...``.
 
-``MESH`` is ``cp=2``, ``dp=2,cp=2`` or ``tp=2,cp=2`` (the rest of the world, if any, is dp). A
+``MESH`` is ``cp=2``, ``dp=2,cp=2``, ``tp=2,cp=2`` or ``cp=2,pp=2`` (the rest of the world, if any, is
+dp; with pp, two microbatches per step, as the 1F1B schedule needs). A
 scenario is ``model:optimizer[:option...]``: a ``tests.zoo`` model trained 10 steps with
 ``compile_for_npu`` on the plan's mesh; every cp rank of a data-parallel rank is fed that rank's
 rows of the global batch, whole (the graph cuts its part of the sequence). Options: ``pad``
 (right-padded rows: the loss' count of tokens differs between the sequence chunks), ``clip``
 (gradient clipping at 1.0), ``mb2`` (two microbatches accumulated per step), ``full`` (full
 recompute: K and V gathered again in backward). Rank 0 writes the losses, the parameters as ``model.state_dict()``
-gives them and the graph's collectives to OUT/<scenario>.<mesh>.pt.
+gives them (under pp gathered from the stage owning each), the graph's collectives and the number of
+pipeline stages to OUT/<scenario>.<mesh>.pt.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ def batches(entry, pad: bool):
 
 def mesh_of(text: str, world: int) -> dict[str, int]:
     sizes = {k: int(v) for k, v in (part.split("=") for part in text.split(","))}
-    model = sizes.get("cp", 1) * sizes.get("tp", 1)
+    model = sizes.get("cp", 1) * sizes.get("tp", 1) * sizes.get("pp", 1)
     sizes.setdefault("dp", world // model)
     return sizes
 
@@ -39,13 +41,15 @@ def mesh_of(text: str, world: int) -> dict[str, int]:
 def main(out: str, mesh: str, *scenarios: str):
     from cann_passes import Plan, compile_for_npu
     from cann_passes.runtime.distributed import init_distributed, shard_batch
+    from graph_ir.meta import GraphAttr
     sizes = mesh_of(mesh, int(os.environ["WORLD_SIZE"]))
-    with init_distributed(Plan(backend="eager", **sizes)) as world:
+    staged = 2 if sizes.get("pp", 1) > 1 else 1
+    with init_distributed(Plan(backend="eager", microbatches=staged, **sizes)) as world:
         for scenario in scenarios:
             name, opt, *options = scenario.split(":")
             entry, optimizer = make(name, opt)
             plan = Plan(backend="eager", verify="deep", grad_clip_norm=1.0 if "clip" in options else None,
-                        microbatches=2 if "mb2" in options else 1,
+                        microbatches=2 if "mb2" in options else staged,
                         recompute="full" if "full" in options else "none", **sizes)
             step = compile_for_npu(entry.model, plan, optimizer=optimizer, loss_fn=entry.loss_fn)
             dp = sizes["dp"]
@@ -53,10 +57,11 @@ def main(out: str, mesh: str, *scenarios: str):
             state = entry.model.state_dict()
             params = {n: state[n].detach().clone() for n, _ in entry.model.named_parameters()}
             graph = step.last.graph
+            pipeline = step.last.program.attrs.get(GraphAttr.PIPELINE_PARALLEL) or {"stages": 1}
             if world.rank == 0:
                 torch.save({"losses": losses, "params": params,
                             "collectives": {f"{r}.{c}": n for (r, c), n in count_collectives(graph).items()},
-                            "attrs": graph.attrs.get("context_parallel")},
+                            "attrs": graph.attrs.get("context_parallel"), "stages": pipeline["stages"]},
                            os.path.join(out, f"{scenario}.{mesh}.pt"))
 
 

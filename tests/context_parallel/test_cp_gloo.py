@@ -81,3 +81,14 @@ def test_tp2_cp2_matches_single_process(tmp_path):
     got = launch(tmp_path, 4, "tp=2,cp=2", scenarios)
     for scenario in scenarios:
         assert_matches(scenario, got[scenario])
+
+
+def test_cp2_pp2_matches_single_process(tmp_path):
+    """cp=2 x pp=2 (1F1B, two microbatches, unpadded: their mean is the batch's): each stage's
+    attention gathers K and V over its cp pair, the stages pass their sequence chunks' activations,
+    and ``model.state_dict()`` on rank 0 gives the trained parameters of both stages."""
+    scenarios = ["llama:sgd", "llama:adamw", "llama:sgd:clip", "llama:sgd:full"]
+    got = launch(tmp_path, 4, "cp=2,pp=2", scenarios)
+    for scenario in scenarios:
+        assert got[scenario]["stages"] == 2 and got[scenario]["attrs"]["local_seq"] == 6
+        assert_matches(scenario, got[scenario])

@@ -213,6 +213,19 @@ def test_a_cp_plan_is_priced_from_its_context_parallel_graph(captures):
     assert two.comm_seconds > one.comm_seconds
 
 
+def test_a_cp_pp_plan_compiles_its_stages_from_the_context_parallel_step(captures):
+    # cp=2 x pp=2: context_parallel splits the sequence, pipeline_split cuts the stages of that
+    # per-rank step: half the FLOPs per rank, and less kept activation than pp=2 alone
+    full = captures.get(ROWS, SPEC.layers)
+    staged, both = (simulate(full, _plan(dp=1, cp=cp, pp=2, microbatches=2), tokens_per_microbatch=TOKENS,
+                             pipeline_path="stages") for cp in (1, 2))
+    for sim in (both, staged):   # the real stage programs ran, not the analytic composition
+        assert sim.pipeline_path.startswith("stage programs: pipeline_split compiled 2 stages"), sim.pipeline_path
+    assert both.world_size == 4 and staged.world_size == 2
+    assert both.model_flops == pytest.approx(staged.model_flops / 2)
+    assert both.memory["activations"] < staged.memory["activations"]
+
+
 def test_cann_plan_searches_cp_and_refuses_a_cp_that_does_not_divide_the_sequence(captures):
     args, spec = _args("--cp", "1,2", "--zero", "0", "--recompute", "none", "--top", "20")
     lines = []
