@@ -389,6 +389,22 @@ def _finish_metadata(gm: torch.fx.GraphModule) -> None:
         _refuse_data_dependent_shape(node)
         # Stack traces point into this file and torch; they make dumps unreadable.
         node.meta.pop("stack_trace", None)
+    _loss_is_forward(gm)
+
+
+def _loss_is_forward(gm: torch.fx.GraphModule) -> None:
+    """What the loss is computed from is forward, whatever annotation it was traced under.
+
+    Functionalization re-creates a view of a mutated value where it is next read: a loss updated
+    in place (transformers' ``loss += coef * aux_loss`` for a mixture of experts) gets its
+    ``reshape(())`` traced at the backward's first read of it, inside the backward annotation."""
+    loss = gm.graph.output_node().args[0][0]       # the step returns the loss first
+    todo = [loss] if isinstance(loss, torch.fx.Node) else []
+    while todo:
+        node = todo.pop()
+        if node.meta.get(REGION) == Region.BACKWARD.value:
+            node.meta[REGION] = Region.FORWARD.value
+            todo.extend(node.all_input_nodes)
 
 
 def _functionalize_batch_norm(gm: torch.fx.GraphModule) -> None:

@@ -1,14 +1,15 @@
 """One rank of expert-parallel runs: ``python tests/expert_parallel/ep_worker.py OUT MESH SCENARIO...``.
 
-``MESH`` is ``dp=2,ep=2`` or ``dp=4,ep=2`` (dp counts every data-parallel rank; ep of them split the
-experts). A scenario is ``model:optimizer[:option...]``: a ``tests.zoo`` mixture of experts trained
-10 steps with ``compile_for_npu``, each data-parallel rank fed its rows of the global batch.
+``MESH`` is ``dp=2,ep=2``, ``dp=4,ep=2`` or ``dp=2,ep=2,pp=2`` (dp counts every data-parallel rank;
+ep of them split the experts; with pp, two microbatches per step, as the 1F1B schedule needs). A
+scenario is ``model:optimizer[:option...]``: a ``tests.zoo`` mixture of experts trained 10 steps with ``compile_for_npu``, each data-parallel rank fed its rows of the global batch.
 Options: ``clip`` (gradient clipping at 1.0), ``bf16`` (bf16 autocast), ``selective`` / ``full``
 (recompute), ``zero1`` / ``zero2`` (ZeRO over dp, the experts' over edp), ``ckpt`` (save a
 checkpoint after step 5 and go on). ``resume:model:optimizer`` resumes the ``ckpt`` run's checkpoint
 on this mesh (its plan's ep, possibly 1) and trains the last 5 steps. Rank 0 writes the losses,
-the parameters as ``model.state_dict()`` gives them (whole), the graph's collectives and the bytes
-of expert parameters this rank holds to OUT/<scenario>.<mesh>.pt.
+the parameters as ``model.state_dict()`` gives them (whole), the graph's collectives, the bytes
+of expert parameters this rank holds (at pp = 1) and the number of pipeline stages to
+OUT/<scenario>.<mesh>.pt.
 """
 from __future__ import annotations
 
@@ -63,8 +64,10 @@ def main(out: str, mesh: str, *scenarios: str):
     from cann_passes import Plan, compile_for_npu
     from cann_passes.runtime import checkpoint
     from cann_passes.runtime.distributed import init_distributed, shard_batch
+    from graph_ir.meta import GraphAttr
     sizes = mesh_of(mesh)
-    with init_distributed(Plan(backend="eager", **sizes)) as world:
+    staged = 2 if sizes.get("pp", 1) > 1 else 1
+    with init_distributed(Plan(backend="eager", microbatches=staged, **sizes)) as world:
         for scenario in scenarios:
             if scenario.startswith("resume:"):
                 resume(out, world, sizes, scenario)
@@ -73,7 +76,7 @@ def main(out: str, mesh: str, *scenarios: str):
             entry, optimizer = make(name, opt)
             plan = Plan(backend="eager", verify="deep", grad_clip_norm=1.0 if "clip" in options else None,
                         precision="bf16" if "bf16" in options else "fp32",
-                        microbatches=2 if "mb2" in options else 1,
+                        microbatches=2 if "mb2" in options else staged,
                         zero_stage=next((int(o[4:]) for o in options if o.startswith("zero")), 0),
                         recompute=next((o for o in options if o in ("selective", "full")), "none"), **sizes)
             step = compile_for_npu(entry.model, plan, optimizer=optimizer, loss_fn=entry.loss_fn)
@@ -83,6 +86,7 @@ def main(out: str, mesh: str, *scenarios: str):
                 if i == 4 and "ckpt" in options:
                     checkpoint.save(step, ckpt_path(out, name, opt))
             graph = step.last.graph
+            pipeline = step.last.program.attrs.get(GraphAttr.PIPELINE_PARALLEL) or {"stages": 1}
             experts = graph.attrs.get("expert_parallel", {}).get("experts", {})
             held = sum(t.numel() * t.element_size() for n, t in step.param_shards.items() if n in experts)
             state = entry.model.state_dict()
@@ -90,7 +94,7 @@ def main(out: str, mesh: str, *scenarios: str):
             if world.rank == 0:
                 torch.save({"losses": losses, "params": params, "held_expert_bytes": held,
                             "collectives": {f"{r}.{c}": n for (r, c), n in count_collectives(graph).items()},
-                            "attrs": graph.attrs.get("expert_parallel")},
+                            "attrs": graph.attrs.get("expert_parallel"), "stages": pipeline["stages"]},
                            os.path.join(out, f"{scenario}.{mesh}.pt"))
 
 

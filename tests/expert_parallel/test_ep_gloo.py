@@ -98,3 +98,15 @@ def test_dp4_ep2_with_zero_matches_and_resumes_without_ep(tmp_path):
     resumed = launch(tmp_path, 4, "dp=4", ["resume:mixtral:adamw"])["resume:mixtral:adamw"]
     uninterrupted = got["mixtral:adamw:zero2:ckpt"]["losses"][5:]
     assert max(abs(a - b) for a, b in zip(resumed["losses"], uninterrupted, strict=True)) <= 1e-5
+
+
+def test_dp2_ep2_pp2_matches_single_process(tmp_path):
+    """dp=2 = ep=2 under pp=2 (1F1B, two microbatches: each rank's rows in two chunks, whose mean
+    loss the single-process reference takes too). The load-balancing loss reads every layer's router
+    logits, so they travel to the last stage; the experts sit in one stage, and clipping's sum of
+    their squares (over ep) joins the total over both stages."""
+    scenarios = ["mixtral:sgd", "mixtral:adamw", "mixtral:sgd:clip", "mixtral:sgd:zero1", "qwen2_moe:sgd"]
+    got = launch(tmp_path, 4, "dp=2,ep=2,pp=2", scenarios)
+    for scenario in scenarios:
+        assert got[scenario]["stages"] == 2 and got[scenario]["attrs"]["ep"] == 2
+        assert_matches(scenario + ":mb2", got[scenario], dp=2)

@@ -124,6 +124,29 @@ def test_plan_refuses_what_is_not_built(fields, rule):
     assert err.value.field == "ep"
 
 
+def test_a_moe_step_pipelines_with_its_load_balancing_loss_in_the_last_stage():
+    # The load-balancing loss reads every layer's router logits: cut after the last parameter's
+    # reader it would be a cheap cut (a few scalars cross) and leave stage 1 no layer. The stages
+    # are cut between layers; the loss and its combination of the logits are the last stage's.
+    from cann_passes import compile_program
+    from graph_ir.signature import OutputKind, Spec
+    entry = zoo.build("mixtral", layers=2, seed=0)
+    opt = torch.optim.SGD(entry.model.parameters(), lr=0.1)
+    graph, _ = capture_train_step(entry.model, opt, entry.loss_fn, entry.make_batch(0, pad=False))
+    program = compile_program(graph, Plan(dp=2, ep=2, pp=2, microbatches=2, grad_clip_norm=1.0, verify="off"),
+                              MeshDesc.fake(dp=2, ep=2, pp=2))
+    forward = [program.graphs[f"stage{s}.forward"] for s in (0, 1)]
+    assert Spec(OutputKind.LOSS, "loss") in forward[1].signature.outputs
+    assert any(n.target is torch.ops.aten.mm.default for n in forward[0].graph.nodes)   # stage 0 has a layer
+    # clipping's total: each stage's apply all-reduces its part over the pipeline ranks (stage 0's
+    # part of the experts' squares is zero: it holds none), then the experts' over ep
+    pp, ep = (MeshDesc.fake(dp=2, ep=2, pp=2).group_name(axis) for axis in ("pp", "ep"))
+    for s in (0, 1):
+        groups = [n.args[2] for n in program.graphs[f"stage{s}.apply"].graph.nodes
+                  if n.target is c10d.all_reduce.default]
+        assert pp in groups and ep in groups, (s, groups)
+
+
 def test_plan_puts_the_pass_after_the_sharding_passes():
     text = str(build_pipeline(Plan(dp=2, ep=2, backend="eager", recompute="selective"), "eager"))
     assert text.index("expert_parallel") < text.index("recompute") < text.index("data_parallel")

@@ -81,16 +81,20 @@ def _fp16_reference(config: str, dp: int, pp: int):
 
 def _check_fp16(ranks: list[dict], config: str, dp: int = 1, pp: int = 2):
     """Every rank: the reference's losses and (overflow, scale) trajectory; the parameters of its
-    stages within 1e-5 (fp32 master weights, SGD or AdamW)."""
+    stages within 1e-5 (fp32 master weights; 5e-5 under AdamW, see below)."""
     ref_losses, ref_params, ref_scaling = _fp16_reference(config, dp, pp)
     for rank, result in enumerate(ranks):
         got = result[config]
         assert got["scaling"] == ref_scaling, f"{config} rank {rank}: (overflow, scale) per step"
         for i, (loss, want) in enumerate(zip(got["losses"], ref_losses, strict=True)):
             assert abs(loss - want) <= 1e-5 * abs(want), f"{config} rank {rank} step {i}: loss {loss} vs {want}"
+        # AdamW divides each step by the gradient's own root mean square, so fp16-gradient rounding
+        # (a stage boundary rounds where one process does not; clipping's sums of squares combine in
+        # stage order) becomes a fraction of an lr-sized step: 5e-5 for it, 1e-5 for SGD
+        tol = 5e-5 if ":adamw" in config else 1e-5
         for name, value in got["params"].items():
             err = (value - ref_params[name]).abs().max().item()
-            assert err <= 1e-5, f"{config} rank {rank}: parameter {name} differs by {err:.2e}"
+            assert err <= tol, f"{config} rank {rank}: parameter {name} differs by {err:.2e}"
     held = {name for result in ranks for name in result[config]["params"]}
     assert held == set(ref_params)
 
@@ -177,9 +181,9 @@ def test_dp2_x_pp2_matches_single_process_training(tmp_path_factory, subtests):
     # scaling, the overflow flag combined over the stages and over dp.
     # ZeRO-3: each stage gathers its parameters' shards over dp where it reads them (every
     # microbatch), the accumulated gradients are reduce-scattered once per step, each shard updated.
-    # (GPT-2's embedding tied to its head: both holding stages gather the one shard, each sums its part.)
+    # (A tied weight read by two stages under ZeRO-3 is refused by name: tests/pipeline/test_split.py.)
     configs = ["1f1b:sgd", "1f1b:adamw", "1f1b:sgd:clip=0.5:zero1", f"llama/1f1b:sgd:{FP16}", "1f1b:sgd:zero3",
-               "1f1b:adamw:zero3", "gpt2/1f1b:sgd:zero3", "llama/1f1b:sgd:clip=0.5:zero3"]
+               "1f1b:adamw:zero3", "llama/1f1b:sgd:clip=0.5:zero3"]
     ranks = _launch(tmp_path_factory, "dp2pp2", 4, "gpt4", 2, 2, configs)
     for config in configs:
         with subtests.test(config=config):

@@ -320,3 +320,17 @@ class TestAllStagesInOneProcess:
         assert run.max_param_diff() <= 1e-5
         info = run.step.last.program.attrs[PP]
         assert info["stages"] == 2 and info["units"] >= 4
+
+
+def test_zero3_stages_hold_layers_and_a_tied_weight_across_them_is_refused_by_name():
+    # ZeRO-3 gathers every shard ahead of its use; those gathered values go with their reader, so
+    # the stages are cut between layers (not after the loss), each stage gathering its own shards.
+    plan = Plan(dp=2, pp=2, microbatches=2, zero_stage=3, verify="off")
+    program = _program(_gpt(), plan)
+    forward = [program.graphs[f"stage{s}.forward"] for s in (0, 1)]
+    for graph in forward:
+        assert sum(n.target is torch.ops.aten.mm.default for n in graph.graph.nodes) >= 4
+    torch.manual_seed(0)
+    tied = GPT(gpt_tiny(n_layer=4, tie_weights=True, bias=False))
+    with pytest.raises(PlanError, match=r"parameter '.*wte.weight' is read by stages \[0, 1\] under ZeRO-3"):
+        _program(tied, plan)

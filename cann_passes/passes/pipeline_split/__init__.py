@@ -149,6 +149,20 @@ def _one_parameter_values_with_their_readers(graph: TrainGraph, fstage: dict[tor
         read = {a if a in params else source.get(a) for a in node.all_input_nodes}
         if len(read) == 1 and None not in read:
             source[node] = read.pop()
+    names = dict(zip(graph.placeholders(), (spec.name for spec in graph.signature.inputs)))
+    read_in: dict[torch.fx.Node, set[int]] = {}
+    for node in fstage:
+        if node in source:
+            read_in.setdefault(source[node], set()).update(
+                fstage[u] for u in node.users if u in fstage and u not in source)
+    for param, stages in read_in.items():
+        if len(stages) > 1:
+            raise PassOptionError(
+                "pipeline_split", "stages",
+                f"parameter '{names[param]}' is read by stages {sorted(stages)} under ZeRO-3 (a tied "
+                "weight, such as an embedding tied to the output head): gathering its shard in each "
+                "stage that reads it is not built (rule: under ZeRO-3 with pp each parameter is read by "
+                "one stage; untie it, or use zero_stage 1 or 2)", max(fstage.values()) + 1)
     for node in reversed(list(fstage)):
         if node in source:
             readers = [fstage[u] for u in node.users if u in fstage]

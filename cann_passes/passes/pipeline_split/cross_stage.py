@@ -405,6 +405,38 @@ class _OverStages:
         return out
 
 
+# What a partial sum may pass through on its way into a total: it stays a sum of its terms.
+_SUM_PRESERVING = (aten.add.Tensor, c10d.all_reduce.default, c10d.wait_tensor.default)
+
+
+def _partial_sums_joining(ordered: list, mixed: set, n_stages: int) -> set:
+    """One stage's sum of squares (or stacked sum) added into a total over every stage, with the
+    nodes between: clipping's squares of gradients sharded over another axis (experts over ``ep``)
+    whose parameters all sit in one stage. The other stages' terms of it are zero, but every stage
+    needs the total: it is combined over the stages like one spanning them (zeros elsewhere)."""
+    joining: set = set()
+    for node in ordered:
+        if node in mixed or node.target != aten.stack.default:
+            continue
+        found = _combination(node, mixed)
+        if found is None or found[0] not in ("sumsq", "stacked_sum"):
+            continue
+        kind, root, leaves, tree = found
+        path, todo, reaches = set(tree) | {node, root}, [root], False
+        while todo:
+            current = todo.pop()
+            for user in current.users:
+                if user in mixed:
+                    reaches = reaches or user.target == aten.add.Tensor
+                elif user.target in _SUM_PRESERVING and (user.target != c10d.all_reduce.default
+                                                         or user.args[1] == "sum"):
+                    path.add(user)
+                    todo.append(user)
+        if reaches:
+            joining |= path
+    return joining
+
+
 def _reduce_over_stages(rw: _Rewriter, homes: dict, n_stages: int, ranks: list[int]) -> tuple[dict, list[str], dict]:
     """Optimizer values that combine every stage's (global gradient-norm clipping's total norm): each
     stage computes its part (with several stages per rank, its rank's part), an all-reduce over the
@@ -418,6 +450,11 @@ def _reduce_over_stages(rw: _Rewriter, homes: dict, n_stages: int, ranks: list[i
     mixed = [n for n in ordered if len(up[n]) > 1]
     if not mixed:
         return {}, [], {}
+    joining = _partial_sums_joining(ordered, set(mixed), n_stages)
+    if joining:
+        for node in joining:
+            up[node] = set(range(n_stages))
+        mixed = [n for n in ordered if n in joining or len(up[n]) > 1]
     over = _OverStages(rw, up, mixed, n_stages, ranks)
     for node in mixed:
         if node in over.done:

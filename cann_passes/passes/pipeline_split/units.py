@@ -8,7 +8,7 @@ from graph_ir.analysis.collectives import is_collective
 from graph_ir.analysis.cost import node_cost
 from graph_ir.analysis.memory import aliases_input
 from graph_ir.analysis.structure import find_blocks
-from graph_ir.meta import module_path_of, nbytes
+from graph_ir.meta import GraphAttr, module_path_of, nbytes
 
 from ...pass_manager import PassOptionError
 from .nodes import _Nodes
@@ -30,9 +30,10 @@ def _crossing_bytes(nodes: _Nodes, size=nbytes) -> list[int]:
     (``size=lambda v: 1``: how many values)."""
     position = {n: i for i, n in enumerate(nodes.forward)}
     diff = [0] * (len(nodes.forward) + 2)
+    moved, _ = _gathered_values(nodes)
     for i, node in enumerate(nodes.forward):
         last = max((position[u] for u in node.users if u in position), default=i)
-        if last > i and not aliases_input(node):
+        if last > i and not aliases_input(node) and node not in moved:
             diff[i + 1] += size(node.meta.get("val"))
             diff[last + 1] -= size(node.meta.get("val"))
     crossing, running = [], 0
@@ -48,7 +49,10 @@ def _uncuttable(nodes: _Nodes) -> list[bool]:
     multi-output node cannot cross at all, and a collective's result is not ready before its wait."""
     position = {n: i for i, n in enumerate(nodes.forward)}
     marks = [0] * (len(nodes.forward) + 2)
+    moved, tied = _gathered_values(nodes)
     for i, node in enumerate(nodes.forward):
+        if node in moved or node in tied:
+            continue
         if aliases_input(node) or not isinstance(node.meta.get("val"), torch.Tensor) or is_collective(node):
             last = max((position[u] for u in node.users if u in position), default=i)
             if last > i:
@@ -66,25 +70,70 @@ def _unit_starts(nodes: _Nodes, slack: float = CROSSING_SLACK) -> list[int]:
     crossing = _crossing_bytes(nodes)
     view_cross = _uncuttable(nodes)
     # The floor is taken where real work lies on both sides (not after the loss's last reduction,
-    # where only a scalar is left), and a unit must hold some arithmetic of its own.
+    # where only a scalar is left), and a unit must hold some arithmetic of its own. Both sides
+    # also read parameters: after the last parameter's reader only the loss is left, and a loss
+    # combining values of every layer (a mixture of experts' load-balancing loss over every
+    # layer's router logits) is cheap to cut there while each layer boundary carries those logits.
+    # A position no cut may take (a view crossing, whose base is not counted) sets no floor either.
     flops = [node_cost(n).flops for n in nodes.forward]
     total = sum(flops) or 1
     before, running = [], 0
     for f in flops:
         before.append(running)
         running += f
+    readers = _parameter_readers(nodes)
+    first, last = (readers[0], readers[-1]) if readers else (0, len(crossing))
+    cuttable = [first < i <= last for i in range(len(crossing))]
     interior = [crossing[i] for i in range(1, len(crossing))
-                if crossing[i] > 0 and 0.02 * total <= before[i] <= 0.98 * total]
+                if crossing[i] > 0 and cuttable[i] and not view_cross[i] and 0.02 * total <= before[i] <= 0.98 * total]
     if not interior:
         return [0]
     limit = slack * min(interior)
     starts = [0]
     for i in range(1, len(crossing)):
-        if 0 < crossing[i] <= limit and not view_cross[i] and before[i] > before[starts[-1]]:
+        if 0 < crossing[i] <= limit and cuttable[i] and not view_cross[i] and before[i] > before[starts[-1]]:
             starts.append(i)
     if len(starts) > 1 and before[starts[-1]] == total:   # the last unit would hold no arithmetic
         starts.pop()
     return starts
+
+
+def _gathered_values(nodes: _Nodes) -> tuple[set, set]:
+    """Under ZeRO-3, the values made from one parameter alone (its shard's gather, the wait, the
+    unpadding views, issued ahead of use), as (those of a parameter one node reads, the rest).
+    The split puts the first in that reader's stage (``_one_parameter_values_with_their_readers``),
+    so they cross no cut; the second (a tied weight read by several nodes) bar no cut either:
+    the split refuses a tied weight read in several stages under ZeRO-3 by name."""
+    if nodes.graph.attrs.get(GraphAttr.ZERO, {}).get("stage") != 3:
+        return set(), set()
+    source: dict = {a: a for a in nodes.owner}
+    readers: dict = {}
+    for node in nodes.forward:
+        read = {source.get(a) for a in node.all_input_nodes}
+        if len(read) == 1 and None not in read:
+            source[node] = next(iter(read))
+        else:
+            for a in node.all_input_nodes:
+                if a in source:
+                    readers.setdefault(source[a], set()).add(node)
+    chain = [n for n in nodes.forward if n in source]
+    moved = {n for n in chain if len(readers.get(source[n], ())) == 1}
+    return moved, set(chain) - moved
+
+
+def _parameter_readers(nodes: _Nodes) -> list[int]:
+    """Forward positions of the nodes that combine a parameter with something else: a value made
+    from parameters alone (a cast, ZeRO-3's gather and its views, placed ahead of use) is not the
+    use; its reader is."""
+    from_params = set(nodes.owner)
+    readers = []
+    for i, node in enumerate(nodes.forward):
+        inputs = node.all_input_nodes
+        if inputs and all(a in from_params for a in inputs):
+            from_params.add(node)
+        elif any(a in from_params for a in inputs):
+            readers.append(i)
+    return readers
 
 
 def parse_layers(text: str) -> list[int]:
