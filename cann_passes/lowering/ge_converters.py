@@ -31,15 +31,9 @@ import math
 
 import torch
 
+from ..passes.expert_parallel import ALL_TO_ALL_ROWS, grouped_mm_ops
+
 _REGISTERED: set[str] = set()
-
-
-def _grouped_mm_ops():
-    ns = getattr(torch.ops, "transformers", None)
-    try:
-        return ns.grouped_mm_fallback.default, ns.grouped_mm_fallback_backward.default
-    except (AttributeError, RuntimeError):
-        return None
 
 
 def register() -> set[str]:
@@ -72,7 +66,7 @@ def register() -> set[str]:
         group = _resolve_process_group(group_name)
         return _get_group_tag(group), dist.get_process_group_ranks(group)
 
-    ops = _grouped_mm_ops()
+    ops = grouped_mm_ops()
     if ops is not None and str(ops[0]) not in _REGISTERED:
         forward, backward = ops
 
@@ -88,8 +82,8 @@ def register() -> set[str]:
 
         _REGISTERED.update((str(forward), str(backward)))
 
-    rows_op = _rows_all_to_all()
-    if rows_op is not None and str(rows_op) not in _REGISTERED:
+    rows_op = ALL_TO_ALL_ROWS
+    if str(rows_op) not in _REGISTERED:
         @register_fx_node_ge_converter(rows_op)
         def convert_all_to_all_rows(x, send_rows, recv_rows, group_name, *, out=None, meta_outputs=None):
             tag, ranks = group_of(group_name)
@@ -130,9 +124,3 @@ def _all_to_all_single_converter(group_of, convert_all_to_all_single_npu):
 def _offsets(counts: list[int]) -> list[int]:
     return [sum(counts[:i]) for i in range(len(counts))]
 
-
-def _rows_all_to_all():
-    try:
-        return torch.ops.cann.all_to_all_rows.default
-    except (AttributeError, RuntimeError):
-        return None

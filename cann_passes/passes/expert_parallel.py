@@ -92,7 +92,8 @@ ALL_TO_ALL_ROWS = torch.ops.cann.all_to_all_rows.default
 EXPERT_MAJOR_ORDER = torch.ops.cann.expert_major_order.default
 
 
-def _grouped_mm_ops() -> tuple[object, object] | None:
+def grouped_mm_ops() -> tuple[object, object] | None:
+    """transformers' grouped matmul and its backward, once transformers' MoE code registered them."""
     ns = getattr(torch.ops, "transformers", None)
     try:
         return ns.grouped_mm_fallback.default, ns.grouped_mm_fallback_backward.default
@@ -224,7 +225,7 @@ def _check_rows(block: _Block, rows: int) -> None:
 @register_pass("expert_parallel", preserves=())
 def expert_parallel_pass(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     """Experts split over the mesh's ``ep`` axis; rows dispatched and combined by all-to-alls."""
-    ops = _grouped_mm_ops()
+    ops = grouped_mm_ops()
     group = mesh_dim(ctx, "ep", "expert_parallel")
     if GraphAttr.ZERO in graph.attrs or GraphAttr.DATA_PARALLEL in graph.attrs:
         raise DistributedRewriteError("expert_parallel must run before data_parallel / optimizer_shard "

@@ -91,7 +91,7 @@ from ...pass_manager import PassContext, PassOptionError, register_pass
 from .balance import REFINE_ABOVE, UnitCosts, _choose_cuts
 from .cross_stage import TIED_SUFFIX, _share_across_stages, aten, c10d, pp_subgroup_name
 from .errors import PipelineSplitError
-from .nodes import _classify
+from .nodes import _classify, _one_parameter_values
 from .partition import _assign, _forward_stages
 from .stage_builder import _build_stages
 from .units import CROSSING_SLACK, RESIDUAL_SLACK, _unit_starts, parse_layers
@@ -144,11 +144,7 @@ def _one_parameter_values_with_their_readers(graph: TrainGraph, fstage: dict[tor
     an earlier stage (ZeRO-3 gathers ahead of use), make that stage the parameter's home and send
     the whole parameter across the cut."""
     params = {n for n, spec in zip(graph.placeholders(), graph.signature.inputs) if spec.kind == InputKind.PARAM}
-    source: dict[torch.fx.Node, torch.fx.Node] = {}
-    for node in fstage:
-        read = {a if a in params else source.get(a) for a in node.all_input_nodes}
-        if len(read) == 1 and None not in read:
-            source[node] = read.pop()
+    source = _one_parameter_values(fstage, params)
     names = dict(zip(graph.placeholders(), (spec.name for spec in graph.signature.inputs)))
     read_in: dict[torch.fx.Node, set[int]] = {}
     for node in fstage:

@@ -41,6 +41,17 @@ def _owners(spec_of: dict[torch.fx.Node, Spec], graph: TrainGraph) -> dict[torch
     return owner
 
 
+def _one_parameter_values(forward, params: set) -> dict[torch.fx.Node, torch.fx.Node]:
+    """Forward values computed from one parameter alone (a cast; ZeRO-3's gather of its shard, the
+    wait, the unpadding views) -> that parameter; ``forward`` in node order."""
+    source: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in forward:
+        read = {a if a in params else source.get(a) for a in node.all_input_nodes}
+        if len(read) == 1 and None not in read:
+            source[node] = read.pop()
+    return source
+
+
 def _classify(graph: TrainGraph) -> _Nodes:
     spec_of = dict(zip(graph.placeholders(), graph.signature.inputs))
     owner = _owners(spec_of, graph)

@@ -9,9 +9,10 @@ from graph_ir.analysis.cost import node_cost
 from graph_ir.analysis.memory import aliases_input
 from graph_ir.analysis.structure import find_blocks
 from graph_ir.meta import GraphAttr, module_path_of, nbytes
+from graph_ir.signature import InputKind
 
 from ...pass_manager import PassOptionError
-from .nodes import _Nodes
+from .nodes import _Nodes, _one_parameter_values
 
 # A position in the forward order is a unit boundary when at most this many times the fewest bytes
 # anywhere in the forward cross it (the residual stream, plus small tensors such as a mask). The
@@ -106,16 +107,15 @@ def _gathered_values(nodes: _Nodes) -> tuple[set, set]:
     the split refuses a tied weight read in several stages under ZeRO-3 by name."""
     if nodes.graph.attrs.get(GraphAttr.ZERO, {}).get("stage") != 3:
         return set(), set()
-    source: dict = {a: a for a in nodes.owner}
+    params = {n for n, spec in nodes.spec_of.items() if spec.kind == InputKind.PARAM}
+    source = _one_parameter_values(nodes.forward, params)
     readers: dict = {}
     for node in nodes.forward:
-        read = {source.get(a) for a in node.all_input_nodes}
-        if len(read) == 1 and None not in read:
-            source[node] = next(iter(read))
-        else:
+        if node not in source:
             for a in node.all_input_nodes:
-                if a in source:
-                    readers.setdefault(source[a], set()).add(node)
+                param = a if a in params else source.get(a)
+                if param is not None:
+                    readers.setdefault(param, set()).add(node)
     chain = [n for n in nodes.forward if n in source]
     moved = {n for n in chain if len(readers.get(source[n], ())) == 1}
     return moved, set(chain) - moved
