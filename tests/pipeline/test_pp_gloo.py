@@ -229,11 +229,14 @@ def test_tied_weights_and_global_grad_clipping_across_stages_match_single_proces
     each accumulates its part of the gradient, an all-reduce over the pipeline ranks sums the parts and
     both apply the same update. Global grad-norm clipping: each stage's squared norms are summed over
     the pipeline ranks, so every stage clips by the same coefficient (``clip_grad_norm_``'s); with
-    several stages per rank (interleaved 1F1B, DualPipeV) each rank sums its stages' first."""
+    several stages per rank (interleaved 1F1B, DualPipeV) each rank sums its stages' first. DualPipeV
+    puts GPT-2's first and last stage on rank 0: the tie is summed there, without an all-reduce."""
     configs = ["gpt2/1f1b:sgd", "gpt2/gpipe:adamw", "1f1b:sgd:clip=0.5", "gpt2/zb1p:sgd:clip=0.5",
                "gpt2/interleaved_1f1b:sgd:2", f"llama/gpipe:sgd:{FP16}", f"gpt2/1f1b:adamw:{FP16}",
                # several stages per rank: each rank's stages combine their terms before the all-reduce
-               "dualpipev:sgd:clip=0.5", f"gpt4/interleaved_1f1b:adamw:2:clip=0.5:{FP16}"]
+               "dualpipev:sgd:clip=0.5", f"gpt4/interleaved_1f1b:adamw:2:clip=0.5:{FP16}",
+               # a weight tied within one rank, also with clipping and with loss scaling
+               "gpt2/dualpipev:sgd", "gpt2/dualpipev:adamw:clip=0.5", f"gpt2/dualpipev:adamw:{FP16}"]
     ranks = _launch(tmp_path_factory, "tied_clip", 2, "gpt4", 2, 1, configs)
     for config in configs:
         with subtests.test(config=config):
@@ -243,8 +246,8 @@ def test_tied_weights_and_global_grad_clipping_across_stages_match_single_proces
                 _check_fp16(ranks, config)
             else:
                 _check(ranks, config, "gpt4")
-            if config.startswith("gpt2/"):   # interleaved: 4 stages, the first and the last on ranks 0 and 1
-                last = 3 if "interleaved" in config else 1
+            if config.startswith("gpt2/"):   # interleaved, DualPipeV: 4 stages, the last on rank 1 / rank 0
+                last = 3 if "interleaved" in config or "dualpipev" in config else 1
                 assert ranks[0][config]["shared"] == {"transformer.wte.weight": [0, last]}
 
 

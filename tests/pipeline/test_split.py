@@ -165,21 +165,19 @@ class TestRefusals:
             _program(_gpt(layers=1), Plan(pp=8, microbatches=8, backend="eager", pipeline_schedule="gpipe"))
 
 
-    def test_values_combined_across_stages_need_their_stages_on_different_ranks(self):
+    def test_a_weight_tied_across_ranks_with_clipping_under_several_stages_per_rank_is_refused(self):
         torch.manual_seed(0)
         tied = GPT(gpt_tiny(n_layer=2, tie_weights=True, bias=False))
-        with pytest.raises(PlanError, match=r"plan field 'pipeline_schedule'.*wte.weight.*tied across stages "
-                                              r"\[0, 3\].*ranks \[0, 0\].*different pipeline ranks"):
-            _program(tied, Plan(pp=2, microbatches=4, backend="eager", pipeline_schedule="dualpipev"))
         # Interleaved stages put the first and the last stage on different ranks: the tie is summed there.
         program = _program(tied, Plan(pp=2, microbatches=4, backend="eager", pipeline_schedule="interleaved_1f1b",
                                       pipeline_virtual_stages=2))
         assert program.attrs[PP]["shared_params"] == {"wte.weight": [0, 3]}
         assert program.attrs[PP]["stage_to_rank"] == [0, 1, 0, 1]
-        # with clipping too, the tied weight's all-reduce (stages 0 and 3 only) would pair with the
-        # clip's all-reduce of another stage on the other rank
-        with pytest.raises(PlanError, match=r"plan field 'pipeline_virtual_stages'.*wte.weight.*tied across stages.*"
-                                              r"several stages on one pipeline rank"):
+        # with clipping too, rank 0's second stage repeats the tied weight's all-reduce (its clip term)
+        # where rank 1's does not: the ranks' all-reduces would pair wrongly, so the split refuses
+        with pytest.raises(PlanError, match=r"plan field 'pipeline_virtual_stages'.*wte.weight.*ranks \[0, 1, 0, 1\]"
+                                              r".*rank 0 would all-reduce \['sum of \[256, 32\]', 'sum of \[\]', "
+                                              r"'sum of \[256, 32\]', 'sum of \[\]'\] while rank 1.*not built"):
             _program(tied, Plan(pp=2, microbatches=4, backend="eager", grad_clip_norm=1.0,
                                 pipeline_schedule="interleaved_1f1b", pipeline_virtual_stages=2))
 
@@ -244,6 +242,30 @@ class TestAcrossStages:
         assert len(grads) == 1
         with pytest.raises(Exception, match=r"tied across stages.*init_distributed"):
             _train(model, Plan(pp=2, microbatches=2, backend="eager"), steps=1)
+
+    @pytest.mark.parametrize("clip", [None, 1.0])
+    def test_a_weight_tied_within_one_rank_is_summed_there_and_updated_once(self, clip):
+        # DualPipeV puts the first and the last stage on rank 0: the head's stage accumulates its part,
+        # the home stage's apply adds it (a step-state input) and updates the weight; no all-reduce
+        # for it, and the head's stage only reads the weight
+        torch.manual_seed(0)
+        tied = GPT(gpt_tiny(n_layer=2, tie_weights=True, bias=False))
+        program = _program(tied, Plan(pp=2, microbatches=4, backend="eager", pipeline_schedule="dualpipev",
+                                      grad_clip_norm=clip))
+        verify_program(program, deep=True)
+        info = program.attrs[PP]
+        assert info["shared_params"] == {"wte.weight": [0, 3]} and info["stage_to_rank"] == [0, 1, 1, 0]
+        assert info["pp_subgroups"] == {}
+        part = "grad_accumulation:grad/wte.weight@stage3"
+        home, head = program["stage0.apply"], program["stage3.apply"]
+        assert part in [i.name for i in home.signature.inputs]
+        assert "wte.weight" in [o.name for o in home.signature.outputs if o.kind == "param"]
+        assert "wte.weight" not in [o.name for o in head.signature.outputs]
+        assert ("stage3.backward", part) in {(f.source, f.input.name) for f in program.flows
+                                             if f.target == "stage0.apply"}
+        for s in range(4):   # only the clip's sum of squares crosses ranks
+            shapes = [list(r.meta["val"].shape) for r in self._reduces(program[f"stage{s}.apply"])]
+            assert shapes == ([[]] if clip else [])
 
     def test_tied_embedding_at_pp4_is_summed_over_a_group_of_just_the_first_and_last_pipeline_ranks(self):
         torch.manual_seed(0)

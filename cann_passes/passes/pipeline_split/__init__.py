@@ -64,10 +64,15 @@ computes the rank's part, reading the other local stages' gradient
 accumulators (step state the rank holds), so each of the rank's all-reduces,
 one per local stage, sums every stage's terms once.
 
-Refused, naming the rule: a tied weight two of whose stages are on one rank (DualPipeV's
-first and last), a tied weight together with such a combination when a rank holds several
-stages (its all-reduce is in some stages' apply graphs only: the ranks would pair it with the
-combination's), an optimizer value combining stages otherwise than
+A tied weight two of whose stages are on one rank (DualPipeV's first and last) is updated once
+there: the rank's updating holder adds the other local holders' accumulators (step-state inputs
+of its apply graph) before the all-reduce over the holding ranks, which a single holding rank
+skips; the other local holders only read the weight.
+
+Refused, naming the rule: stages whose apply graphs would make two ranks of a group issue
+different all-reduces (checked on the split: a weight tied across ranks together with such a
+combination when a rank holds several stages, whose clip term a second local stage imports with
+the tied all-reduce), an optimizer value combining stages otherwise than
 by a sum, maximum, logical and, 2-norm or sum of squares (ZeRO's shard norms
 are one), and more stages than units.
 

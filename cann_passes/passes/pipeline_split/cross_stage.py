@@ -137,8 +137,13 @@ def _stage_accumulator(rw: _Rewriter, name: str, s: int, acc_in: torch.fx.Node, 
 
 
 def _split_tied(rw: _Rewriter, name: str, readers: list[int], home: int, acc: torch.fx.Node, opt: set,
-                step_state: dict, group_of) -> dict:
-    """One tied weight's gradient split into per-stage accumulators; its update reads their sum."""
+                step_state: dict, group_of, ranks: list[int], cuts: dict) -> dict:
+    """One tied weight's gradient split into per-stage accumulators; its update reads their sum.
+
+    Holders on one pipeline rank (DualPipeV's first and last stage) update the weight once: the
+    rank's updating stage (the home, or the rank's first holder) adds the other local holders'
+    accumulators (cut into its apply graph as step state, ``cuts``) before the all-reduce over the
+    holding ranks, which a single holding rank skips; the rank's other holders only read the weight."""
     found = _accumulation(acc)
     if found is None:
         raise PipelineSplitError(f"tied parameter '{name}': its accumulator update {acc.name} is not "
@@ -169,17 +174,46 @@ def _split_tied(rw: _Rewriter, name: str, readers: list[int], home: int, acc: to
     if not readers_of_acc:
         raise PipelineSplitError(f"tied parameter '{name}': its update reads no accumulated gradient")
     first = min(readers_of_acc, key=lambda u: rw.nodes.order.get(u, 1 << 60))
-    summed = rw.all_reduce(first, home, acc, "sum", group_of(name, holders))
+    updaters = _updating_holders(holders, home, ranks)
+    parts = {s: _rank_part(rw, name, s, [t for t in holders if ranks[t] == ranks[s]], accs, first, cuts)
+             for s in updaters}
+    group = group_of(name, holders)
+    summed = parts[home] if group is None else rw.all_reduce(first, home, parts[home], "sum", group)
     for user in readers_of_acc:
         user.replace_input_with(acc, summed)
-    return {"holders": holders, "acc": accs}
+    return {"holders": holders, "acc": accs, "parts": parts}
 
 
-def _split_tied_gradients(rw: _Rewriter, homes: dict, shared: dict, group_of) -> dict[str, dict]:
+def _updating_holders(holders: list[int], home: int, ranks: list[int]) -> list[int]:
+    """The holders that update a tied weight: one per pipeline rank, the home on its own rank."""
+    first: dict[int, int] = {}
+    for s in holders:
+        first.setdefault(ranks[s], s)
+    first[ranks[home]] = home
+    return sorted(first.values())
+
+
+def _rank_part(rw: _Rewriter, name: str, s: int, local: list[int], accs: dict, before: torch.fx.Node,
+               cuts: dict) -> torch.fx.Node:
+    """Updating stage ``s``'s part of a tied weight's gradient: its own accumulator plus those of the
+    other holders on its rank, which its apply graph reads as step state."""
+    part = accs[s][1]
+    for t in local:
+        if t == s or accs[t][1] is accs[t][0]:   # a holder adding nothing keeps its zeros
+            continue
+        state = f"{ACCUMULATOR_PREFIX}{name}{TIED_SUFFIX}{t}"
+        cuts.setdefault(s, []).append((Spec(InputKind.STEP_STATE, state), accs[t][1]))
+        part = rw.emit(before, s, Region.OPTIMIZER, aten.add.Tensor, part, accs[t][1])
+    return part
+
+
+def _split_tied_gradients(rw: _Rewriter, homes: dict, shared: dict, group_of, ranks: list[int],
+                          cuts: dict) -> dict[str, dict]:
     """Megatron's tied weights: every stage reading a weight holds it and accumulates its own partial
-    gradient (its own accumulator); each apply graph sums the partials with an all-reduce over the
-    stages holding it (``group_of(name, holders)``: the pp group, or the group of just their pipeline
-    ranks) and runs the same update. Returns parameter -> {holders, per-stage accumulators}."""
+    gradient (its own accumulator); each updating holder's apply graph (one per pipeline rank) sums
+    its rank's partials, all-reduces them over the ranks holding it (``group_of(name, holders)``: the
+    pp group, the group of just their pipeline ranks, or None for one rank) and runs the same update.
+    Returns parameter -> {holders, per-stage accumulators, the updating holders' parts}."""
     nodes = rw.nodes
     values = {(sp.kind, sp.name): v for sp, v in nodes.outputs}
     opt = set(nodes.optimizer)
@@ -191,7 +225,7 @@ def _split_tied_gradients(rw: _Rewriter, homes: dict, shared: dict, group_of) ->
         if acc is None:   # frozen: read by each stage, updated by none
             tied[name] = {"holders": list(readers), "acc": {}}
             continue
-        tied[name] = _split_tied(rw, name, readers, home, acc, opt, step_state, group_of)
+        tied[name] = _split_tied(rw, name, readers, home, acc, opt, step_state, group_of, ranks, cuts)
     return tied
 
 
@@ -213,8 +247,9 @@ def _tied_update(rw: _Rewriter, home: int, own_values: set, opt: set, twin: dict
 
 
 def _copy_tied_updates(rw: _Rewriter, homes: dict, tied: dict, replica: dict) -> None:
-    """Each stage holding a tied weight (besides its home) gets the home's update of it, reading its own
-    accumulator (summed over the holders) and its own copies of values reduced over the stages."""
+    """Each stage updating a tied weight (besides its home) gets the home's update of it, reading its
+    own rank's part of the gradient (summed over the holding ranks) and its own copies of values
+    reduced over the stages."""
     nodes, stage = rw.nodes, rw.stage
     opt = set(nodes.optimizer)
     twin = {copy: (orig, s) for (orig, s), copy in replica.items()}
@@ -222,13 +257,13 @@ def _copy_tied_updates(rw: _Rewriter, homes: dict, tied: dict, replica: dict) ->
         home = homes[name]
         if not info["acc"]:
             continue
-        acc = info["acc"][home][1]
-        own_values = {acc} | {ph for ph, owner in nodes.owner.items() if owner == name}
+        part = info["parts"][home]
+        own_values = {part} | {ph for ph, owner in nodes.owner.items() if owner == name}
         update, mine = _tied_update(rw, home, own_values, opt, twin)
-        for s in info["holders"]:
+        for s in info["parts"]:
             if s == home:
                 continue
-            env = {acc: info["acc"][s][1]}
+            env = {part: info["parts"][s]}
             for node in update:
                 for a in node.all_input_nodes:
                     if a in twin:
@@ -437,7 +472,8 @@ def _partial_sums_joining(ordered: list, mixed: set, n_stages: int) -> set:
     return joining
 
 
-def _reduce_over_stages(rw: _Rewriter, homes: dict, n_stages: int, ranks: list[int]) -> tuple[dict, list[str], dict]:
+def _reduce_over_stages(rw: _Rewriter, homes: dict, n_stages: int, ranks: list[int],
+                        part_home: dict | None = None) -> tuple[dict, list[str], dict]:
     """Optimizer values that combine every stage's (global gradient-norm clipping's total norm): each
     stage computes its part (with several stages per rank, its rank's part), an all-reduce over the
     pipeline ranks combines the parts, and every stage computes what follows from the total itself.
@@ -446,7 +482,9 @@ def _reduce_over_stages(rw: _Rewriter, homes: dict, n_stages: int, ranks: list[i
     nodes, stage = rw.nodes, rw.stage
     opt = set(nodes.optimizer)
     ordered = [n for n in rw.graph.nodes if n in opt]
-    up = upstream_stages(nodes, homes, ordered, lambda a: (stage[a],) if a in stage else ())
+    part_home = part_home or {}
+    up = upstream_stages(nodes, homes, ordered,
+                         lambda a: (part_home[a],) if a in part_home else (stage[a],) if a in stage else ())
     mixed = [n for n in ordered if len(up[n]) > 1]
     if not mixed:
         return {}, [], {}
@@ -504,14 +542,6 @@ def _share_across_stages(nodes: _Nodes, stage: dict, homes: dict, shared: dict, 
                            "values of several stages")
     option = "schedule" if schedule in ("dualpipev", "zbv") else "stages"
     value = schedule if option == "schedule" else n_stages
-    if shared and mixed and len(set(ranks)) != n_stages:
-        # Each rank runs its stages' apply graphs in stage order; the tied weight's all-reduce is in
-        # some of them only, so the ranks would pair it with the combination's all-reduce of another.
-        raise PassOptionError("pipeline_split", option, f"parameter '{next(iter(shared))}' is tied across stages and "
-                              f"optimizer node {mixed[0].name}{_metrics_behind(nodes, mixed[0])} combines every "
-                              f"stage's values, and schedule '{schedule}' puts several stages on one pipeline rank "
-                              "(rule: with several stages per rank, a tied weight and global clipping or loss "
-                              "scaling are not combined; untie the weight or run one stage per rank)", value)
     mesh = getattr(ctx, "mesh", None) or program.mesh
     if mesh is None or "pp" not in mesh.axes or mesh.size("pp") != pp:
         raise PipelineSplitError(f"{what} needs the mesh's pp axis of {pp} ranks to name its all-reduce's group")
@@ -523,19 +553,59 @@ def _share_across_stages(nodes: _Nodes, stage: dict, homes: dict, shared: dict, 
         # (which do not hold it) take no part, so the group is just the holders' (Megatron's
         # embedding group), made by the runtime under this name on every member. Interleaved
         # stages keep the first and the last stage on different ranks; DualPipeV puts both on rank 0.
-        pp_ranks = sorted(ranks[s] for s in holders)
-        if len(set(pp_ranks)) != len(pp_ranks):
-            raise PassOptionError("pipeline_split", option, f"parameter '{name}' is tied across stages {holders}, which schedule "
-                                   f"'{schedule}' puts on pipeline ranks {[ranks[s] for s in holders]} (rule: the "
-                                   "stages holding a tied weight are on different pipeline ranks, each summing "
-                                   "its part once)", value)
+        pp_ranks = sorted({ranks[s] for s in holders})
+        if len(pp_ranks) == 1:     # every holder on one rank: its updating stage sums the parts locally
+            return None
         if pp_ranks == list(range(pp)):
             return pp_group
         name = pp_subgroup_name(pp_group, pp_ranks)
         subgroups[name] = pp_ranks
         return name
     rw = _Rewriter(nodes, stage, pp_group)
-    tied = _split_tied_gradients(rw, homes, shared, group_of)
-    replica, reduced, extra_cuts = _reduce_over_stages(rw, homes, n_stages, ranks)
+    tied_cuts: dict[int, list] = {}
+    tied = _split_tied_gradients(rw, homes, shared, group_of, ranks, tied_cuts)
+    # A holder's part added into its rank's sum counts as the tied weight's home: the sum is that
+    # weight's gradient, not a value combining stages.
+    part_home = {acc: homes[name] for name, info in tied.items() for s, (_, acc) in info["acc"].items()}
+    replica, reduced, extra_cuts = _reduce_over_stages(rw, homes, n_stages, ranks, part_home)
+    for s, cuts in tied_cuts.items():
+        extra_cuts.setdefault(s, []).extend(cuts)
     _copy_tied_updates(rw, homes, tied, replica)
+    unpaired = _unpaired_reductions(rw, n_stages, ranks, pp, pp_group, subgroups)
+    if unpaired:
+        # A rank runs its stages' apply graphs in stage order. A weight tied across ranks, with a
+        # combination over the stages, under several stages per rank: a local stage importing the
+        # weight's clip term repeats its all-reduce, which a peer's stages do not (not built).
+        raise PassOptionError("pipeline_split", option, f"{what} and schedule '{schedule}' puts stages "
+                              f"{list(range(n_stages))} on pipeline ranks {ranks}: {unpaired} (rule: every rank of "
+                              "a group issues the same all-reduces in the same order; a weight tied across "
+                              "pipeline ranks together with clipping or loss scaling under several stages per "
+                              "rank is not built: untie the weight or run one stage per rank)", value)
     return tied, reduced, subgroups, extra_cuts
+
+
+def _unpaired_reductions(rw: _Rewriter, n_stages: int, ranks: list[int], pp: int, pp_group: str,
+                         subgroups: dict) -> str:
+    """Where two ranks of a group would issue their all-reduces over it in different orders (the
+    i-th of one pairing with the i-th of another): '' when every group's ranks agree."""
+    opt = set(rw.nodes.optimizer)
+    by_stage: dict[int, list] = {}
+    for node in rw.graph.nodes:
+        if node in opt and node.target == c10d.all_reduce.default:
+            by_stage.setdefault(rw.stage[node], []).append(node)
+    members = {pp_group: list(range(pp)), **subgroups}
+    for group, pp_ranks in members.items():
+        seen = {r: [_reduced_what(n) for s in range(n_stages) if ranks[s] == r for n in by_stage.get(s, [])
+                    if n.args[2] == group] for r in pp_ranks}
+        first = seen[pp_ranks[0]]
+        for r in pp_ranks[1:]:
+            if seen[r] != first:
+                return (f"over group {group}, pipeline rank {pp_ranks[0]} would all-reduce {first} while rank {r} "
+                        f"all-reduces {seen[r]}")
+    return ""
+
+
+def _reduced_what(node: torch.fx.Node) -> str:
+    """An all-reduce as the ranks pairing it must agree on it: its reduction and its value's shape."""
+    val = node.meta.get("val")
+    return f"{node.args[1]} of {list(val.shape) if isinstance(val, torch.Tensor) else '?'}"

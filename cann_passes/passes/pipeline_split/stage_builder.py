@@ -217,8 +217,10 @@ def _stage_flows(stages: list[_Stage], st: _Stage, handed: list, acc_cut: list, 
                 flows.append(Flow(f"{name}.forward", _saved(v), f"{name}.{part}", _saved(v)))
     for v in handed:
         flows.append(Flow(f"{name}.backward_input", _inter(v), f"{name}.backward_weight", _inter(v)))
+    applies = graphs[f"{name}.apply"].signature.inputs
     for spec, _ in acc_cut:
-        flows += _accumulator_flows(s, spec, s)
+        if spec in applies:   # a tied weight's part another local stage's apply sums is not read here
+            flows += _accumulator_flows(s, spec, s)
         out = Spec(OutputKind.STEP_STATE, spec.name)
         for part in ("backward", "backward_weight"):
             flows.append(Flow(f"{name}.{part}", out, f"{name}.{part}", spec))
