@@ -100,7 +100,7 @@ def _state_owner(spec: Spec) -> str | None:
     return None
 
 
-def _tied_terms_by_stage(stage: dict, leaves: list, home: int) -> dict[int, list]:
+def _tied_terms_by_stage(stage: dict, leaves: list, home: int, readers: list[int]) -> dict[int, list]:
     """The terms of a tied weight's gradient by the stage that computes each."""
     by_stage: dict[int, list] = {}
     for leaf in leaves:
@@ -111,6 +111,11 @@ def _tied_terms_by_stage(stage: dict, leaves: list, home: int) -> dict[int, list
             views.append(base)
             base = base.all_input_nodes[0]
         where = stage.get(base, home)
+        if where not in readers and base in stage:
+            # A term placed on a stage that does not read the weight (the embedding's backward
+            # placed with the gradient it reads, when a stage holds the embedding alone) is
+            # computed by the home, its input crossing to it as the untied weight's would.
+            where = stage[base] = home
         for view in views:
             stage[view] = where
         by_stage.setdefault(where, []).append(leaf)
@@ -154,7 +159,7 @@ def _split_tied(rw: _Rewriter, name: str, readers: list[int], home: int, acc: to
                                  "accumulator (rule: a tied weight's gradient is split into per-stage parts)")
     weight = next(a for a in scaled.args if a is not grad)
     leaves, tree = _sum_tree(grad, aten.add.Tensor)
-    by_stage = _tied_terms_by_stage(rw.stage, leaves, home)
+    by_stage = _tied_terms_by_stage(rw.stage, leaves, home, readers)
     holders = sorted(set(readers) | set(by_stage))
     if home not in by_stage:
         raise PipelineSplitError(f"tied parameter '{name}': no part of its gradient is computed by its "
