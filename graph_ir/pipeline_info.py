@@ -35,6 +35,8 @@ class PipelineSplit:
     shared_params: dict[str, list[int]] = field(default_factory=dict)   # tied across these stages
     stage_reductions: list[str] = field(default_factory=list)           # values all-reduced over stages
     pp_subgroups: dict[str, list[int]] = field(default_factory=dict)    # group name -> its pp ranks
+    # the order each rank runs its stages' apply graphs in (one may hand step state to another)
+    apply_order: list[int] = field(default_factory=list)
     dynamic: dict[str, Any] | None = None    # pipeline_schedule: dynamic, the choice and its table
 
     def to_json(self) -> dict:

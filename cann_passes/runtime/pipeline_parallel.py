@@ -335,6 +335,10 @@ class PipelineRuntime:
         self.pp_rank = step.mesh.local_rank("pp")
         make_pp_subgroups(step.mesh, info.pp_subgroups)
         self.mine = [s for s in range(self.n) if self.ranks[s] == self.pp_rank]
+        # pipeline_split's order: an apply graph handing step state to another local one runs first
+        self.apply_order = [s for s in info.apply_order or range(self.n) if s in self.mine]
+        self.handed = {f.input.name for f in self.program.flows
+                       if f.source.endswith(".apply") and f.target.endswith(".apply")}
         self.executors = {s: StageExecutor(s, stage_graphs(self.program, s),
                                            {p: comp.runners[f"stage{s}.{p}"] for p in stage_graphs(self.program, s)},
                                            step) for s in self.mine}
@@ -493,11 +497,12 @@ class PipelineRuntime:
         """Every apply graph of this rank's stages reads the step state as the step began: a value
         each stage updates alike (loss scaling's scale and growth count, computed by every stage
         from the combined overflow flag) would otherwise be updated once per local stage, and a
-        later stage would unscale its gradients by the scale an earlier one already changed."""
+        later stage would unscale its gradients by the scale an earlier one already changed. What
+        an apply hands a later one (a tied weight's summed gradient) is read as that apply left it."""
         values = self.step.step_state.values
-        before = dict(values)
+        before = {k: v for k, v in values.items() if k not in self.handed}   # handed on: never restored
         written: dict = {}
-        for s in self.mine:
+        for s in self.apply_order:
             values.update(before)
             self.executors[s].apply()
             written.update((k, v) for k, v in values.items() if before.get(k) is not v)

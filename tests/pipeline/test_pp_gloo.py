@@ -230,14 +230,18 @@ def test_tied_weights_and_global_grad_clipping_across_stages_match_single_proces
     both apply the same update. Global grad-norm clipping: each stage's squared norms are summed over
     the pipeline ranks, so every stage clips by the same coefficient (``clip_grad_norm_``'s); with
     several stages per rank (interleaved 1F1B, DualPipeV) each rank sums its stages' first. DualPipeV
-    puts GPT-2's first and last stage on rank 0: the tie is summed there, without an all-reduce."""
+    puts GPT-2's first and last stage on rank 0: the tie is summed there, without an all-reduce.
+    Interleaved 1F1B puts them on ranks 0 and 1: with clipping, each rank's updating stage applies
+    first and hands the summed tied gradient to its other stage's apply."""
     configs = ["gpt2/1f1b:sgd", "gpt2/gpipe:adamw", "1f1b:sgd:clip=0.5", "gpt2/zb1p:sgd:clip=0.5",
                "gpt2/interleaved_1f1b:sgd:2", f"llama/gpipe:sgd:{FP16}", f"gpt2/1f1b:adamw:{FP16}",
                # several stages per rank: each rank's stages combine their terms before the all-reduce
                "dualpipev:sgd:clip=0.5", f"gpt4/interleaved_1f1b:adamw:2:clip=0.5:{FP16}",
                # a weight tied within one rank, also with clipping and loss scaling (a stage holding the embedding
                # alone: its gradient, placed with the gradient it reads, is computed by the home stage)
-               "gpt2/dualpipev:sgd", "gpt2/dualpipev:adamw:clip=0.5", f"gpt2/dualpipev:adamw:clip=0.5:{FP16}"]
+               "gpt2/dualpipev:sgd", "gpt2/dualpipev:adamw:clip=0.5", f"gpt2/dualpipev:adamw:clip=0.5:{FP16}",
+               # tied across ranks with several stages per rank: each rank's updating stage sums first
+               "gpt2/interleaved_1f1b:adamw:2:clip=0.5", f"gpt2/interleaved_1f1b:sgd:2:clip=0.5:{FP16}"]
     ranks = _launch(tmp_path_factory, "tied_clip", 2, "gpt4", 2, 1, configs)
     for config in configs:
         with subtests.test(config=config):

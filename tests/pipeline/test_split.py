@@ -165,22 +165,6 @@ class TestRefusals:
             _program(_gpt(layers=1), Plan(pp=8, microbatches=8, backend="eager", pipeline_schedule="gpipe"))
 
 
-    def test_a_weight_tied_across_ranks_with_clipping_under_several_stages_per_rank_is_refused(self):
-        torch.manual_seed(0)
-        tied = GPT(gpt_tiny(n_layer=2, tie_weights=True, bias=False))
-        # Interleaved stages put the first and the last stage on different ranks: the tie is summed there.
-        program = _program(tied, Plan(pp=2, microbatches=4, backend="eager", pipeline_schedule="interleaved_1f1b",
-                                      pipeline_virtual_stages=2))
-        assert program.attrs[PP]["shared_params"] == {"wte.weight": [0, 3]}
-        assert program.attrs[PP]["stage_to_rank"] == [0, 1, 0, 1]
-        # with clipping too, rank 0's second stage repeats the tied weight's all-reduce (its clip term)
-        # where rank 1's does not: the ranks' all-reduces would pair wrongly, so the split refuses
-        with pytest.raises(PlanError, match=r"plan field 'pipeline_virtual_stages'.*wte.weight.*ranks \[0, 1, 0, 1\]"
-                                              r".*rank 0 would all-reduce \['sum of \[256, 32\]', 'sum of \[\]', "
-                                              r"'sum of \[256, 32\]', 'sum of \[\]'\] while rank 1.*not built"):
-            _program(tied, Plan(pp=2, microbatches=4, backend="eager", grad_clip_norm=1.0,
-                                pipeline_schedule="interleaved_1f1b", pipeline_virtual_stages=2))
-
     def test_a_text_pipeline_scaling_the_loss_before_accumulation_is_refused_naming_the_order(self):
         text = ("cleanup,autocast{dtype=fp16,policy=cuda},loss_scale{mode=dynamic},grad_accumulation{microbatches=2},"
                 "cleanup,pipeline_split{stages=2,pp=2}")
@@ -266,6 +250,28 @@ class TestAcrossStages:
         for s in range(4):   # only the clip's sum of squares crosses ranks
             shapes = [list(r.meta["val"].shape) for r in self._reduces(program[f"stage{s}.apply"])]
             assert shapes == ([[]] if clip else [])
+
+    def test_a_weight_tied_across_ranks_with_clipping_under_several_stages_per_rank_pairs_its_all_reduces(self):
+        # Interleaved 1F1B puts stages 0 and 3 (the tie) on ranks 0 and 1. Each rank's updating stage
+        # all-reduces the tied gradient first (apply order 0, 3, then 1, 2) and hands the sum to its
+        # other local stage's apply as step state (its clip term), so each rank issues the tied
+        # all-reduce once and then one clip all-reduce per stage, in the same order
+        torch.manual_seed(0)
+        tied = GPT(gpt_tiny(n_layer=2, tie_weights=True, bias=False))
+        program = _program(tied, Plan(pp=2, microbatches=4, backend="eager", grad_clip_norm=1.0,
+                                      pipeline_schedule="interleaved_1f1b", pipeline_virtual_stages=2))
+        verify_program(program, deep=True)
+        info = program.attrs[PP]
+        assert info["shared_params"] == {"wte.weight": [0, 3]} and info["stage_to_rank"] == [0, 1, 0, 1]
+        assert info["apply_order"] == [0, 3, 1, 2]
+        summed = "grad_accumulation:grad/wte.weight@summed"
+        assert ("stage0.apply", "stage2.apply") in {(f.source, f.target) for f in program.flows
+                                                    if f.input.name == summed}
+        assert summed in [i.name for i in program["stage2.apply"].signature.inputs]
+        for rank in (0, 1):
+            issued = [list(r.meta["val"].shape) for s in info["apply_order"] if info["stage_to_rank"][s] == rank
+                      for r in self._reduces(program[f"stage{s}.apply"])]
+            assert issued == [[256, 32], [], []]
 
     def test_tied_embedding_at_pp4_is_summed_over_a_group_of_just_the_first_and_last_pipeline_ranks(self):
         torch.manual_seed(0)
@@ -356,3 +362,33 @@ def test_zero3_stages_hold_layers_and_a_tied_weight_across_them_is_refused_by_na
     tied = GPT(gpt_tiny(n_layer=4, tie_weights=True, bias=False))
     with pytest.raises(PlanError, match=r"parameter '.*wte.weight' is read by stages \[0, 1\] under ZeRO-3"):
         _program(tied, plan)
+
+
+
+def test_the_split_names_two_ranks_whose_all_reduces_over_a_group_would_not_pair_up():
+    """The check behind every pairing refusal: per group, each member rank's all-reduces, in its
+    stages' apply order, must be the same list (reduction and shape)."""
+    from types import SimpleNamespace
+
+    from cann_passes.passes.pipeline_split.cross_stage import _unpaired_reductions
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+
+    def reduce(shape, group="pp"):
+        node = graph.call_function(torch.ops._c10d_functional.all_reduce.default, (x, "sum", group))
+        node.meta["val"] = torch.empty(shape)
+        return node
+    # interleaved 1F1B: stages 0-3 on ranks 0, 1, 0, 1; stages 0 and 3 update a tied weight
+    tied0, clip0, clip1, clip2, tied3, clip3 = (reduce(s) for s in ([256, 32], [], [], [], [256, 32], []))
+    stage = {tied0: 0, clip0: 0, clip1: 1, clip2: 2, tied3: 3, clip3: 3}
+    rw = SimpleNamespace(graph=graph, nodes=SimpleNamespace(optimizer=list(stage)), stage=stage)
+    ranks = [0, 1, 0, 1]
+    assert _unpaired_reductions(rw, [0, 3, 1, 2], ranks, 2, "pp", {}) == ""
+    assert _unpaired_reductions(rw, [0, 1, 2, 3], ranks, 2, "pp", {}) == (
+        "over group pp, pipeline rank 0 would all-reduce ['sum of [256, 32]', 'sum of []', 'sum of []'] while "
+        "rank 1 all-reduces ['sum of []', 'sum of [256, 32]', 'sum of []']")
+    # a subgroup all-reduce issued by one of its two member ranks only
+    stage[reduce([8], "pp.sub")] = 0
+    rw.nodes.optimizer = list(stage)
+    assert _unpaired_reductions(rw, [0, 3, 1, 2], ranks, 2, "pp", {"pp.sub": [0, 1]}) == (
+        "over group pp.sub, pipeline rank 0 would all-reduce ['sum of [8]'] while rank 1 all-reduces []")

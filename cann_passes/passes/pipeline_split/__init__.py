@@ -69,10 +69,15 @@ there: the rank's updating holder adds the other local holders' accumulators (st
 of its apply graph) before the all-reduce over the holding ranks, which a single holding rank
 skips; the other local holders only read the weight.
 
+A weight tied across ranks together with such a combination when a rank holds several stages
+(interleaved 1F1B): the rank's stage updating it runs its apply first (``apply_order``) and hands
+the all-reduced gradient to the rank's other applies as step state (``<accumulator>@summed``),
+whose clip term reads it there instead of all-reducing it again, so every rank issues the same
+all-reduces in the same order.
+
 Refused, naming the rule: stages whose apply graphs would make two ranks of a group issue
-different all-reduces (checked on the split: a weight tied across ranks together with such a
-combination when a rank holds several stages, whose clip term a second local stage imports with
-the tied all-reduce), an optimizer value combining stages otherwise than
+different all-reduces (checked on the split, for the pp group and its subgroups), an optimizer
+value combining stages otherwise than
 by a sum, maximum, logical and, 2-norm or sum of squares (ZeRO's shard norms
 are one), and more stages than units.
 
@@ -207,8 +212,8 @@ def pipeline_split_pass(program: Program, ctx: PassContext, *, stages: int = 2, 
         _one_parameter_values_with_their_readers(graph, fstage)
     stage, homes, shared, mixed = _assign(nodes, fstage, stages)
     ranks = _default_ranks(stages, pp, schedule)
-    tied, reduced, subgroups, extra_cuts = _share_across_stages(nodes, stage, homes, shared, mixed, ranks, stages,
-                                                                pp, schedule, ctx, program)
+    tied, reduced, subgroups, extra_cuts, apply_order = _share_across_stages(
+        nodes, stage, homes, shared, mixed, ranks, stages, pp, schedule, ctx, program)
     base = {k: v for k, v in graph.attrs.items() if k != GraphAttr.KIND}
     graphs, flows, built = _build_stages(nodes, stage, homes, stages, ranks, base, extra_cuts)
     stage_cost = _stage_seconds(cuts.costs.seconds, cuts.unit_of_stage, stages)
@@ -224,7 +229,7 @@ def pipeline_split_pass(program: Program, ctx: PassContext, *, stages: int = 2, 
         imbalance=max(stage_cost) / mean if mean else 1.0, boundary_tensors=[len(st.acts_in) for st in built],
         param_stage=homes, microbatches=graph.attrs[GraphAttr.GRAD_ACCUMULATION]["microbatches"],
         shared_params={n: info["holders"] for n, info in tied.items()}, stage_reductions=reduced,
-        pp_subgroups=subgroups)
+        pp_subgroups=subgroups, apply_order=apply_order)
     set_pipeline_split(program, split)
     ctx.stat("stages", stages)
     ctx.stat("units", len(cuts.units))

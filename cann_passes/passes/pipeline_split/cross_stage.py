@@ -21,6 +21,7 @@ from .partition import upstream_stages
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 TIED_SUFFIX = "@stage"   # accumulator of a tied weight's partial gradient on a stage other than its home
+SUMMED_SUFFIX = "@summed"   # a tied weight's gradient summed over its ranks, handed to the rank's other applies
 # "and": loss_scale's all-finite flag (a bool), all-reduced as 0/1 floats by their minimum.
 _REDUCTIONS = {aten.add.Tensor: "sum", aten.maximum.default: "max", aten.logical_and.default: "and"}
 
@@ -186,7 +187,7 @@ def _split_tied(rw: _Rewriter, name: str, readers: list[int], home: int, acc: to
     summed = parts[home] if group is None else rw.all_reduce(first, home, parts[home], "sum", group)
     for user in readers_of_acc:
         user.replace_input_with(acc, summed)
-    return {"holders": holders, "acc": accs, "parts": parts}
+    return {"holders": holders, "acc": accs, "parts": parts, "summed": None if group is None else summed}
 
 
 def _updating_holders(holders: list[int], home: int, ranks: list[int]) -> list[int]:
@@ -317,9 +318,11 @@ class _OverStages:
     """Rewrites the optimizer values combining several stages' into per-stage copies (see
     ``_reduce_over_stages``)."""
 
-    def __init__(self, rw: _Rewriter, up: dict, mixed: list, n_stages: int, ranks: list[int]):
+    def __init__(self, rw: _Rewriter, up: dict, mixed: list, n_stages: int, ranks: list[int], totals: dict):
         self.rw, self.up, self.n_stages, self.ranks = rw, up, n_stages, ranks
         self.mixed = set(mixed)
+        self.totals = totals        # a tied weight's all-reduced gradient -> its step-state name
+        self.handed: set[torch.fx.Node] = set()      # those another local stage's apply reads
         # accumulator value -> its step-state name: what another stage's apply graph reads it as
         self.accumulators = {value: spec.name for spec, value in rw.nodes.outputs
                              if spec.kind == OutputKind.STEP_STATE and spec.name.startswith(ACCUMULATOR_PREFIX)}
@@ -369,9 +372,13 @@ class _OverStages:
         key = (node, s)
         if key in self.imports:
             return self.imports[key]
-        if node in self.accumulators:
-            cut = (Spec(InputKind.STEP_STATE, self.accumulators[node]), node)
-            self.extra_cuts.setdefault(s, []).append(cut)
+        if node in self.accumulators or node in self.totals:
+            # A tied weight's summed gradient is read as its updating stage's apply left it: all-reducing
+            # it again here would add an all-reduce the rank's peers do not issue.
+            name = self.accumulators.get(node) or self.totals[node]
+            self.extra_cuts.setdefault(s, []).append((Spec(InputKind.STEP_STATE, name), node))
+            if node in self.totals:
+                self.handed.add(node)
             out = node
         elif node not in self.rw.stage:   # a placeholder or a free value: extracted where it is read
             out = node
@@ -478,7 +485,8 @@ def _partial_sums_joining(ordered: list, mixed: set, n_stages: int) -> set:
 
 
 def _reduce_over_stages(rw: _Rewriter, homes: dict, n_stages: int, ranks: list[int],
-                        part_home: dict | None = None) -> tuple[dict, list[str], dict]:
+                        part_home: dict | None = None, totals: dict | None = None
+                        ) -> tuple[dict, list[str], dict, set]:
     """Optimizer values that combine every stage's (global gradient-norm clipping's total norm): each
     stage computes its part (with several stages per rank, its rank's part), an all-reduce over the
     pipeline ranks combines the parts, and every stage computes what follows from the total itself.
@@ -492,13 +500,13 @@ def _reduce_over_stages(rw: _Rewriter, homes: dict, n_stages: int, ranks: list[i
                          lambda a: (part_home[a],) if a in part_home else (stage[a],) if a in stage else ())
     mixed = [n for n in ordered if len(up[n]) > 1]
     if not mixed:
-        return {}, [], {}
+        return {}, [], {}, set()
     joining = _partial_sums_joining(ordered, set(mixed), n_stages)
     if joining:
         for node in joining:
             up[node] = set(range(n_stages))
         mixed = [n for n in ordered if n in joining or len(up[n]) > 1]
-    over = _OverStages(rw, up, mixed, n_stages, ranks)
+    over = _OverStages(rw, up, mixed, n_stages, ranks, totals or {})
     for node in mixed:
         if node in over.done:
             continue
@@ -508,7 +516,7 @@ def _reduce_over_stages(rw: _Rewriter, homes: dict, n_stages: int, ranks: list[i
             over.follow(node)
     nodes.outputs = over.outputs(nodes.outputs)
     rw.drop({n for n in over.done if n not in over.own})
-    return over.replica, over.reduced, over.extra_cuts
+    return over.replica, over.reduced, over.extra_cuts, over.handed
 
 
 # -- sharing across stages ------------------------------------------------------------------------
@@ -535,13 +543,13 @@ def pp_subgroup_name(pp_group: str, pp_ranks) -> str:
 
 def _share_across_stages(nodes: _Nodes, stage: dict, homes: dict, shared: dict, mixed: list, ranks: list[int],
                          n_stages: int, pp: int, schedule: str, ctx, program
-                         ) -> tuple[dict, list[str], dict, dict]:
+                         ) -> tuple[dict, list[str], dict, dict, list[int]]:
     """Tied weights and values combined over every stage, rewritten into per-stage parts whose
     all-reduce runs over the pipeline ranks (the mesh's ``pp`` group; a tied weight whose stages
     are some of them, over a group of just those: returned as name -> their pp ranks), and per
     stage the other stages' accumulators its apply graph reads."""
     if not shared and not mixed:
-        return {}, [], {}, {}
+        return {}, [], {}, {}, list(range(n_stages))
     what = (f"parameter '{next(iter(shared))}' (read by the forward of stages {next(iter(shared.values()))})"
             if shared else f"optimizer node {mixed[0].name}{_metrics_behind(nodes, mixed[0])}, which combines "
                            "values of several stages")
@@ -572,24 +580,48 @@ def _share_across_stages(nodes: _Nodes, stage: dict, homes: dict, shared: dict, 
     # A holder's part added into its rank's sum counts as the tied weight's home: the sum is that
     # weight's gradient, not a value combining stages.
     part_home = {acc: homes[name] for name, info in tied.items() for s, (_, acc) in info["acc"].items()}
-    replica, reduced, extra_cuts = _reduce_over_stages(rw, homes, n_stages, ranks, part_home)
+    totals = {info["summed"]: f"{ACCUMULATOR_PREFIX}{name}{SUMMED_SUFFIX}" for name, info in tied.items()
+              if info.get("summed") is not None}
+    replica, reduced, extra_cuts, handed = _reduce_over_stages(rw, homes, n_stages, ranks, part_home, totals)
     for s, cuts in tied_cuts.items():
         extra_cuts.setdefault(s, []).extend(cuts)
+    _hand_totals(rw, handed, totals)
     _copy_tied_updates(rw, homes, tied, replica)
-    unpaired = _unpaired_reductions(rw, n_stages, ranks, pp, pp_group, subgroups)
+    order = apply_order(tied, n_stages)
+    unpaired = _unpaired_reductions(rw, order, ranks, pp, pp_group, subgroups)
     if unpaired:
-        # A rank runs its stages' apply graphs in stage order. A weight tied across ranks, with a
-        # combination over the stages, under several stages per rank: a local stage importing the
-        # weight's clip term repeats its all-reduce, which a peer's stages do not (not built).
+        # The i-th all-reduce of one rank over a group pairs with the i-th of every other: a rank
+        # issuing one its peers do not would combine unrelated values, or wait forever.
         raise PassOptionError("pipeline_split", option, f"{what} and schedule '{schedule}' puts stages "
                               f"{list(range(n_stages))} on pipeline ranks {ranks}: {unpaired} (rule: every rank of "
-                              "a group issues the same all-reduces in the same order; a weight tied across "
-                              "pipeline ranks together with clipping or loss scaling under several stages per "
-                              "rank is not built: untie the weight or run one stage per rank)", value)
-    return tied, reduced, subgroups, extra_cuts
+                              "a group issues the same all-reduces in the same order; untie the weight or run one "
+                              "stage per rank)", value)
+    return tied, reduced, subgroups, extra_cuts, order
 
 
-def _unpaired_reductions(rw: _Rewriter, n_stages: int, ranks: list[int], pp: int, pp_group: str,
+def _hand_totals(rw: _Rewriter, handed: set, totals: dict) -> None:
+    """A tied weight's summed gradient that another local stage's apply reads (its clip term, its
+    overflow check) becomes step state its updating stage's apply outputs."""
+    step_state = rw.nodes.graph.attrs.setdefault(GraphAttr.STEP_STATE, {})
+    for node in sorted(handed, key=lambda n: rw.nodes.order.get(n, 1 << 60)):
+        name = totals[node]
+        step_state[name] = dict(step_state[name[:-len(SUMMED_SUFFIX)]])
+        rw.nodes.outputs.append((Spec(OutputKind.STEP_STATE, name), node))
+
+
+def apply_order(tied: dict, n_stages: int) -> list[int]:
+    """The order a rank runs its stages' apply graphs in: a stage updating a weight tied across ranks
+    first (by the weights it updates), then by index. So every holding rank all-reduces the weight
+    before its other combinations, and hands the sum to its other local stages' applies."""
+    updates: dict[int, list[str]] = {}
+    for name, info in tied.items():
+        if info.get("summed") is not None:
+            for s in info["parts"]:
+                updates.setdefault(s, []).append(name)
+    return sorted(range(n_stages), key=lambda s: (0, sorted(updates[s]), s) if s in updates else (1, [], s))
+
+
+def _unpaired_reductions(rw: _Rewriter, order: list[int], ranks: list[int], pp: int, pp_group: str,
                          subgroups: dict) -> str:
     """Where two ranks of a group would issue their all-reduces over it in different orders (the
     i-th of one pairing with the i-th of another): '' when every group's ranks agree."""
@@ -600,7 +632,7 @@ def _unpaired_reductions(rw: _Rewriter, n_stages: int, ranks: list[int], pp: int
             by_stage.setdefault(rw.stage[node], []).append(node)
     members = {pp_group: list(range(pp)), **subgroups}
     for group, pp_ranks in members.items():
-        seen = {r: [_reduced_what(n) for s in range(n_stages) if ranks[s] == r for n in by_stage.get(s, [])
+        seen = {r: [_reduced_what(n) for s in order if ranks[s] == r for n in by_stage.get(s, [])
                     if n.args[2] == group] for r in pp_ranks}
         first = seen[pp_ranks[0]]
         for r in pp_ranks[1:]:

@@ -265,7 +265,11 @@ def _build_stages(nodes: _Nodes, stage: dict, homes: dict, n: int, ranks: list[i
         flows += _stage_flows(stages, st, handed, acc_cut, graphs)
     for s, cuts in extra_cuts.items():
         for spec, value in cuts:
-            flows += _accumulator_flows(stage[value], spec, s)
+            if region_of(value) == Region.OPTIMIZER:   # a tied weight's summed gradient, from its updater
+                flows.append(Flow(f"stage{stage[value]}.apply", Spec(OutputKind.STEP_STATE, spec.name),
+                                  f"stage{s}.apply", spec))
+            else:
+                flows += _accumulator_flows(stage[value], spec, s)
     flows += _gradient_flows(stages, graphs)
     covered = {(sp.kind, sp.name) for g in graphs.values() for sp in g.signature.outputs}
     lost = [sp for sp, _ in nodes.outputs if (sp.kind, sp.name) not in covered]
