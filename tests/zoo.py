@@ -62,7 +62,7 @@ IMAGE, PATCH, CHANNELS, CLASSES = 16, 8, 3, 5
 PAD_ID = 0
 
 MODELS = ("gpt", "gpt2", "llama", "mistral", "qwen2", "bert", "t5", "vit", "clip",
-          "mixtral", "qwen2_moe", "olmoe", "gpt_neox", "phi3")
+          "mixtral", "qwen2_moe", "olmoe", "gpt_neox", "phi3", "gemma")
 EXPERTS, TOP_K = 4, 2
 
 
@@ -262,6 +262,10 @@ _BUILDERS = {
     # Phi-3-mini's shape: q, k and v fused in qkv_proj (as many kv heads as heads), gate and up in
     # gate_up_proj, each sliced apart in the forward
     "phi3": _decoder("Phi3Config", "Phi3ForCausalLM", num_key_value_heads=HEADS),
+    # Gemma's shape: the embedding tied to the head and scaled by sqrt(hidden) in the forward,
+    # GeGLU MLP, RMSNorm by (1 + weight), one kv head (multi-query)
+    "gemma": _decoder("GemmaConfig", "GemmaForCausalLM", num_key_value_heads=1, head_dim=HIDDEN // HEADS,
+                      tie_word_embeddings=True),
     "bert": _build_bert, "t5": _build_t5, "vit": _build_vit, "clip": _build_clip,
 }
 

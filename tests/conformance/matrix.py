@@ -34,12 +34,12 @@ import torch
 from tests.zoo import build, eager_steps
 
 MODELS = ("gpt", "gpt2", "llama", "mistral", "bert", "t5", "vit", "clip", "mixtral", "qwen2_moe", "olmoe",
-          "gpt_neox")
+          "gpt_neox", "gemma")
 MODEL_TITLES = {"gpt": "recipe GPT", "gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
                 "mistral": "MistralForCausalLM", "bert": "BertForMaskedLM",
                 "t5": "T5ForConditionalGeneration", "vit": "ViTForImageClassification", "clip": "CLIPModel",
                 "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                "olmoe": "OlmoeForCausalLM", "gpt_neox": "GPTNeoXForCausalLM"}
+                "olmoe": "OlmoeForCausalLM", "gpt_neox": "GPTNeoXForCausalLM", "gemma": "GemmaForCausalLM"}
 PLANS = {
     "fp32": {},
     "bf16": {"precision": "bf16"},

@@ -241,7 +241,9 @@ def test_tied_weights_and_global_grad_clipping_across_stages_match_single_proces
                # alone: its gradient, placed with the gradient it reads, is computed by the home stage)
                "gpt2/dualpipev:sgd", "gpt2/dualpipev:adamw:clip=0.5", f"gpt2/dualpipev:adamw:clip=0.5:{FP16}",
                # tied across ranks with several stages per rank: each rank's updating stage sums first
-               "gpt2/interleaved_1f1b:adamw:2:clip=0.5", f"gpt2/interleaved_1f1b:sgd:2:clip=0.5:{FP16}"]
+               "gpt2/interleaved_1f1b:adamw:2:clip=0.5", f"gpt2/interleaved_1f1b:sgd:2:clip=0.5:{FP16}",
+               # Gemma: its embedding tied to the head (and scaled by sqrt(hidden) in the forward)
+               "gemma/dualpipev:sgd:clip=0.5", "gemma/interleaved_1f1b:adamw:2:clip=0.5"]
     ranks = _launch(tmp_path_factory, "tied_clip", 2, "gpt4", 2, 1, configs)
     for config in configs:
         with subtests.test(config=config):
@@ -251,9 +253,10 @@ def test_tied_weights_and_global_grad_clipping_across_stages_match_single_proces
                 _check_fp16(ranks, config)
             else:
                 _check(ranks, config, "gpt4")
-            if config.startswith("gpt2/"):   # interleaved, DualPipeV: 4 stages, the last on rank 1 / rank 0
+            tied = {"gpt2": "transformer.wte.weight", "gemma": "model.embed_tokens.weight"}.get(config.split("/")[0])
+            if tied:   # interleaved, DualPipeV: 4 stages, the last on rank 1 / rank 0
                 last = 3 if "interleaved" in config or "dualpipev" in config else 1
-                assert ranks[0][config]["shared"] == {"transformer.wte.weight": [0, last]}
+                assert ranks[0][config]["shared"] == {tied: [0, last]}
 
 
 @pytest.mark.parametrize("pp,dp", [(2, 1), (1, 2)])
