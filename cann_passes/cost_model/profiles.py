@@ -294,9 +294,12 @@ def _cache_path() -> str:
     return os.path.join(base, "cann_passes", f"cpu_profile-{key}.json")
 
 
-@functools.lru_cache(maxsize=1)
-def cpu_profile() -> DeviceProfile:
-    """This machine's CPU, measured once (then read from the on-disk cache)."""
+# The measurement every rank of a run prices with (rank 0's, handed out by init_distributed).
+_SHARED: dict | None = None
+
+
+def measured_cpu() -> dict:
+    """This machine's CPU measurement: the on-disk cache's, else measured now (and cached)."""
     path = _cache_path()
     try:
         with open(path, encoding="utf-8") as f:
@@ -311,6 +314,25 @@ def cpu_profile() -> DeviceProfile:
                 json.dump(measured, f)
         except OSError:  # a read-only home: measure again next process
             pass
+    return measured
+
+
+def share_measurement(measured: dict | None) -> None:
+    """Price with ``measured`` from now on (None: this process's own again). The ranks of a run
+    must make the same priced choices (pipeline cuts, recompute selections): each measuring for
+    itself, on a machine the others load, they could cut their stages differently."""
+    global _SHARED
+    if measured is not None and not all(k in measured for k in _MEASURED_KEYS):
+        raise ValueError(f"a shared CPU measurement needs {', '.join(_MEASURED_KEYS)}; got {sorted(measured)}")
+    _SHARED = None if measured is None else dict(measured)
+    cpu_profile.cache_clear()
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_profile() -> DeviceProfile:
+    """This machine's CPU, measured once (then read from the on-disk cache), or the measurement
+    shared by rank 0 of a run (``share_measurement``)."""
+    measured = _SHARED or measured_cpu()
     matmul, vector = measured["matmul_flops"], measured["vector_flops"]
     return DeviceProfile(
         name="cpu",
@@ -328,7 +350,8 @@ def cpu_profile() -> DeviceProfile:
         op_overhead=measured["op_overhead"],            # a 1-element aten.add from Python
         view_overhead=measured["view_overhead"],        # aten.view / aten.t from Python
         class_bandwidth=dict(measured["class_bandwidth"]),
-        sources={"all": f"measured by microbenchmark, cached in {path}"},
+        sources={"all": "measured by microbenchmark on rank 0 of this run" if _SHARED else
+                 f"measured by microbenchmark, cached in {_cache_path()}"},
     )
 
 

@@ -19,6 +19,7 @@ even if it is blocked inside a collective, so no rank waits forever.
 """
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -243,11 +244,22 @@ def init_distributed(plan: Plan, *, device_type: str | None = None, timeout_s: f
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh(device_type, (plan.pp, plan.dp, plan.cp, plan.tp), mesh_dim_names=MESH_DIMS)
     store = dist.PrefixStore("cann_passes/", dist.distributed_c10d._get_default_store().clone())
+    _share_cpu_measurement(store, dist.get_rank())
     watchdog = Watchdog(store, dist.get_rank(), dist.get_world_size(), interval_s=heartbeat_s,
                         fault_timeout_s=fault_timeout_s)
     watchdog.start()
     _current = DistributedRuntime(plan, mesh, backend, device_type, watchdog, store)
     return _current
+
+
+def _share_cpu_measurement(store, rank: int) -> None:
+    """Every rank prices with rank 0's CPU measurement (through the rendezvous store, whatever the
+    backend): a profile measured by each rank under the others' load differs, and the pipeline cut
+    chosen from it would differ between ranks."""
+    from ..cost_model.profiles import measured_cpu, share_measurement
+    if rank == 0:
+        store.set("cpu_profile", json.dumps(measured_cpu()))
+    share_measurement(json.loads(store.get("cpu_profile")))
 
 
 def current() -> DistributedRuntime | None:

@@ -49,6 +49,21 @@ class TestProfiles:
         finally:
             profiles.cpu_profile.cache_clear()
 
+    def test_a_measurement_shared_by_rank_0_prices_every_rank_alike(self):
+        # init_distributed hands rank 0's measurement to every rank (through the rendezvous store),
+        # so the ranks' priced choices (the pipeline cut) agree
+        from cann_passes.cost_model import profiles
+        own = get_profile("auto").matrix_flops["fp32"]
+        try:
+            profiles.share_measurement(dict(profiles.measured_cpu(), matmul_flops=1.5e9))
+            assert get_profile("auto").matrix_flops["fp32"] == 1.5e9
+            with pytest.raises(ValueError, match="needs matmul_flops.*got \\['matmul_flops'\\]"):
+                profiles.share_measurement({"matmul_flops": 1.0})
+            assert get_profile("auto").matrix_flops["fp32"] == 1.5e9
+        finally:
+            profiles.share_measurement(None)
+        assert get_profile("auto").matrix_flops["fp32"] == own
+
     def test_unknown_profile_is_refused_by_name(self):
         with pytest.raises(ValueError, match="'tpu'"):
             get_profile("tpu")
