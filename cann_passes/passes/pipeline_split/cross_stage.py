@@ -123,11 +123,16 @@ def _tied_terms_by_stage(stage: dict, leaves: list, home: int, readers: list[int
     return by_stage
 
 
+def _tied_accumulator(name: str, s: int) -> str:
+    """The step-state name of stage ``s``'s accumulator of its part of tied weight ``name``'s gradient."""
+    return f"{ACCUMULATOR_PREFIX}{name}{TIED_SUFFIX}{s}"
+
+
 def _stage_accumulator(rw: _Rewriter, name: str, s: int, acc_in: torch.fx.Node, partial, scaled: torch.fx.Node,
                        weight, step_state: dict) -> tuple[torch.fx.Node, torch.fx.Node]:
     """Stage ``s``'s own accumulator of its part of tied weight ``name``'s gradient: (input, update)."""
     nodes = rw.nodes
-    state = f"{ACCUMULATOR_PREFIX}{name}{TIED_SUFFIX}{s}"
+    state = _tied_accumulator(name, s)
     with rw.graph.inserting_after(acc_in):
         placeholder = rw.graph.placeholder(re.sub(r"\W", "_", f"step_state_{state}"))
     placeholder.meta = dict(acc_in.meta)
@@ -180,9 +185,8 @@ def _split_tied(rw: _Rewriter, name: str, readers: list[int], home: int, acc: to
     if not readers_of_acc:
         raise PipelineSplitError(f"tied parameter '{name}': its update reads no accumulated gradient")
     first = min(readers_of_acc, key=lambda u: rw.nodes.order.get(u, 1 << 60))
-    updaters = _updating_holders(holders, home, ranks)
     parts = {s: _rank_part(rw, name, s, [t for t in holders if ranks[t] == ranks[s]], accs, first, cuts)
-             for s in updaters}
+             for s in _updating_holders(holders, home, ranks)}
     group = group_of(name, holders)
     summed = parts[home] if group is None else rw.all_reduce(first, home, parts[home], "sum", group)
     for user in readers_of_acc:
@@ -207,8 +211,7 @@ def _rank_part(rw: _Rewriter, name: str, s: int, local: list[int], accs: dict, b
     for t in local:
         if t == s or accs[t][1] is accs[t][0]:   # a holder adding nothing keeps its zeros
             continue
-        state = f"{ACCUMULATOR_PREFIX}{name}{TIED_SUFFIX}{t}"
-        cuts.setdefault(s, []).append((Spec(InputKind.STEP_STATE, state), accs[t][1]))
+        cuts.setdefault(s, []).append((Spec(InputKind.STEP_STATE, _tied_accumulator(name, t)), accs[t][1]))
         part = rw.emit(before, s, Region.OPTIMIZER, aten.add.Tensor, part, accs[t][1])
     return part
 
