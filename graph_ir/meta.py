@@ -24,6 +24,9 @@ MODULE_PATH = "module_path"
 COST = "cost"
 SHARDING = "sharding"
 RECOMPUTE = "recompute"
+# On a recomputed copy: the name of the forward node it recomputes (where the copy's work lies in
+# the forward order, which a pipeline cut must not split from the values the copy starts from).
+RECOMPUTE_OF = "recompute_of"
 ORIGIN_PASS = "origin_pass"
 # On a backward node that yields a parameter's gradient: the parameter's name.
 GRADIENT_OF = "gradient_of"

@@ -47,7 +47,7 @@ from graph_ir.analysis.effects import communicates, draws_random, random_op, reg
 from graph_ir.analysis.memory import aliases_input, buffer_bytes, memory_profile, saved_activations, storage_roots
 from graph_ir.analysis.structure import Structure, attention_cores, find_blocks
 from graph_ir.build import eliminate_dead_code, fake_value
-from graph_ir.meta import (MODULE_PATH, ORIGIN_PASS, RECOMPUTE, REGION, Region, module_path_of,
+from graph_ir.meta import (MODULE_PATH, ORIGIN_PASS, RECOMPUTE, RECOMPUTE_OF, REGION, Region, module_path_of,
                            nbytes, region_of, tensors_of)
 from graph_ir.placement import RANDOM_PIECE
 
@@ -399,7 +399,8 @@ class _Rewriter:
             with self.tg.graph.inserting_before(before):
                 out = self.tg.graph.call_function(node.target, args, kwargs)
             out.meta.update({k: v for k, v in node.meta.items() if k != ORIGIN_PASS})
-            out.meta.update({REGION: Region.BACKWARD.value, RECOMPUTE: True, ORIGIN_PASS: "recompute"})
+            out.meta.update({REGION: Region.BACKWARD.value, RECOMPUTE: True, RECOMPUTE_OF: node.name,
+                             ORIGIN_PASS: "recompute"})
             self.added.append(out)
             self.source_of[out] = node
         self.copies[key] = out

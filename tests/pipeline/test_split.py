@@ -18,7 +18,7 @@ from cann_passes.pass_manager import PassFailure
 from cann_passes.plan import PlanError
 from graph_ir import capture_train_step
 from graph_ir.mesh import MeshDesc
-from graph_ir.meta import GraphAttr, GraphKind, StageValue
+from graph_ir.meta import RECOMPUTE_OF, GraphAttr, GraphKind, StageValue
 from graph_ir.verifier import verify_program
 from recipes.models.gpt import GPT, gpt_loss, gpt_tiny
 from tests.zoo import build, compare, default_optimizer
@@ -348,6 +348,30 @@ class TestAllStagesInOneProcess:
         assert run.max_param_diff() <= 1e-5
         info = run.step.last.program.attrs[PP]
         assert info["stages"] == 2 and info["units"] >= 4
+
+    @pytest.mark.parametrize("model,pp", [("llama", 2), ("gpt_neox", 3)])
+    def test_full_recompute_is_cut_only_between_the_spans_it_replays_and_matches_eager(self, model, pp):
+        # Left to the balancer, a cut after a block's input norm would leave the norm's recomputed
+        # copy (and the norm weight it reads) on the stage before the cut, while the attention
+        # backward that reads it runs on the stage after.
+        run = compare(model, Plan(pp=pp, microbatches=4, backend="eager", recompute="full"), steps=2,
+                      optimizer=default_optimizer)
+        for got, want in zip(run.compiled_losses, run.eager_losses, strict=True):
+            assert abs(got - want) <= 1e-5 * abs(want)
+        assert run.max_param_diff() <= 1e-5
+        program = run.step.last.program
+        assert program.attrs[PP]["stages"] == pp
+        # (values made from the batch alone, such as the mask and the rotary tables, are copied
+        # into every stage that needs them)
+        stages_of: dict[str, set] = {}
+        for g, graph in program.graphs.items():
+            if ".forward" in g:
+                for node in graph.graph.nodes:
+                    stages_of.setdefault(node.name, set()).add(g.split(".")[0])
+        copies = [(g.split(".")[0], node.meta[RECOMPUTE_OF]) for g, graph in program.graphs.items()
+                  if ".backward" in g for node in graph.graph.nodes if node.meta.get(RECOMPUTE_OF)]
+        assert any(source in stages_of for _, source in copies)
+        assert all(stage in stages_of.get(source, {stage}) for stage, source in copies)
 
 
 def test_zero3_stages_hold_layers_and_a_tied_weight_across_them_is_refused_by_name():

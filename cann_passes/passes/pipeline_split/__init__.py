@@ -91,7 +91,7 @@ import torch
 import torch.fx
 
 from graph_ir import TrainGraph
-from graph_ir.meta import GraphAttr, GraphKind, Region, graph_kind, region_of
+from graph_ir.meta import RECOMPUTE_OF, GraphAttr, GraphKind, Region, graph_kind, region_of
 from graph_ir.pipeline_info import PipelineSplit, set_pipeline_split
 from graph_ir.program import EVERY_MICROBATCH, EVERY_STEP, Program, Run
 from graph_ir.signature import InputKind, OutputKind
@@ -198,8 +198,10 @@ def pipeline_split_pass(program: Program, ctx: PassContext, *, stages: int = 2, 
                                  "fewest bytes crossing anywhere)")
     units = _unit_starts(nodes, min(cut_slack, RESIDUAL_SLACK))
     if len(units) < stages:
+        replayed = any(n.meta.get(RECOMPUTE_OF) for n in nodes.backward)
+        where = ", outside the spans recompute replays whole" if replayed else ""
         raise PassOptionError("pipeline_split", "stages", f"the step has {len(units)} cuttable unit(s) (cut points where only the residual "
-                              f"stream crosses), fewer than the {stages} stages asked for (rule: at most one "
+                              f"stream crosses{where}), fewer than the {stages} stages asked for (rule: at most one "
                               "stage per unit)", stages)
     try:
         device = get_profile(profile)

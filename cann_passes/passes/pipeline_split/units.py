@@ -8,7 +8,7 @@ from graph_ir.analysis.collectives import is_collective
 from graph_ir.analysis.cost import node_cost
 from graph_ir.analysis.memory import aliases_input
 from graph_ir.analysis.structure import find_blocks
-from graph_ir.meta import GraphAttr, module_path_of, nbytes
+from graph_ir.meta import RECOMPUTE_OF, GraphAttr, module_path_of, nbytes
 from graph_ir.signature import InputKind
 
 from ...pass_manager import PassOptionError
@@ -69,7 +69,7 @@ def _uncuttable(nodes: _Nodes) -> list[bool]:
 def _unit_starts(nodes: _Nodes, slack: float = CROSSING_SLACK) -> list[int]:
     """Forward positions where a unit starts (0 first): where at most ``slack`` x the fewest bytes cross."""
     crossing = _crossing_bytes(nodes)
-    view_cross = _uncuttable(nodes)
+    view_cross = [a or b for a, b in zip(_uncuttable(nodes), _inside_recomputation(nodes))]
     # The floor is taken where real work lies on both sides (not after the loss's last reduction,
     # where only a scalar is left), and a unit must hold some arithmetic of its own. Both sides
     # also read parameters: after the last parameter's reader only the loss is left, and a loss
@@ -97,6 +97,42 @@ def _unit_starts(nodes: _Nodes, slack: float = CROSSING_SLACK) -> list[int]:
     if len(starts) > 1 and before[starts[-1]] == total:   # the last unit would hold no arithmetic
         starts.pop()
     return starts
+
+
+def _inside_recomputation(nodes: _Nodes) -> list[bool]:
+    """Per forward position: whether it lies inside the forward span of one recomputed chain (the
+    copies a backward replays from the values recompute saved, joined where one copy reads another).
+    A cut there would leave the chain's first copies, and the parameters they read, on the stage
+    before the cut while the backward that needs them runs on the stage after it."""
+    position = {n.name: i for i, n in enumerate(nodes.forward)}
+    copies = [n for n in nodes.backward if n.meta.get(RECOMPUTE_OF) is not None]
+    chain = {n: n for n in copies}
+
+    def root(n):
+        while chain[n] is not n:
+            chain[n] = chain[chain[n]]
+            n = chain[n]
+        return n
+
+    for n in copies:
+        for a in n.all_input_nodes:
+            if a in chain:
+                chain[root(a)] = root(n)
+    spans: dict = {}
+    for n in copies:
+        at = position.get(n.meta[RECOMPUTE_OF])
+        if at is not None:
+            low, high = spans.get(root(n), (at, at))
+            spans[root(n)] = (min(low, at), max(high, at))
+    marks = [0] * (len(nodes.forward) + 2)
+    for low, high in spans.values():
+        marks[low + 1] += 1
+        marks[high + 1] -= 1
+    inside, running = [], 0
+    for i in range(len(nodes.forward)):
+        running += marks[i]
+        inside.append(running > 0)
+    return inside
 
 
 def _gathered_values(nodes: _Nodes) -> tuple[set, set]:
