@@ -9,7 +9,9 @@ over ``cp`` (Llama 3's all-gather context parallelism); each rank computes
 the attention of its query rows against every key, the mask's rows cut to
 its chunk (``is_causal`` becomes that chunk's explicit mask); in backward the
 gradients of K and V, partial sums over the query chunks, are
-reduce-scattered back to the chunks. Parameter gradients are partial sums
+reduce-scattered back to the chunks (under grouped-query attention at the kv
+head count: gathered before the repeat to the query's heads, scattered after
+its backward sums them back). Parameter gradients are partial sums
 over the chunks and are all-reduced over ``cp`` where backward yields them
 (``data_parallel`` then reduces them over ``dp``, as for any gradient). The
 loss is exact: a mean cross-entropy is the all-reduced sum over the all-reduced
@@ -49,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 
 import torch
 import torch.fx
@@ -120,6 +123,81 @@ def context_parallel_pass(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     return out
 
 
+# What GQA's head repeat of K and V is made of (transformers' ``repeat_kv``: unsqueeze, expand,
+# a copy, a view to the query's head count), and its backward (a view, the sum over the repeat).
+_REPEAT_OPS = (aten.unsqueeze.default, aten.expand.default, aten.clone.default, aten._unsafe_view.default,
+               aten.view.default, aten.reshape.default)
+_REPEAT_BACKWARD_OPS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+                        aten.sum.dim_IntList, aten.squeeze.dim)
+
+
+def _kv_head_repeats(graph: torch.fx.Graph) -> tuple[set, dict, dict, set]:
+    """Where K and V cross ranks at their own head count rather than the query's: the first node of
+    each head repeat feeding the attention kernel (its input is gathered), per attention backward
+    and key/value operand the repeat it reads (replayed there on a second gather), and per
+    attention backward the key/value gradients left partial until the nodes where the repeat's
+    backward has summed them back (there reduce-scattered). A repeat is recognised by its values alone: a chain
+    of view-like ops with an expand, read only by itself and the attention kernels, from
+    ``[b, kv, s, d]`` to ``[b, heads, s, d]``; with as many kv heads as heads there is none."""
+    attention = {n for n in graph.nodes if n.target in (_ATTENTION, _ATTENTION_BACKWARD)}
+    gather_before, chains, partial, scatter_after = set(), {}, {}, set()
+    for node in attention:
+        for i in ((1, 2) if node.target is _ATTENTION else (2, 3)):
+            chain = _repeat_chain(node.args[i], attention)
+            if chain:
+                gather_before.add(chain[-1])
+                if node.target is _ATTENTION_BACKWARD:
+                    chains[(node, i)] = chain
+        if node.target is _ATTENTION_BACKWARD:
+            for user in node.users:
+                if user.target is operator.getitem and user.args[1] in (1, 2):
+                    end = _repeat_backward_end(user)
+                    if end is not None:
+                        partial.setdefault(node, set()).add(user.args[1])
+                        scatter_after.add(end)
+    return gather_before, chains, partial, scatter_after
+
+
+def _shape(node) -> list[int] | None:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return list(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _repeat_chain(value, attention: set) -> list:
+    """The repeat's nodes from the kernel's operand back to the first (or [] when it is none)."""
+    chain, node = [], value
+    while isinstance(node, torch.fx.Node) and node.target in _REPEAT_OPS:
+        chain.append(node)
+        node = node.args[0]
+    root, out = _shape(node), _shape(value)
+    if not chain or root is None or out is None or len(root) != 4 or len(out) != 4 \
+            or aten.expand.default not in {n.target for n in chain}:
+        return []
+    heads, kv = out[1], root[1]
+    if kv >= heads or heads % kv or [root[0], root[2], root[3]] != [out[0], out[2], out[3]]:
+        return []
+    inside = set(chain) | attention
+    if any(u not in inside for n in chain for u in n.users):
+        return []
+    return chain
+
+
+def _repeat_backward_end(grad) -> torch.fx.Node | None:
+    """The node where a repeated key's gradient ``[b, heads, s, d]`` is summed back to ``[b, kv, s, d]``."""
+    start, node, summed = _shape(grad), grad, False
+    while len(node.users) == 1:
+        user = next(iter(node.users))
+        if user.target not in _REPEAT_BACKWARD_OPS:
+            break
+        summed = summed or user.target is aten.sum.dim_IntList
+        node = user
+        shape = _shape(node)
+        if summed and shape is not None and len(shape) == 4 and start is not None \
+                and [shape[0], shape[2], shape[3]] == [start[0], start[2], start[3]] and shape[1] < start[1]:
+            return node
+    return None
+
+
 def _sequence_length(graph: TrainGraph, cp: int) -> int:
     """The one sequence length of the batch inputs (dim 1 of each with two or more dims)."""
     lengths = {}
@@ -180,8 +258,22 @@ class _Rewriter(Rewriter):
         super().__init__(gm, mesh, sequence_parallel=False, origins={}, grad_places=grad_places)
         self.seq, self.cp = seq, mesh.size(0)
         self._masks: dict = {}
+        self._gather_before, self._repeats, self._partial_grads, self._scatter_after = _kv_head_repeats(gm.graph)
+        self._kv_shards: dict = {}   # first node of a head repeat -> the K or V chunk it read
 
     def call_function(self, target, args, kwargs):
+        from torch.distributed.tensor import DTensor, Replicate
+        node = self.current
+        if node in self._gather_before and isinstance(args[0], DTensor):
+            # K or V gathered at their own head count, before GQA's repeat to the query's
+            self._kv_shards[node] = args[0]
+            args = (args[0].redistribute(self.mesh, [Replicate()]), *args[1:])
+        out = self._call_function(target, args, kwargs)
+        if node in self._scatter_after:
+            out = self._scattered(out, node)
+        return out
+
+    def _call_function(self, target, args, kwargs):
         for rule in (self._local_collective, self._strided_split, self._attention, self._attention_backward, self._loss,
                      self._loss_backward, self._token_view, self._empty_cat):
             out = rule(target, args, kwargs)
@@ -276,16 +368,45 @@ class _Rewriter(Rewriter):
             return None
         grad, q, k, v, out, lse, dropout, causal = args[:8]
         self._no_dropout(target, dropout)
+        k, v = (self._repeated_again(self._repeats.get((self.current, i)), t) for i, t in ((2, k), (3, v)))
         mask = self._mask_rows(kwargs.get("attn_mask"), causal, q, k)
         dq, dk, dv = target(self._local(grad, 2), q.to_local(), self._gathered(k), self._gathered(v),
                             self._local(out, 2), self._local(lse, 2), 0.0, False, attn_mask=mask,
                             scale=kwargs.get("scale"))
         whole = _global_meta(target, args, kwargs)
         # Each rank's query rows give a partial sum of every key's gradient: reduce-scattered to the
-        # chunks here (left partial, a reader of one chunk would take another rank's rows' share).
-        dk, dv = (self._laid_out_as(self._placed(t, Partial(), w).redistribute(self.mesh, [Shard(2)]), w)
-                  for t, w in ((dk, whole[1]), (dv, whole[2])))
+        # chunks here (left partial, a reader of one chunk would take another rank's rows' share),
+        # or, after GQA's repeat, once its backward has summed them to the kv head count.
+        later = self._partial_grads.get(self.current, ())
+        dk, dv = (self._placed(t, Partial(), w) if i in later else
+                  self._laid_out_as(self._placed(t, Partial(), w).redistribute(self.mesh, [Shard(2)]), w)
+                  for i, t, w in ((1, dk, whole[1]), (2, dv, whole[2])))
         return self._placed(dq, Shard(2), whole[0]), dk, dv
+
+    def _repeated_again(self, chain, repeated):
+        """GQA's repeated K (or V) for an attention backward: gathered again from the rank's chunk
+        and repeated again, as the kernel's own operand is gathered again without the repeat, so
+        the whole K and V are not kept from forward to backward."""
+        from torch.distributed.tensor import Replicate
+        shard = self._kv_shards.get(chain[-1]) if chain else None
+        if shard is None:
+            return repeated
+        x, backward = shard.redistribute(self.mesh, [Replicate()]), self.current
+        try:
+            for node in reversed(chain):
+                self.current = node   # (the rules read the op's whole value; the traced nodes keep backward's tags)
+                rest = torch.fx.node.map_arg(node.args[1:], lambda a: self.env[a])
+                x = self._call_function(node.target, (x, *rest), torch.fx.node.map_arg(node.kwargs, lambda a: self.env[a]))
+        finally:
+            self.current = backward
+        return x
+
+    def _scattered(self, out, node):
+        """A key's (or value's) gradient summed back to its own heads, reduce-scattered to the chunks."""
+        from torch.distributed.tensor import DTensor, Partial, Shard
+        if not isinstance(out, DTensor) or not isinstance(out.placements[0], Partial):
+            return out
+        return self._laid_out_as(out.redistribute(self.mesh, [Shard(2)]), node.meta["val"])
 
     def _laid_out_as(self, t, like):
         """``t`` with its local tensor in ``like``'s dim order (a reduce-scatter returns it

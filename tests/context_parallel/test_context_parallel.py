@@ -52,6 +52,17 @@ def test_attention_gathers_kv_and_the_gradients_are_reduced(llama):
     assert len(attention) == 1 and len(scatters) == 2 and len(gathers) >= 2
     q, k, v = attention[0].args[:3]
     assert q.meta["val"].shape[2] == 6 and k.meta["val"].shape[2] == 12 and v.meta["val"].shape[2] == 12
+    # GQA: K and V cross ranks at their own head count, before the repeat to the query's, and
+    # their gradients once its backward has summed them back
+    assert zoo.KV_HEADS < zoo.HEADS
+    assert q.meta["val"].shape[1] == zoo.HEADS
+    kv = [n for n in gathers + scatters if n.args[0].meta["val"].is_floating_point()]
+    assert len(kv) >= 4
+    # gathered again for the backward (and repeated again there), not kept whole from forward
+    assert len([n for n in kv if n in gathers and n.meta.get("region") == "backward"]) == 2
+    for n in kv:
+        moved = n.args[0].meta["val"]
+        assert moved.numel() == zoo.BATCH * zoo.KV_HEADS * 6 * (zoo.HIDDEN // zoo.HEADS) * (2 if n in scatters else 1), n
     # every collective names the mesh description's cp group
     assert {n.args[-1] for n in _collectives(out)} == {MeshDesc.fake(cp=2, rank=1).group_name("cp")}
 

@@ -55,7 +55,7 @@ def test_cp2_matches_single_process(tmp_path):
         assert_matches(scenario, got[scenario])
     # full recompute gathers K and V again in backward instead of keeping them whole
     again = got["llama:sgd:pad:full"]["collectives"]["backward.all_gather_into_tensor"]
-    assert again > got["llama:sgd:pad"]["collectives"]["backward.all_gather_into_tensor"]
+    assert again > got["llama:sgd:pad"]["collectives"].get("backward.all_gather_into_tensor", 0)
     collectives, attrs = got["llama:sgd:pad"]["collectives"], got["llama:sgd:pad"]["attrs"]
     assert attrs == {"cp": 2, "rank": 0, "seq": 12, "local_seq": 6}
     layers = 2
