@@ -14,7 +14,9 @@ This bench captures the whole training step of the recipe GPT at LLaMA-7B width 
 ``recompute{policy=none}`` (every activation kept), and counts the forward buffers of
 ``layers.0`` that backward reads, weights excepted (``graph_ir.analysis.memory``), side by
 side with ``A(s) / cp`` from the cp = 1 graph; and the bytes of the layer's all-gathers (the
-exchange) against the formula. SDPA is captured on meta as CPU's fused flash kernel (as the
+exchange) against the formula; then, per rank, the query-key pairs the causal attention computes
+with the balanced chunks (rank r holds chunks r and 2cp - 1 - r) and with contiguous ones
+(``balance=false``). SDPA is captured on meta as CPU's fused flash kernel (as the
 CPU capture and the device run it: ``graph_ir.meta_attention``), which keeps only the output
 and its log-sum-exp, no ``a * s * s`` probabilities.
 
@@ -58,12 +60,30 @@ def gathered_bytes(graph, prefix: str = "layers.0") -> int:
     return total
 
 
-def measure(graph, cp: int):
-    steps = ["cleanup", "autocast{dtype=bf16,policy=cuda}"] + (["context_parallel"] if cp > 1 else [])
-    ctx = PassContext(mesh=MeshDesc.fake(cp=cp))
-    out = PassManager(Pipeline.of(*steps, "recompute{policy=none}", "cleanup"), verify_level="off").run(
+def _compiled(graph, cp: int, rank: int = 0, balance: bool = True):
+    steps = ["cleanup", "autocast{dtype=bf16,policy=cuda}"] + (
+        [f"context_parallel{{balance={str(balance).lower()}}}"] if cp > 1 else [])
+    ctx = PassContext(mesh=MeshDesc.fake(cp=cp, rank=rank))
+    return PassManager(Pipeline.of(*steps, "recompute{policy=none}", "cleanup"), verify_level="off").run(
         graph.copy(), ctx)
+
+
+def measure(graph, cp: int):
+    out = _compiled(graph, cp)
     return layer_bytes(out)[0], gathered_bytes(out)
+
+
+def attention_pairs(graph) -> int:
+    """Query-key pairs the forward attention kernels compute (their work, per head and batch row)."""
+    kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    return sum(n.args[0].meta["val"].shape[2] * n.args[1].meta["val"].shape[2]
+               for n in graph.graph.nodes if n.target is kernel)
+
+
+def attention_balance(graph, cp: int) -> dict[bool, list[int]]:
+    """Per rank, the attention's query-key pairs, with the balanced chunks and with contiguous ones."""
+    return {balance: [attention_pairs(_compiled(graph, cp, rank, balance)) for rank in range(cp)]
+            for balance in (True, False)}
 
 
 def main(argv=None) -> None:
@@ -85,6 +105,19 @@ def main(argv=None) -> None:
         kv = 2 * s * b * h * 2 if cp > 1 else 0
         print(f"{cp:>3} {got / 2**20:>10.1f} {whole / cp / 2**20:>12.1f} {got / (whole / cp):>7.3f} "
               f"{gathered / 2**20:>17.1f} {kv / 2**20:>11.1f} {(gathered / kv if kv else 0):>7.3f}")
+    # is_causal: each chunk attends to the keys up to its end; causal pairs s(s+1)/2 of s^2
+    print(f"\nattention query-key pairs per rank (is_causal), as a share of the whole s^2 / cp; "
+          f"causal alone is {(s + 1) / (2 * s):.3f}")
+    print(f"{'cp':>3} {'balanced min':>13} {'max':>7} {'max/mean':>9} {'contiguous min':>15} {'max':>7} {'max/mean':>9}")
+    for cp in args.cp:
+        if cp == 1:
+            continue
+        work = attention_balance(graph, cp)
+        row = []
+        for balance in (True, False):
+            shares = [w / (s * s / cp) for w in work[balance]]
+            row += [min(shares), max(shares), max(shares) / (sum(shares) / cp)]
+        print(f"{cp:>3} {row[0]:>13.3f} {row[1]:>7.3f} {row[2]:>9.3f} {row[3]:>15.3f} {row[4]:>7.3f} {row[5]:>9.3f}")
 
 
 if __name__ == "__main__":

@@ -13,8 +13,11 @@ RANK_ENV = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 
 
 def make(name: str, opt: str):
-    """``tests.zoo`` model ``name`` (2 layers, seed 0) and ``sgd`` (momentum 0.9) or AdamW."""
-    entry = zoo.build(name, layers=2, seed=0)
+    """``tests.zoo`` model ``name`` (2 layers, seed 0) and ``sgd`` (momentum 0.9) or AdamW.
+    ``name+key=value`` overrides one config field (``gpt+attention=sdpa``)."""
+    name, *overrides = name.split("+")
+    config = dict(o.split("=", 1) for o in overrides)
+    entry = zoo.build(name, layers=2, seed=0, **config)
     if opt == "sgd":
         optimizer = torch.optim.SGD(entry.model.parameters(), lr=0.1, momentum=0.9)
     else:

@@ -1,13 +1,20 @@
 """context_parallel: the sequence split over the mesh's ``cp`` axis, attention over the whole of it.
 
 Every rank of a context-parallel group is fed the same (data-parallel) batch
-and keeps ``1/cp`` of each sequence: the graph cuts its chunk of every batch
+and keeps ``1/cp`` of each sequence: the graph cuts its part of every batch
 input's sequence dimension (dim 1) and from there the residual stream, the
-projections, the MLP and the loss run on ``seq / cp`` tokens per rank. Only
+projections, the MLP and the loss run on ``seq / cp`` tokens per rank. The
+part is two chunks of ``seq / 2cp``, ``r`` and ``2cp - 1 - r`` (``_Layout``;
+one contiguous chunk where ``2cp`` does not divide the sequence, or with
+``balance=false``), so that under a causal mask every rank's queries see
+as many keys. Only
 attention needs the other ranks' tokens: before it, K and V are all-gathered
 over ``cp`` (Llama 3's all-gather context parallelism); each rank computes
 the attention of its query rows against every key, the mask's rows cut to
-its chunk (``is_causal`` becomes that chunk's explicit mask); in backward the
+its positions. Under ``is_causal`` each chunk is computed against the keys up
+to its own end only (the later ones are masked for all its queries), with
+the explicit mask of its positions past the first chunk: the masked blocks
+are skipped, and the balanced chunks give every rank the same work. In backward the
 gradients of K and V, partial sums over the query chunks, are
 reduce-scattered back to the chunks (under grouped-query attention at the kv
 head count: gathered before the repeat to the query's heads, scattered after
@@ -42,10 +49,9 @@ flash_attention_for_cpu``: the capture decomposes SDPA into it on every
 backend; an efficient/cudnn kernel would be refused by name).
 
 What is not built: ring attention (K/V passed round the ring, overlapping
-the exchange with compute) and the load-balanced causal chunking it needs to
-skip masked blocks. Here every rank computes its ``seq / cp`` query rows
-against all ``seq`` keys with an explicit mask, so the ranks' work is equal
-without rebalancing, and no masked block is skipped on any rank.
+the exchange with compute, never holding the whole K and V). Masked blocks
+are skipped for ``is_causal`` only: an explicit mask is data, so a rank
+computes its query rows against every key under it.
 """
 from __future__ import annotations
 
@@ -89,8 +95,11 @@ class ContextParallelError(ValueError):
 
 
 @register_pass("context_parallel", preserves=())
-def context_parallel_pass(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
-    """Split every sequence over the mesh's ``cp`` axis; one per-rank graph with collectives."""
+def context_parallel_pass(graph: TrainGraph, ctx: PassContext, *, balance: bool = True) -> TrainGraph:
+    """Split every sequence over the mesh's ``cp`` axis; one per-rank graph with collectives.
+    ``balance``: each rank holds two chunks of ``seq / 2cp`` tokens, ``r`` and ``2cp - 1 - r``
+    (where ``2cp`` divides the sequence), so that causal attention gives every rank as many
+    visible keys; otherwise one contiguous chunk."""
     mesh = getattr(ctx, "mesh", None)
     if mesh is None or "cp" not in mesh.axes:
         raise ContextParallelError("pass 'context_parallel' needs ctx.mesh (a mesh description with a 'cp' axis)")
@@ -107,12 +116,14 @@ def context_parallel_pass(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     seq = _sequence_length(graph, cp)
     group_name = mesh.group_name("cp")
     coord = int(mesh.local_rank("cp"))
+    layout = _Layout(seq, cp, coord, balanced=bool(balance) and seq % (2 * cp) == 0)
     with tracing_mesh(group_name, cp, coord, getattr(mesh, "device_type", "cpu"), axis="cp") as device_mesh:
         traced_group = device_mesh.get_group(0).group_name
-        gm = _retrace(graph, device_mesh, seq)
+        gm = _retrace(graph, device_mesh, layout)
     finish(gm, graph, traced_group, group_name, origin=ATTR)
     out = TrainGraph(gm, graph.signature, graph.attrs)
-    out.attrs[ATTR] = {"cp": cp, "rank": coord, "seq": seq, "local_seq": seq // cp}
+    out.attrs[ATTR] = {"cp": cp, "rank": coord, "seq": seq, "local_seq": seq // cp,
+                       "chunks": [list(c) for c in layout.spans(coord)]}
     counts: dict[str, int] = {}
     for node in out.graph.nodes:
         if node.meta.get("origin_pass") == ATTR and node.target is not c10d.wait_tensor.default:
@@ -219,7 +230,56 @@ def _sequence_length(graph: TrainGraph, cp: int) -> int:
     return seq
 
 
-def _retrace(graph: TrainGraph, mesh, seq: int) -> torch.fx.GraphModule:
+class _Layout:
+    """Which positions of the sequence each cp rank holds. Balanced: the sequence in ``2cp`` chunks
+    of ``L`` tokens, rank ``r`` holding chunks ``r`` and ``2cp - 1 - r`` (in that order), so that
+    under a causal mask every rank's queries see as many keys (Llama 3's and torch's
+    ``context_parallel`` head-tail split); otherwise chunk ``r`` of ``cp``.
+
+    A value split over the sequence holds the rank's positions in this order. DTensor's own
+    redistributions assume contiguous chunks; ``_sequence_redistribution`` adjusts the three that
+    touch a sequence dim: a whole value cut to the rank's chunks, a gather put back in position
+    order, and a partial sum reordered to the ranks' chunks before it is reduce-scattered."""
+
+    def __init__(self, seq: int, cp: int, rank: int, balanced: bool):
+        self.seq, self.cp, self.rank, self.balanced = seq, cp, rank, balanced
+        self.chunk = seq // (2 * cp) if balanced else seq // cp
+        # chunk indices in the order the ranks' shards lie one after another
+        self.order = [c for r in range(cp) for c in self.chunks_of(r)]
+
+    def chunks_of(self, rank: int) -> list[int]:
+        return [rank, 2 * self.cp - 1 - rank] if self.balanced else [rank]
+
+    def spans(self, rank: int) -> list[tuple[int, int]]:
+        """The rank's positions as [start, end) spans, in its order."""
+        return [(c * self.chunk, (c + 1) * self.chunk) for c in self.chunks_of(rank)]
+
+    def _pieces(self, x, dim: int, chunks) -> torch.Tensor:
+        parts = [aten.slice.Tensor(x, dim, c * self.chunk, (c + 1) * self.chunk) for c in chunks]
+        return parts[0] if len(parts) == 1 else aten.cat.default(parts, dim)
+
+    def local(self, whole, dim: int):
+        """The rank's positions of a value whole along ``dim``."""
+        return self._pieces(whole, dim, self.chunks_of(self.rank))
+
+    def in_rank_order(self, whole, dim: int):
+        """A value in position order laid out as the ranks' shards follow one another."""
+        return self._pieces(whole, dim, self.order) if self.balanced else whole
+
+    def in_position_order(self, gathered, dim: int):
+        """The ranks' shards, gathered one after another, back in position order."""
+        if not self.balanced:
+            return gathered
+        slot = {c: i for i, c in enumerate(self.order)}
+        return self._pieces(gathered, dim, [slot[c] for c in range(2 * self.cp)])
+
+    def positions(self, device) -> torch.Tensor:
+        """The rank's positions, in its order (int64)."""
+        parts = [aten.arange.start(a, b, dtype=torch.int64, device=device) for a, b in self.spans(self.rank)]
+        return parts[0] if len(parts) == 1 else aten.cat.default(parts)
+
+
+def _retrace(graph: TrainGraph, mesh, layout: "_Layout") -> torch.fx.GraphModule:
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.experimental import implicit_replication
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -243,10 +303,10 @@ def _retrace(graph: TrainGraph, mesh, seq: int) -> torch.fx.GraphModule:
                     t = t.redistribute(mesh, [Shard(1)])   # (a local slice: every rank has the batch)
             wrapped.append(t)
         with implicit_replication():
-            outs = _Rewriter(graph.gm, mesh, seq, whole).run(*wrapped)
+            outs = _Rewriter(graph.gm, mesh, layout, whole).run(*wrapped)
         return [o.redistribute(mesh, [Replicate()]).to_local() if isinstance(o, DTensor) else o for o in outs]
 
-    with torch.no_grad(), fx_traceback.preserve_node_meta(), _token_rows_stay_put(seq):
+    with torch.no_grad(), fx_traceback.preserve_node_meta(), _sequence_redistribution(layout):
         return make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(*values)
 
 
@@ -254,9 +314,9 @@ class _Rewriter(Rewriter):
     """tensor_parallel's interpreter (its op rules, its tags on every traced node) with the rules
     of a sequence split tried first."""
 
-    def __init__(self, gm, mesh, seq: int, grad_places: dict):
+    def __init__(self, gm, mesh, layout: _Layout, grad_places: dict):
         super().__init__(gm, mesh, sequence_parallel=False, origins={}, grad_places=grad_places)
-        self.seq, self.cp = seq, mesh.size(0)
+        self.layout, self.seq, self.cp = layout, layout.seq, mesh.size(0)
         self._masks: dict = {}
         self._gather_before, self._repeats, self._partial_grads, self._scatter_after = _kv_head_repeats(gm.graph)
         self._kv_shards: dict = {}   # first node of a head repeat -> the K or V chunk it read
@@ -356,11 +416,31 @@ class _Rewriter(Rewriter):
         dropout = args[3] if len(args) > 3 else kwargs.get("dropout_p", 0.0)
         causal = args[4] if len(args) > 4 else kwargs.get("is_causal", False)
         self._no_dropout(target, dropout)
-        mask = self._mask_rows(kwargs.get("attn_mask"), causal, q, k)
-        out, lse = target(q.to_local(), self._gathered(k), self._gathered(v), 0.0, False, attn_mask=mask,
-                          scale=kwargs.get("scale"))
         whole = _global_meta(target, args, kwargs)
+        if self._prefix_only(causal, kwargs, k):
+            q, k, v = q.to_local(), self._gathered(k), self._gathered(v)
+            outs, lses = [], []
+            for part in self._causal_parts():
+                blocks = [target(part.rows(q), block.of(k), block.of(v), 0.0, block.causal, scale=kwargs.get("scale"))
+                          for block in part.blocks]
+                o, lse = blocks[0] if len(blocks) == 1 else _merged(blocks)
+                outs.append(o)
+                lses.append(lse)
+            out, lse = _cat_sequence(outs), (lses[0] if len(lses) == 1 else aten.cat.default(lses, 2))
+        else:
+            mask = self._mask_rows(kwargs.get("attn_mask"), causal, q, k)
+            out, lse = target(q.to_local(), self._gathered(k), self._gathered(v), 0.0, False, attn_mask=mask,
+                              scale=kwargs.get("scale"))
         return self._placed(out, Shard(2), whole[0]), self._placed(lse, Shard(2), whole[1])
+
+    def _prefix_only(self, causal: bool, kwargs, k) -> bool:
+        """Whether each of the rank's chunks attends to the keys up to its own end only: under
+        ``is_causal`` the later keys are masked for every one of its queries."""
+        return bool(causal) and kwargs.get("attn_mask") is None and k.shape[2] == self.seq
+
+    def _causal_parts(self) -> list["_CausalPart"]:
+        return [_CausalPart(i * self.layout.chunk, start, end)
+                for i, (start, end) in enumerate(self.layout.spans(self.layout.rank))]
 
     def _attention_backward(self, target, args, kwargs):
         from torch.distributed.tensor import Partial, Shard
@@ -369,10 +449,28 @@ class _Rewriter(Rewriter):
         grad, q, k, v, out, lse, dropout, causal = args[:8]
         self._no_dropout(target, dropout)
         k, v = (self._repeated_again(self._repeats.get((self.current, i)), t) for i, t in ((2, k), (3, v)))
-        mask = self._mask_rows(kwargs.get("attn_mask"), causal, q, k)
-        dq, dk, dv = target(self._local(grad, 2), q.to_local(), self._gathered(k), self._gathered(v),
-                            self._local(out, 2), self._local(lse, 2), 0.0, False, attn_mask=mask,
-                            scale=kwargs.get("scale"))
+        if self._prefix_only(causal, kwargs, k):
+            grad, q, out, lse = self._local(grad, 2), q.to_local(), self._local(out, 2), self._local(lse, 2)
+            k, v = self._gathered(k), self._gathered(v)
+            # (a block's gradients from the whole row's output and log-sum-exp are its exact share)
+            dqs, dk, dv = [], None, None
+            for part in self._causal_parts():
+                dq = None
+                for block in part.blocks:
+                    dq_block, dk_block, dv_block = target(
+                        part.rows(grad), part.rows(q), block.of(k), block.of(v), part.rows(out), part.rows(lse),
+                        0.0, block.causal, scale=kwargs.get("scale"))
+                    dq = dq_block if dq is None else aten.add.Tensor(dq, dq_block)
+                    dk_block, dv_block = block.spread(dk_block, self.seq), block.spread(dv_block, self.seq)
+                    dk = dk_block if dk is None else aten.add.Tensor(dk, dk_block)
+                    dv = dv_block if dv is None else aten.add.Tensor(dv, dv_block)
+                dqs.append(dq)
+            dq = _cat_sequence(dqs)
+        else:
+            mask = self._mask_rows(kwargs.get("attn_mask"), causal, q, k)
+            dq, dk, dv = target(self._local(grad, 2), q.to_local(), self._gathered(k), self._gathered(v),
+                                self._local(out, 2), self._local(lse, 2), 0.0, False, attn_mask=mask,
+                                scale=kwargs.get("scale"))
         whole = _global_meta(target, args, kwargs)
         # Each rank's query rows give a partial sum of every key's gradient: reduce-scattered to the
         # chunks here (left partial, a reader of one chunk would take another rank's rows' share),
@@ -444,16 +542,11 @@ class _Rewriter(Rewriter):
 
     def _cut_mask_rows(self, mask, causal: bool, q, k):
         from torch.distributed.tensor import DTensor, Replicate, Shard
-        rows = q.shape[2] // self.cp
-        start = self.mesh.get_local_rank(0) * rows
         if causal:
             if mask is not None:
                 raise self._refuse(_ATTENTION, "attention with both a mask and is_causal")
-            keys = k.shape[2]
             # (torch's is_causal is the top-left aligned mask: query i sees keys 0..i)
-            position = aten.add.Tensor(aten.arange.default(rows, dtype=torch.int64, device=q.device), start)
-            return aten.le.Tensor(aten.arange.default(keys, dtype=torch.int64, device=q.device).view(1, keys),
-                                  position.view(rows, 1))
+            return _causal_mask(self.layout.positions(q.device), k.shape[2], q.dtype)
         if mask is None:
             return None
         if mask.ndim < 2 or mask.shape[-2] == 1:   # broadcast over the query rows
@@ -462,7 +555,7 @@ class _Rewriter(Rewriter):
             if mask.placements[0] != Replicate() and mask.placements[0] != Shard(mask.ndim - 2):
                 mask = mask.redistribute(self.mesh, [Replicate()])
             return mask.redistribute(self.mesh, [Shard(mask.ndim - 2)]).to_local()
-        return aten.slice.Tensor(mask, mask.ndim - 2, start, start + rows)
+        return self.layout.local(mask, mask.ndim - 2)
 
     # -- the loss -----------------------------------------------------------------------------------
     def _loss(self, target, args, kwargs):
@@ -542,6 +635,74 @@ class _Rewriter(Rewriter):
                                    stride=_contiguous_strides(whole)) for p in pieces]
 
 
+def _causal_mask(rows, keys: int, dtype) -> torch.Tensor:
+    """The additive mask (0 or -inf, in the query's dtype, as SDPA hands a boolean mask to its
+    kernel) under which the query at position ``rows[i]`` sees keys ``0 .. rows[i]`` of ``keys``."""
+    visible = aten.le.Tensor(aten.arange.default(keys, dtype=torch.int64, device=rows.device).view(1, keys),
+                             rows.view(-1, 1))
+    mask = aten.where.Scalar(visible, 0.0, float("-inf"))
+    return mask if mask.dtype == dtype else aten._to_copy.default(mask, dtype=dtype)
+
+
+class _KeyBlock:
+    """Keys ``start .. end`` of one chunk's attention: all visible to its queries, or (``causal``)
+    the diagonal block, where ``is_causal``'s top-left alignment is the chunk's own mask."""
+
+    def __init__(self, start: int, end: int, causal: bool):
+        self.start, self.end, self.causal = start, end, causal
+
+    def of(self, t):
+        return t if (self.start, self.end) == (0, t.shape[2]) else aten.slice.Tensor(t, 2, self.start, self.end)
+
+    def spread(self, grad, seq: int):
+        """A gradient of these keys ``[b, h, n, d]`` (laid out ``[b, n, h, d]``) as one of all
+        ``seq`` keys, zeros elsewhere, in the same layout."""
+        if (self.start, self.end) == (0, seq):
+            return grad
+        padded = aten.constant_pad_nd.default(aten.transpose.int(grad, 1, 2),
+                                              [0, 0, 0, 0, self.start, seq - self.end])
+        return aten.transpose.int(padded, 1, 2)
+
+
+class _CausalPart:
+    """One of the rank's chunks under ``is_causal``: its rows of the local queries (from ``offset``)
+    at positions ``start .. end``, and the keys they see: ``0 .. start`` all, ``start .. end``
+    causally. No mask is built, and the keys after ``end`` are not computed at all."""
+
+    def __init__(self, offset: int, start: int, end: int):
+        self.offset, self.count = offset, end - start
+        self.blocks = ([_KeyBlock(0, start, False)] if start else []) + [_KeyBlock(start, end, True)]
+
+    def rows(self, t):
+        return aten.slice.Tensor(t, 2, self.offset, self.offset + self.count)
+
+
+def _merged(blocks: list) -> tuple:
+    """One attention from its key blocks' (output, log-sum-exp) pairs: the outputs weighed by
+    ``exp(lse_block - lse)``, ``lse`` the log-sum-exp of the blocks' (in fp32, the kernel's lse dtype;
+    the output back in the kernel's dtype and ``[b, s, h, d]`` layout)."""
+    lse = blocks[0][1]
+    for _, other in blocks[1:]:
+        lse = aten.logaddexp.default(lse, other)
+    out = None
+    for o, block_lse in blocks:
+        weight = aten.unsqueeze.default(aten.transpose.int(aten.exp.default(aten.sub.Tensor(block_lse, lse)), 1, 2), -1)
+        term = aten.mul.Tensor(aten.transpose.int(o, 1, 2), weight)   # [b, s, h, d]
+        out = term if out is None else aten.add.Tensor(out, term)
+    if out.dtype != blocks[0][0].dtype:
+        out = aten._to_copy.default(out, dtype=blocks[0][0].dtype)
+    return aten.transpose.int(out, 1, 2), lse
+
+
+def _cat_sequence(parts: list) -> torch.Tensor:
+    """Attention outputs (or query gradients) ``[b, h, s, d]`` laid out ``[b, s, h, d]`` in memory,
+    as the kernel gives them, joined along the sequence in that layout."""
+    if len(parts) == 1:
+        return parts[0]
+    joined = aten.cat.default([aten.transpose.int(p, 1, 2) for p in parts], 1)
+    return aten.transpose.int(joined, 1, 2)
+
+
 def _sharded(t, dim: int | None = None) -> bool:
     from torch.distributed.tensor import DTensor, Shard
     return isinstance(t, DTensor) and type(t.placements[0]) is Shard and (dim is None or t.placements[0].dim == dim)
@@ -591,10 +752,13 @@ def _flattened_sequence(src, dst, seq: int) -> int | None:
 
 
 @contextlib.contextmanager
-def _token_rows_stay_put(seq: int):
-    """Refuse any redistribution DTensor would trace from or to a shard of token rows (a dim of
-    ``batch * seq`` tokens, ``batch * seq / cp`` per rank): DTensor orders shards by position, the
-    rows here are rank-major, and the two differ when the batch has more than one row."""
+def _sequence_redistribution(layout: _Layout):
+    """DTensor's redistributions as the sequence is laid out (``_Layout``), and refused from or to
+    a shard of token rows (a dim of ``batch * seq`` tokens, ``batch * seq / cp`` per rank):
+    DTensor orders shards by position, the rows here are rank-major, and the two differ when the
+    batch has more than one row."""
+    from torch.distributed.tensor import Shard
+    seq = layout.seq
     import torch.distributed.tensor._dispatch as dispatch
     import torch.distributed.tensor._redistribute as redistribute
 
@@ -612,10 +776,34 @@ def _token_rows_stay_put(seq: int):
                         f"{current_spec.placements[0]} to {target_spec.placements[0]}; its dim {p.dim} holds "
                         "token rows of the split sequence, which are rank-major, not in position order (no "
                         "rule places this op on a sequence split)")
-        return original(local, current_spec, target_spec, *args, **kwargs)
+        if not layout.balanced:
+            return original(local, current_spec, target_spec, *args, **kwargs)
+        source, target = current_spec.placements[0], target_spec.placements[0]
+        along = [p.dim for p, spec in ((source, current_spec), (target, target_spec))
+                 if type(p) is Shard and spec.shape[p.dim] == seq]
+        if source == target or not along:
+            return original(local, current_spec, target_spec, *args, **kwargs)
+        if type(source) is Shard and type(target) is Shard:   # (through the whole value)
+            whole = guarded(local, current_spec, _replicated(current_spec), *args, **kwargs)
+            return guarded(whole, _replicated(current_spec), target_spec, *args, **kwargs)
+        if type(target) is Shard and source.is_replicate():
+            return layout.local(local, target.dim)
+        if type(target) is Shard and source.is_partial():
+            return original(layout.in_rank_order(local, target.dim), current_spec, target_spec, *args, **kwargs)
+        if type(source) is Shard and target.is_replicate():
+            return layout.in_position_order(original(local, current_spec, target_spec, *args, **kwargs),
+                                            source.dim)
+        raise ContextParallelError(f"context_parallel: a value of shape {tuple(current_spec.shape)} split "
+                                   f"over the sequence moved from {source} to {target}")
 
     dispatch.redistribute_local_tensor = redistribute.redistribute_local_tensor = guarded
     try:
         yield
     finally:
         dispatch.redistribute_local_tensor = redistribute.redistribute_local_tensor = original
+
+
+def _replicated(spec):
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    return DTensorSpec(spec.mesh, (Replicate(),), spec.tensor_meta)

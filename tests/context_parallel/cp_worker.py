@@ -1,6 +1,6 @@
 """One rank of context-parallel runs: ``python tests/context_parallel/cp_worker.py OUT MESH SCENARIO...``.
 
-``MESH`` is ``cp=2``, ``dp=2,cp=2``, ``tp=2,cp=2`` or ``cp=2,pp=2`` (the rest of the world, if any, is
+``MESH`` is ``cp=2``, ``cp=3``, ``dp=2,cp=2``, ``tp=2,cp=2`` or ``cp=2,pp=2`` (the rest of the world, if any, is
 dp; with pp, two microbatches per step, as the 1F1B schedule needs). A
 scenario is ``model:optimizer[:option...]``: a ``tests.zoo`` model trained 10 steps with
 ``compile_for_npu`` on the plan's mesh; every cp rank of a data-parallel rank is fed that rank's

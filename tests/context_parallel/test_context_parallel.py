@@ -44,7 +44,8 @@ def _collectives(graph, origin=GraphAttr.CONTEXT_PARALLEL):
 
 def test_attention_gathers_kv_and_the_gradients_are_reduced(llama):
     out, ctx = _run(llama, rank=1)
-    assert out.attrs[GraphAttr.CONTEXT_PARALLEL] == {"cp": 2, "rank": 1, "seq": 12, "local_seq": 6}
+    assert out.attrs[GraphAttr.CONTEXT_PARALLEL] == {"cp": 2, "rank": 1, "seq": 12, "local_seq": 6,
+                                                       "chunks": [[3, 6], [6, 9]]}
     gathers = [n for n in _collectives(out) if n.target is c10d.all_gather_into_tensor.default]
     scatters = [n for n in _collectives(out) if n.target is c10d.reduce_scatter_tensor.default]
     # K and V gathered before the layer's attention (and again in backward), dK and dV scattered
@@ -73,6 +74,41 @@ def test_one_chunk_of_tokens_per_rank(llama):
     vocab = zoo.VOCAB
     logits = [n for n in out.graph.nodes if n.target is torch.ops.aten._log_softmax.default]
     assert logits and all(tuple(n.meta["val"].shape) == (zoo.BATCH * 6, vocab) for n in logits)
+
+
+def _attention_work(graph, region):
+    """(query rows, keys) of each attention kernel of one region."""
+    kernel = {"forward": torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+              "backward": torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default}[region]
+    q_at = 0 if region == "forward" else 1
+    return [(n.args[q_at].meta["val"].shape[2], n.args[q_at + 1].meta["val"].shape[2])
+            for n in graph.graph.nodes if n.target is kernel]
+
+
+def test_causal_attention_is_balanced_over_the_ranks_and_skips_the_masked_keys():
+    """is_causal (the recipe GPT's SDPA), seq 12 at cp=2: rank 0 holds positions 0-2 and 9-11,
+    rank 1 3-5 and 6-8, and each chunk attends to the keys up to its own end only, forward and
+    backward, without a mask: the keys before it in one kernel call, its own under is_causal in
+    another, merged by their log-sum-exps. 3x3 + 3x12 = 3x6 + 3x9 query-key pairs per rank (of
+    12x12). One contiguous chunk each (balance=false) gives rank 1 twice rank 0's work."""
+    graph = _capture("gpt", attention="sdpa")
+    work = {}
+    for balance in (True, False):
+        for rank in range(2):
+            out, _ = _run(graph, rank=rank, pipeline=f"context_parallel{{balance={str(balance).lower()}}}")
+            chunks = out.attrs[GraphAttr.CONTEXT_PARALLEL]["chunks"]
+            forward, backward = _attention_work(out, "forward"), _attention_work(out, "backward")
+            assert forward == backward
+            assert not [n for n in out.graph.nodes if "flash_attention" in str(n.target) and n.kwargs.get("attn_mask") is not None]
+            work[balance, rank] = sum(q * k for q, k in forward)
+            if balance:
+                assert chunks == ([[0, 3], [9, 12]] if rank == 0 else [[3, 6], [6, 9]])
+                # keys before the chunk in one block, its own (causal) in another, none after it
+                assert forward == ([(3, 3), (3, 9), (3, 3)] if rank == 0 else [(3, 3), (3, 3), (3, 6), (3, 3)])
+            else:
+                assert chunks == [[6 * rank, 6 * rank + 6]] and forward == ([(6, 6)] if rank == 0 else [(6, 6), (6, 6)])
+    assert work[True, 0] == work[True, 1] == 45
+    assert work[False, 1] == 2 * work[False, 0]
 
 
 def test_refusals(llama):

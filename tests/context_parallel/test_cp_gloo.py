@@ -49,7 +49,8 @@ def test_cp2_matches_single_process(tmp_path):
     recompute:
     K and V are all-gathered per layer, their gradients reduce-scattered, each parameter's
     gradient all-reduced over cp in backward."""
-    scenarios = ["llama:sgd:pad", "llama:adamw:pad", "llama:sgd:pad:clip", "llama:sgd:mb2", "llama:sgd:pad:full"]
+    scenarios = ["llama:sgd:pad", "llama:adamw:pad", "llama:sgd:pad:clip", "llama:sgd:mb2", "llama:sgd:pad:full",
+                 "gpt+attention=sdpa:sgd", "gpt+attention=sdpa:adamw:clip"]
     got = launch(tmp_path, 2, "cp=2", scenarios)
     for scenario in scenarios:
         assert_matches(scenario, got[scenario])
@@ -57,12 +58,22 @@ def test_cp2_matches_single_process(tmp_path):
     again = got["llama:sgd:pad:full"]["collectives"]["backward.all_gather_into_tensor"]
     assert again > got["llama:sgd:pad"]["collectives"].get("backward.all_gather_into_tensor", 0)
     collectives, attrs = got["llama:sgd:pad"]["collectives"], got["llama:sgd:pad"]["attrs"]
-    assert attrs == {"cp": 2, "rank": 0, "seq": 12, "local_seq": 6}
+    assert attrs == {"cp": 2, "rank": 0, "seq": 12, "local_seq": 6, "chunks": [[0, 3], [9, 12]]}
     layers = 2
     assert collectives["forward.all_gather_into_tensor"] >= 2 * layers          # K and V of every layer
     assert collectives["backward.reduce_scatter_tensor"] == 2 * layers          # their gradients
     params = len(dict(cp_worker.make("llama", "sgd")[0].model.named_parameters()))
     assert collectives["backward.all_reduce"] == params
+
+
+def test_cp3_balanced_chunks_match_single_process(tmp_path):
+    """cp=3 on a 12-token sequence: six chunks of two, rank r holding chunks r and 5 - r; the
+    recipe GPT's is_causal attention computes each chunk against the keys up to its own end."""
+    scenarios = ["gpt+attention=sdpa:sgd", "llama:sgd:pad"]
+    got = launch(tmp_path, 3, "cp=3", scenarios)
+    for scenario in scenarios:
+        assert_matches(scenario, got[scenario])
+        assert got[scenario]["attrs"]["chunks"] == [[0, 2], [10, 12]]
 
 
 def test_dp2_cp2_matches_single_process(tmp_path):
