@@ -130,7 +130,8 @@ def build_pipeline(plan: Plan, backend: str) -> Pipeline:
                               sequence_parallel=plan.sequence_parallel,
                               vocab_parallel_loss=plan.vocab_parallel_loss)))
     if plan.cp > 1:
-        steps.append("context_parallel")
+        steps.append(str(spec("context_parallel", attention=plan.cp_attention))
+                     if plan.cp_attention != "gather" else "context_parallel")
     if plan.ep > 1:
         steps.append("expert_parallel")
     if plan.recompute != "none":

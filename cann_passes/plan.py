@@ -46,7 +46,8 @@ _ENUMS = {"precision": PRECISIONS, "recompute": RECOMPUTE_POLICIES, "backend": B
           "pipeline_schedule": PIPELINE_SCHEDULES, "verify": VERIFY_LEVELS,
           "allreduce_algo": ALLREDUCE_ALGOS, "loss_scale": LOSS_SCALES,
           "device_profile": DEVICE_PROFILES, "grad_reduce_dtype": ("fp32", "bf16"),
-          "zero_master": ("whole", "sharded"), "optimizer_kernel": OPTIMIZER_KERNELS}
+          "zero_master": ("whole", "sharded"), "optimizer_kernel": OPTIMIZER_KERNELS,
+          "cp_attention": ("gather", "ring")}
 _POSITIVE_INTS = ("dp", "ep", "cp", "tp", "pp", "microbatches", "recompute_every_n", "loss_scale_growth_interval",
                   "pipeline_virtual_stages")
 
@@ -89,6 +90,7 @@ class Plan:
     dp: int = 1
     ep: int = 1                                # expert parallel: the experts split over ep of the dp ranks
     cp: int = 1                                # context parallel: each sequence split over cp ranks
+    cp_attention: str = "gather"               # cp: K/V all-gathered, or passed round the ring (no explicit mask)
     tp: int = 1
     tp_rules: dict = field(default_factory=dict)  # module-path pattern -> column|row|vocab|replicate[:parts]
     sequence_parallel: bool = False            # tp: norms/dropout on sequence shards (all-gather + reduce-scatter)
@@ -497,6 +499,8 @@ class Plan:
             agree("tp", "tensor_parallel")
         if self.cp > 1:
             agree("cp", "context_parallel")
+            if self.cp_attention != "gather":
+                agree("cp_attention", "context_parallel", "attention", self.cp_attention)
         if self.ep > 1:
             agree("ep", "expert_parallel")
         if self.pp > 1:

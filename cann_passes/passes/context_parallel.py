@@ -48,10 +48,18 @@ kernel's aten form that the captured step uses (``_scaled_dot_product_
 flash_attention_for_cpu``: the capture decomposes SDPA into it on every
 backend; an efficient/cudnn kernel would be refused by name).
 
-What is not built: ring attention (K/V passed round the ring, overlapping
-the exchange with compute, never holding the whole K and V). Masked blocks
-are skipped for ``is_causal`` only: an explicit mask is data, so a rank
-computes its query rows against every key under it.
+With ``attention=ring`` an attention without an explicit mask passes K and
+V round the cp ranks instead (``_ring_attention``): each rank computes the
+blocks its chunks need of the K and V it holds, passes them on with a
+functional ``all_to_all_single``, and merges each chunk's blocks by their
+log-sum-exps; backward passes them round again with dK and dV travelling
+beside them, and one more step hands those home. No rank holds the whole K
+and V.
+
+What is not built: overlapping the ring's exchange with the blocks' compute
+(the graph runs them in order). Masked blocks are skipped for ``is_causal``
+only: an explicit mask is data, so a rank computes its query rows against
+every key under it.
 """
 from __future__ import annotations
 
@@ -69,7 +77,7 @@ from graph_ir.analysis.gradients import GradientNotFound, find_gradients
 from graph_ir.meta import MODULE_PATH, GraphAttr, region_of
 from graph_ir.signature import InputKind
 
-from ..pass_manager import PassContext, register_pass
+from ..pass_manager import PassContext, PassOptionError, register_pass
 from .tensor_parallel.cleanup import finish
 from .tensor_parallel.common import TensorParallelError
 from .tensor_parallel.op_rules import _contiguous_strides, _global_meta
@@ -95,11 +103,15 @@ class ContextParallelError(ValueError):
 
 
 @register_pass("context_parallel", preserves=())
-def context_parallel_pass(graph: TrainGraph, ctx: PassContext, *, balance: bool = True) -> TrainGraph:
+def context_parallel_pass(graph: TrainGraph, ctx: PassContext, *, balance: bool = True,
+                          attention: str = "gather") -> TrainGraph:
     """Split every sequence over the mesh's ``cp`` axis; one per-rank graph with collectives.
     ``balance``: each rank holds two chunks of ``seq / 2cp`` tokens, ``r`` and ``2cp - 1 - r``
     (where ``2cp`` divides the sequence), so that causal attention gives every rank as many
-    visible keys; otherwise one contiguous chunk."""
+    visible keys; otherwise one contiguous chunk. ``attention``: ``gather`` (K and V all-gathered)
+    or ``ring`` (passed round the cp ranks, for attention without an explicit mask)."""
+    if attention not in ("gather", "ring"):
+        raise PassOptionError("context_parallel", "attention", "must be 'gather' or 'ring'", attention)
     mesh = getattr(ctx, "mesh", None)
     if mesh is None or "cp" not in mesh.axes:
         raise ContextParallelError("pass 'context_parallel' needs ctx.mesh (a mesh description with a 'cp' axis)")
@@ -119,7 +131,7 @@ def context_parallel_pass(graph: TrainGraph, ctx: PassContext, *, balance: bool 
     layout = _Layout(seq, cp, coord, balanced=bool(balance) and seq % (2 * cp) == 0)
     with tracing_mesh(group_name, cp, coord, getattr(mesh, "device_type", "cpu"), axis="cp") as device_mesh:
         traced_group = device_mesh.get_group(0).group_name
-        gm = _retrace(graph, device_mesh, layout)
+        gm = _retrace(graph, device_mesh, layout, ring=attention == "ring")
     finish(gm, graph, traced_group, group_name, origin=ATTR)
     out = TrainGraph(gm, graph.signature, graph.attrs)
     out.attrs[ATTR] = {"cp": cp, "rank": coord, "seq": seq, "local_seq": seq // cp,
@@ -279,7 +291,7 @@ class _Layout:
         return parts[0] if len(parts) == 1 else aten.cat.default(parts)
 
 
-def _retrace(graph: TrainGraph, mesh, layout: "_Layout") -> torch.fx.GraphModule:
+def _retrace(graph: TrainGraph, mesh, layout: "_Layout", ring: bool) -> torch.fx.GraphModule:
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.experimental import implicit_replication
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -303,7 +315,7 @@ def _retrace(graph: TrainGraph, mesh, layout: "_Layout") -> torch.fx.GraphModule
                     t = t.redistribute(mesh, [Shard(1)])   # (a local slice: every rank has the batch)
             wrapped.append(t)
         with implicit_replication():
-            outs = _Rewriter(graph.gm, mesh, layout, whole).run(*wrapped)
+            outs = _Rewriter(graph.gm, mesh, layout, whole, ring).run(*wrapped)
         return [o.redistribute(mesh, [Replicate()]).to_local() if isinstance(o, DTensor) else o for o in outs]
 
     with torch.no_grad(), fx_traceback.preserve_node_meta(), _sequence_redistribution(layout):
@@ -314,11 +326,13 @@ class _Rewriter(Rewriter):
     """tensor_parallel's interpreter (its op rules, its tags on every traced node) with the rules
     of a sequence split tried first."""
 
-    def __init__(self, gm, mesh, layout: _Layout, grad_places: dict):
+    def __init__(self, gm, mesh, layout: _Layout, grad_places: dict, ring: bool = False):
         super().__init__(gm, mesh, sequence_parallel=False, origins={}, grad_places=grad_places)
-        self.layout, self.seq, self.cp = layout, layout.seq, mesh.size(0)
+        self.layout, self.seq, self.cp, self.ring = layout, layout.seq, mesh.size(0), ring
         self._masks: dict = {}
-        self._gather_before, self._repeats, self._partial_grads, self._scatter_after = _kv_head_repeats(gm.graph)
+        # (ring attention passes K and V as the kernel reads them, after any head repeat)
+        self._gather_before, self._repeats, self._partial_grads, self._scatter_after = (
+            (set(), {}, {}, set()) if ring else _kv_head_repeats(gm.graph))
         self._kv_shards: dict = {}   # first node of a head repeat -> the K or V chunk it read
 
     def call_function(self, target, args, kwargs):
@@ -417,7 +431,9 @@ class _Rewriter(Rewriter):
         causal = args[4] if len(args) > 4 else kwargs.get("is_causal", False)
         self._no_dropout(target, dropout)
         whole = _global_meta(target, args, kwargs)
-        if self._prefix_only(causal, kwargs, k):
+        if self._on_ring(causal, kwargs, k):
+            out, lse = self._ring_attention(target, q, k, v, causal, kwargs.get("scale"))
+        elif self._prefix_only(causal, kwargs, k):
             q, k, v = q.to_local(), self._gathered(k), self._gathered(v)
             outs, lses = [], []
             for part in self._causal_parts():
@@ -432,6 +448,80 @@ class _Rewriter(Rewriter):
             out, lse = target(q.to_local(), self._gathered(k), self._gathered(v), 0.0, False, attn_mask=mask,
                               scale=kwargs.get("scale"))
         return self._placed(out, Shard(2), whole[0]), self._placed(lse, Shard(2), whole[1])
+
+    # -- ring attention -----------------------------------------------------------------------------
+    def _on_ring(self, causal: bool, kwargs, k) -> bool:
+        """Ring attention: self-attention without an explicit mask (the blocks a rank computes,
+        and the ones it skips under ``is_causal``, are known from the positions alone)."""
+        return self.ring and kwargs.get("attn_mask") is None and k.shape[2] == self.seq
+
+    def _ring_blocks(self, source: int, causal: bool):
+        """(query chunk, key chunk, diagonal) of the blocks to compute while holding ``source``'s
+        K and V: under ``is_causal`` a key chunk before the query chunk whole, the chunk itself
+        causally, and a later one not at all."""
+        for i, a in enumerate(self.layout.chunks_of(self.layout.rank)):
+            for j, b in enumerate(self.layout.chunks_of(source)):
+                if not causal or b < a:
+                    yield i, j, False
+                elif b == a:
+                    yield i, j, True
+
+    def _chunk(self, t, i: int):
+        return aten.slice.Tensor(t, 2, i * self.layout.chunk, (i + 1) * self.layout.chunk)
+
+    def _ring_pass(self, t):
+        """``t`` sent to the next cp rank; the previous rank's, received (one step round the ring)."""
+        n, r = t.numel(), self.layout.rank
+        send, receive = [0] * self.cp, [0] * self.cp
+        send[(r + 1) % self.cp], receive[(r - 1) % self.cp] = n, n
+        flat = aten.view.default(aten.clone.default(t, memory_format=torch.contiguous_format), [n])
+        moved = c10d.wait_tensor.default(c10d.all_to_all_single.default(flat, receive, send,
+                                                                        self.mesh.get_group(0).group_name))
+        return aten.view.default(moved, list(t.shape))
+
+    def _ring_attention(self, target, q, k, v, causal: bool, scale):
+        """This rank's query chunks against every rank's K and V, passed round the ring: at step t
+        the rank holds rank ``r - t``'s, computes the blocks it needs and passes them on; each
+        chunk's blocks are merged by their log-sum-exps. No rank holds more than two ranks' K and V."""
+        q, k, v = q.to_local(), self._local(k, 2), self._local(v, 2)
+        blocks: list[list] = [[] for _ in self.layout.chunks_of(self.layout.rank)]
+        for step in range(self.cp):
+            for i, j, diagonal in self._ring_blocks((self.layout.rank - step) % self.cp, causal):
+                blocks[i].append(target(self._chunk(q, i), self._chunk(k, j), self._chunk(v, j), 0.0, diagonal,
+                                        scale=scale))
+            if step < self.cp - 1:
+                k, v = self._ring_pass(k), self._ring_pass(v)
+        parts = [b[0] if len(b) == 1 else _merged(b) for b in blocks]
+        lses = [lse for _, lse in parts]
+        return _cat_sequence([o for o, _ in parts]), (lses[0] if len(lses) == 1 else aten.cat.default(lses, 2))
+
+    def _ring_attention_backward(self, target, grad, q, k, v, out, lse, causal: bool, scale):
+        """The blocks again, round the ring: dQ summed on the rank; each rank's dK and dV travel
+        with its K and V, every holder adding its queries' share, and a last step hands them home."""
+        grad, q, out, lse = self._local(grad, 2), q.to_local(), self._local(out, 2), self._local(lse, 2)
+        k, v = self._local(k, 2), self._local(v, 2)
+        chunks = len(self.layout.chunks_of(self.layout.rank))
+        dq: list = [None] * chunks
+        dk = dv = None   # laid out [b, s_local, h, d], as they travel
+        for step in range(self.cp):
+            for i, j, diagonal in self._ring_blocks((self.layout.rank - step) % self.cp, causal):
+                dq_block, dk_block, dv_block = target(
+                    self._chunk(grad, i), self._chunk(q, i), self._chunk(k, j), self._chunk(v, j),
+                    self._chunk(out, i), self._chunk(lse, i), 0.0, diagonal, scale=scale)
+                dq[i] = dq_block if dq[i] is None else aten.add.Tensor(dq[i], dq_block)
+                dk_block, dv_block = (self._in_chunk(t, j, chunks) for t in (dk_block, dv_block))
+                dk = dk_block if dk is None else aten.add.Tensor(dk, dk_block)
+                dv = dv_block if dv is None else aten.add.Tensor(dv, dv_block)
+            if step < self.cp - 1:
+                k, v = self._ring_pass(k), self._ring_pass(v)
+            dk, dv = self._ring_pass(dk), self._ring_pass(dv)
+        return _cat_sequence(dq), aten.transpose.int(dk, 1, 2), aten.transpose.int(dv, 1, 2)
+
+    def _in_chunk(self, grad, j: int, chunks: int):
+        """A key chunk's gradient ``[b, h, L, d]`` placed at chunk ``j`` of ``chunks``, as ``[b, chunks * L, h, d]``."""
+        size = self.layout.chunk
+        return aten.constant_pad_nd.default(aten.transpose.int(grad, 1, 2),
+                                            [0, 0, 0, 0, j * size, (chunks - 1 - j) * size])
 
     def _prefix_only(self, causal: bool, kwargs, k) -> bool:
         """Whether each of the rank's chunks attends to the keys up to its own end only: under
@@ -449,6 +539,10 @@ class _Rewriter(Rewriter):
         grad, q, k, v, out, lse, dropout, causal = args[:8]
         self._no_dropout(target, dropout)
         k, v = (self._repeated_again(self._repeats.get((self.current, i)), t) for i, t in ((2, k), (3, v)))
+        if self._on_ring(causal, kwargs, k):
+            dq, dk, dv = self._ring_attention_backward(target, grad, q, k, v, out, lse, causal, kwargs.get("scale"))
+            whole = _global_meta(target, args, kwargs)
+            return tuple(self._placed(t, Shard(2), w) for t, w in zip((dq, dk, dv), whole))
         if self._prefix_only(causal, kwargs, k):
             grad, q, out, lse = self._local(grad, 2), q.to_local(), self._local(out, 2), self._local(lse, 2)
             k, v = self._gathered(k), self._gathered(v)

@@ -111,6 +111,30 @@ def test_causal_attention_is_balanced_over_the_ranks_and_skips_the_masked_keys()
     assert work[False, 1] == 2 * work[False, 0]
 
 
+def test_ring_attention_passes_k_and_v_round_the_ranks_and_computes_the_same_blocks():
+    """cp_attention=ring at cp=3 (six chunks of two): no K/V all-gather; per layer 2 x (cp - 1)
+    passes of K and V in forward, and in backward K and V again plus dK and dV, which go one step
+    further, home; every rank computes as many blocks, each a pair of two-token chunks."""
+    graph = _capture("gpt", attention="sdpa")
+    blocks = []
+    for rank in range(3):
+        program = compile_program(graph.copy(), Plan(cp=3, cp_attention="ring", backend="eager"),
+                                  MeshDesc.fake(cp=3, rank=rank))
+        out = next(iter(program.graphs.values()))
+        moves = [n for n in out.graph.nodes if n.target is c10d.all_to_all_single.default]
+        assert not [n for n in out.graph.nodes if n.target is c10d.all_gather_into_tensor.default
+                    and n.args[0].meta["val"].ndim == 4]
+        assert len([n for n in moves if n.meta["region"] == "forward"]) == 2 * 2
+        assert len([n for n in moves if n.meta["region"] == "backward"]) == 2 * 2 + 2 * 3
+        work = _attention_work(out, "forward")
+        assert work == _attention_work(out, "backward") and set(work) == {(2, 2)}
+        blocks.append(len(work))
+    assert blocks == [7, 7, 7]   # (of 36 chunk pairs, 21 causal: 6 diagonal + 15 below it)
+    with pytest.raises(PlanError, match="cp_attention"):
+        Plan(cp=2, cp_attention="ulysses")
+    assert "context_parallel{attention=ring}" in str(build_pipeline(Plan(cp=2, cp_attention="ring"), "eager"))
+
+
 def test_refusals(llama):
     with pytest.raises(PassFailure, match="sequence length 12 .* not divisible by cp=5"):
         _run(llama, cp=5)

@@ -50,7 +50,8 @@ def test_cp2_matches_single_process(tmp_path):
     K and V are all-gathered per layer, their gradients reduce-scattered, each parameter's
     gradient all-reduced over cp in backward."""
     scenarios = ["llama:sgd:pad", "llama:adamw:pad", "llama:sgd:pad:clip", "llama:sgd:mb2", "llama:sgd:pad:full",
-                 "gpt+attention=sdpa:sgd", "gpt+attention=sdpa:adamw:clip"]
+                 "gpt+attention=sdpa:sgd", "gpt+attention=sdpa:adamw:clip", "gpt+attention=sdpa:adamw:clip:ring",
+                 "gpt+attention=sdpa:sgd:full:ring"]
     got = launch(tmp_path, 2, "cp=2", scenarios)
     for scenario in scenarios:
         assert_matches(scenario, got[scenario])
@@ -68,12 +69,16 @@ def test_cp2_matches_single_process(tmp_path):
 
 def test_cp3_balanced_chunks_match_single_process(tmp_path):
     """cp=3 on a 12-token sequence: six chunks of two, rank r holding chunks r and 5 - r; the
-    recipe GPT's is_causal attention computes each chunk against the keys up to its own end."""
-    scenarios = ["gpt+attention=sdpa:sgd", "llama:sgd:pad"]
+    recipe GPT's is_causal attention computes each chunk against the keys up to its own end,
+    with K and V gathered or passed round the ring."""
+    scenarios = ["gpt+attention=sdpa:sgd", "llama:sgd:pad", "gpt+attention=sdpa:sgd:ring"]
     got = launch(tmp_path, 3, "cp=3", scenarios)
     for scenario in scenarios:
         assert_matches(scenario, got[scenario])
         assert got[scenario]["attrs"]["chunks"] == [[0, 2], [10, 12]]
+    # ring: K and V passed round the three ranks, never gathered
+    ring = got["gpt+attention=sdpa:sgd:ring"]["collectives"]
+    assert ring["forward.all_to_all_single"] == 2 * 2 * 2 and "forward.all_gather_into_tensor" not in ring
 
 
 def test_dp2_cp2_matches_single_process(tmp_path):
