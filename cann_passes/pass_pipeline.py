@@ -130,8 +130,12 @@ def build_pipeline(plan: Plan, backend: str) -> Pipeline:
                               sequence_parallel=plan.sequence_parallel,
                               vocab_parallel_loss=plan.vocab_parallel_loss)))
     if plan.cp > 1:
-        steps.append(str(spec("context_parallel", attention=plan.cp_attention))
-                     if plan.cp_attention != "gather" else "context_parallel")
+        # With dp (no ZeRO, one stage) the gradients' parts over cp are summed by data_parallel's
+        # buckets over dp and cp at once, rather than all-reduced over cp first.
+        options = {"attention": plan.cp_attention} if plan.cp_attention != "gather" else {}
+        if plan.dp > 1 and plan.zero_stage == 0 and plan.pp == 1:
+            options["gradients"] = "partial"
+        steps.append(str(spec("context_parallel", **options)) if options else "context_parallel")
     if plan.ep > 1:
         steps.append("expert_parallel")
     if plan.recompute != "none":

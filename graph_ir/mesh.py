@@ -18,6 +18,8 @@ one copy of every expert: consecutive data-parallel coordinates) and ``edp`` (th
 the same experts, whose expert gradients are averaged), with ``dp = edp x ep`` as Megatron's
 expert-data-parallel layout has it. They are read like axes (``size``, ``local_rank``,
 ``group_name``) but are not in ``axes``: the process layout and the world stay ``(pp, dp, cp, tp)``.
+With both dp and cp, ``dp_cp`` is the two flattened (dp outer), the ranks holding one parameter's
+gradient in parts: over the data and over the sequence.
 
 Passes read only this description (``ctx.mesh``), never a process group.
 """
@@ -58,7 +60,8 @@ class MeshDesc:
     def fake(cls, *, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, rank: int = 0,
              device_type: str = "cpu") -> "MeshDesc":
         """A ``(pp, dp, cp, tp)`` mesh of any size, seen from global ``rank``; no process group behind
-        it. ``ep`` > 1 adds the ``ep`` and ``edp`` sub-axes of dp (``ep`` must divide ``dp``)."""
+        it. ``ep`` > 1 adds the ``ep`` and ``edp`` sub-axes of dp (``ep`` must divide ``dp``); dp and
+        cp > 1 add ``dp_cp``."""
         shape = (pp, dp, cp, tp)
         world = math.prod(shape)
         if not 0 <= rank < world:
@@ -84,12 +87,14 @@ class MeshDesc:
                    tuple(mesh.get_group(a).group_name for a in axes), False, mesh.device_type,
                    tuple(str(dist.get_backend(mesh.get_group(a))) for a in axes))
 
-    def with_subaxes_of(self, mesh: Any) -> "MeshDesc":
-        """This description with the sub-axes of a live mesh that unflattened ``dp`` (``edp``, ``ep``)."""
-        names = mesh.mesh_dim_names
+    def with_subaxes_of(self, mesh: Any, names: tuple[str, ...] = ("ep", "edp")) -> "MeshDesc":
+        """This description with sub-axes ``names`` of a live mesh (one that unflattened ``dp`` into
+        ``edp`` and ``ep``, or flattened ``dp`` and ``cp`` into ``dp_cp``)."""
+        dims = mesh.mesh_dim_names
         coords = mesh.get_coordinate()
-        return replace(self, subaxes=tuple((a, int(mesh.size(names.index(a))), int(coords[names.index(a)]),
-                                            mesh.get_group(a).group_name) for a in ("ep", "edp")))
+        return replace(self, subaxes=self.subaxes + tuple(
+            (a, int(mesh.size(dims.index(a))), int(coords[dims.index(a)]), mesh.get_group(a).group_name)
+            for a in names))
 
     def for_rank(self, rank: int) -> "MeshDesc":
         """The same mesh seen from another rank (fake meshes only: real group names are per process)."""
@@ -128,7 +133,7 @@ class MeshDesc:
         of the axes inside it, row-major): whether the group crosses a node of that many devices."""
         if axis == "ep" and self._sub(axis):   # ep is the inner part of dp
             return self.size("ep") * math.prod(self.shape[self._index("dp") + 1:])
-        if axis == "edp" and self._sub(axis):
+        if axis in ("edp", "dp_cp") and self._sub(axis):
             return self.span("dp")
         i = self._index(axis)
         return math.prod(self.shape[i:])
@@ -211,13 +216,16 @@ def _ravel(coords: tuple[int, ...], shape: tuple[int, ...]) -> int:
 
 def _fake_subaxes(shape, coords, ep: int) -> tuple:
     """The ``ep`` and ``edp`` sub-axes of a fake ``(pp, dp, cp, tp)`` mesh: dp coordinate ``d`` is
-    ``edp * ep + ep_rank`` (ep inner, as DeviceMesh._unflatten lays it out)."""
-    if ep == 1:
-        return ()
+    ``edp * ep + ep_rank`` (ep inner, as DeviceMesh._unflatten lays it out); and ``dp_cp`` (dp
+    outer, as DeviceMesh._flatten lays it out)."""
     pp, dp, cp, tp = coords
+    flat = (("dp_cp", shape[1] * shape[2], dp * shape[2] + cp, f"fake:dp_cp[pp{pp},tp{tp}]"),) \
+        if shape[1] > 1 and shape[2] > 1 else ()
+    if ep == 1:
+        return flat
     e, x = dp % ep, dp // ep
     return (("ep", ep, e, f"fake:ep[pp{pp},edp{x},cp{cp},tp{tp}]"),
-            ("edp", shape[1] // ep, x, f"fake:edp[pp{pp},ep{e},cp{cp},tp{tp}]"))
+            ("edp", shape[1] // ep, x, f"fake:edp[pp{pp},ep{e},cp{cp},tp{tp}]")) + flat
 
 
 def _fake_group_name(axes, shape, coords, i: int) -> str:

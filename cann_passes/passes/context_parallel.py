@@ -104,14 +104,19 @@ class ContextParallelError(ValueError):
 
 @register_pass("context_parallel", preserves=())
 def context_parallel_pass(graph: TrainGraph, ctx: PassContext, *, balance: bool = True,
-                          attention: str = "gather") -> TrainGraph:
+                          attention: str = "gather", gradients: str = "reduced") -> TrainGraph:
     """Split every sequence over the mesh's ``cp`` axis; one per-rank graph with collectives.
     ``balance``: each rank holds two chunks of ``seq / 2cp`` tokens, ``r`` and ``2cp - 1 - r``
     (where ``2cp`` divides the sequence), so that causal attention gives every rank as many
     visible keys; otherwise one contiguous chunk. ``attention``: ``gather`` (K and V all-gathered)
-    or ``ring`` (passed round the cp ranks, for attention without an explicit mask)."""
+    or ``ring`` (passed round the cp ranks, for attention without an explicit mask).
+    ``gradients``: ``reduced`` (all-reduced over cp where backward yields them) or ``partial`` (each
+    rank's part left for ``data_parallel`` to sum over dp and cp in one all-reduce; recorded as
+    ``attrs['context_parallel']['partial_gradients']``)."""
     if attention not in ("gather", "ring"):
         raise PassOptionError("context_parallel", "attention", "must be 'gather' or 'ring'", attention)
+    if gradients not in ("reduced", "partial"):
+        raise PassOptionError("context_parallel", "gradients", "must be 'reduced' or 'partial'", gradients)
     mesh = getattr(ctx, "mesh", None)
     if mesh is None or "cp" not in mesh.axes:
         raise ContextParallelError("pass 'context_parallel' needs ctx.mesh (a mesh description with a 'cp' axis)")
@@ -131,11 +136,11 @@ def context_parallel_pass(graph: TrainGraph, ctx: PassContext, *, balance: bool 
     layout = _Layout(seq, cp, coord, balanced=bool(balance) and seq % (2 * cp) == 0)
     with tracing_mesh(group_name, cp, coord, getattr(mesh, "device_type", "cpu"), axis="cp") as device_mesh:
         traced_group = device_mesh.get_group(0).group_name
-        gm = _retrace(graph, device_mesh, layout, ring=attention == "ring")
+        gm = _retrace(graph, device_mesh, layout, ring=attention == "ring", partial=gradients == "partial")
     finish(gm, graph, traced_group, group_name, origin=ATTR)
     out = TrainGraph(gm, graph.signature, graph.attrs)
     out.attrs[ATTR] = {"cp": cp, "rank": coord, "seq": seq, "local_seq": seq // cp,
-                       "chunks": [list(c) for c in layout.spans(coord)]}
+                       "chunks": [list(c) for c in layout.spans(coord)], "partial_gradients": gradients == "partial"}
     counts: dict[str, int] = {}
     for node in out.graph.nodes:
         if node.meta.get("origin_pass") == ATTR and node.target is not c10d.wait_tensor.default:
@@ -291,7 +296,7 @@ class _Layout:
         return parts[0] if len(parts) == 1 else aten.cat.default(parts)
 
 
-def _retrace(graph: TrainGraph, mesh, layout: "_Layout", ring: bool) -> torch.fx.GraphModule:
+def _retrace(graph: TrainGraph, mesh, layout: "_Layout", ring: bool, partial: bool) -> torch.fx.GraphModule:
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.experimental import implicit_replication
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -315,7 +320,7 @@ def _retrace(graph: TrainGraph, mesh, layout: "_Layout", ring: bool) -> torch.fx
                     t = t.redistribute(mesh, [Shard(1)])   # (a local slice: every rank has the batch)
             wrapped.append(t)
         with implicit_replication():
-            outs = _Rewriter(graph.gm, mesh, layout, whole, ring).run(*wrapped)
+            outs = _Rewriter(graph.gm, mesh, layout, whole, ring, partial).run(*wrapped)
         return [o.redistribute(mesh, [Replicate()]).to_local() if isinstance(o, DTensor) else o for o in outs]
 
     with torch.no_grad(), fx_traceback.preserve_node_meta(), _sequence_redistribution(layout):
@@ -326,14 +331,34 @@ class _Rewriter(Rewriter):
     """tensor_parallel's interpreter (its op rules, its tags on every traced node) with the rules
     of a sequence split tried first."""
 
-    def __init__(self, gm, mesh, layout: _Layout, grad_places: dict, ring: bool = False):
+    def __init__(self, gm, mesh, layout: _Layout, grad_places: dict, ring: bool = False, partial: bool = False):
         super().__init__(gm, mesh, sequence_parallel=False, origins={}, grad_places=grad_places)
-        self.layout, self.seq, self.cp, self.ring = layout, layout.seq, mesh.size(0), ring
+        self.layout, self.seq, self.cp, self.ring, self.partial = layout, layout.seq, mesh.size(0), ring, partial
         self._masks: dict = {}
         # (ring attention passes K and V as the kernel reads them, after any head repeat)
         self._gather_before, self._repeats, self._partial_grads, self._scatter_after = (
             (set(), {}, {}, set()) if ring else _kv_head_repeats(gm.graph))
         self._kv_shards: dict = {}   # first node of a head repeat -> the K or V chunk it read
+
+    def _reduce_shared_partial(self, n, out):
+        if self.partial and n in self.grad_places:
+            return out   # (the gradient's part is this rank's to hand on, below)
+        return super()._reduce_shared_partial(n, out)
+
+    def _as_param_shard(self, n, out):
+        """``partial``: a gradient leaves as this rank's part of the sum over cp, for data_parallel to
+        sum over dp and cp at once. One DTensor has already summed (whole on every rank) is handed
+        on as its cp-th part, so the sum over cp gives it back."""
+        from torch.distributed.tensor import DTensor, Replicate
+        if not (self.partial and n in self.grad_places and isinstance(out, DTensor)):
+            return super()._as_param_shard(n, out)
+        if out.placements[0].is_partial():
+            local = out.to_local()
+        elif out.placements[0].is_replicate():
+            local = aten.div.Tensor(out.to_local(), self.cp)
+        else:
+            raise self._refuse(n.target, f"a gradient placed {out.placements[0]} over cp")
+        return DTensor.from_local(local, self.mesh, [Replicate()], run_check=False)
 
     def call_function(self, target, args, kwargs):
         from torch.distributed.tensor import DTensor, Replicate

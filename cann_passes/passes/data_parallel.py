@@ -20,6 +20,11 @@ dp size, in their own buckets, so the mean is over the global batch as for the d
 ``reduce_dtype=bf16`` reduces each bucket in bf16, as torch DDP's ``bf16_compress_hook``: cast,
 divided by the ranks, summed, cast back (half the bytes on the wire; the update reads fp32).
 
+Under context parallelism with ``context_parallel{gradients=partial}`` each rank's gradient is its
+part of the sum over its sequence chunks: the buckets are all-reduced once over ``dp_cp`` (dp and
+cp flattened) as a sum divided by dp, where a cp all-reduce per gradient and a dp one per bucket
+would move every gradient twice.
+
 ``algo`` (ring/tree/auto) is not written into the graph: the runtime maps it
 onto the collective library's own setting (``HCCL_ALGO``/``NCCL_ALGO``) before
 the process group exists; the pass records it in ``graph.attrs``.
@@ -63,8 +68,14 @@ def data_parallel_pass(graph: TrainGraph, ctx: PassContext, *, bucket_mb: float 
     experts = expert_params(graph)
     sizes = {n: nbytes(grads[n].meta["val"]) for n in order}
     buckets = make_buckets([n for n in order if n not in experts], sizes, bucket_mb * 2**20)
+    parts = graph.attrs.get(GraphAttr.CONTEXT_PARALLEL, {}).get("partial_gradients")
+    summed = mesh_dim(ctx, "dp_cp", "data_parallel") if parts else group
     for bucket in buckets:
-        all_reduce_bucket(graph, bucket, grads, group, "sum" if accumulating else "avg", dtype=dtype)
+        if parts:   # (each cp rank's part summed, the dp ranks' averaged)
+            all_reduce_bucket(graph, bucket, grads, summed, "sum", 1.0 if accumulating else 1.0 / group.size,
+                              dtype=dtype)
+        else:
+            all_reduce_bucket(graph, bucket, grads, group, "sum" if accumulating else "avg", dtype=dtype)
     expert_buckets = make_buckets([n for n in order if n in experts], sizes, bucket_mb * 2**20)
     if expert_buckets:
         edp = mesh_dim(ctx, "edp", "data_parallel")
@@ -72,8 +83,10 @@ def data_parallel_pass(graph: TrainGraph, ctx: PassContext, *, bucket_mb: float 
             all_reduce_bucket(graph, bucket, grads, edp if edp.size > 1 else None, "sum",
                               1.0 if accumulating else 1.0 / group.size, dtype=dtype)
     average_loss(graph, group, "data_parallel")
-    agree_on_overflow(graph, group, "data_parallel")
+    agree_on_overflow(graph, summed, "data_parallel")   # (a part's overflow is the whole's)
     graph.attrs[GraphAttr.DATA_PARALLEL] = {"dp": group.size, "buckets": len(buckets), "algo": algo}
+    if parts:
+        graph.attrs[GraphAttr.DATA_PARALLEL]["over"] = "dp_cp"
     if expert_buckets:
         graph.attrs[GraphAttr.DATA_PARALLEL]["expert_buckets"] = len(expert_buckets)
     ctx.stat("buckets", len(buckets))

@@ -164,10 +164,17 @@ class DistributedRuntime:
                             if plan.ep > 1 else None)
         if self.expert_mesh is not None:
             self.info = self.info.with_subaxes_of(self.expert_mesh)
+        # Data and context parallelism: dp and cp flattened, the group one all-reduce of a
+        # gradient (partial over cp, per dp rank's rows) sums it over.
+        self.dp_cp_mesh = mesh["dp", "cp"]._flatten("dp_cp") if plan.dp > 1 and plan.cp > 1 else None
+        if self.dp_cp_mesh is not None:
+            self.info = self.info.with_subaxes_of(self.dp_cp_mesh, ("dp_cp",))
 
     def group(self, dim: str):
         if dim in ("ep", "edp") and self.expert_mesh is not None:
             return self.expert_mesh.get_group(dim)
+        if dim == "dp_cp" and self.dp_cp_mesh is not None:
+            return self.dp_cp_mesh.get_group(dim)
         return self.mesh.get_group(dim)
 
     @property

@@ -45,7 +45,7 @@ def _collectives(graph, origin=GraphAttr.CONTEXT_PARALLEL):
 def test_attention_gathers_kv_and_the_gradients_are_reduced(llama):
     out, ctx = _run(llama, rank=1)
     assert out.attrs[GraphAttr.CONTEXT_PARALLEL] == {"cp": 2, "rank": 1, "seq": 12, "local_seq": 6,
-                                                       "chunks": [[3, 6], [6, 9]]}
+                                                       "chunks": [[3, 6], [6, 9]], "partial_gradients": False}
     gathers = [n for n in _collectives(out) if n.target is c10d.all_gather_into_tensor.default]
     scatters = [n for n in _collectives(out) if n.target is c10d.reduce_scatter_tensor.default]
     # K and V gathered before the layer's attention (and again in backward), dK and dV scattered
@@ -178,10 +178,29 @@ def test_plan_field():
         compile_program(_capture(), Plan(cp=2), MeshDesc.fake())
 
 
-def test_compiles_for_every_rank_of_a_fake_mesh(llama):
+def test_with_dp_each_gradient_is_all_reduced_once_over_dp_and_cp(llama):
+    """dp=2 x cp=2: context_parallel leaves each rank's part of a gradient, and data_parallel's
+    buckets sum the parts over the four ranks of dp x cp at once (divided by dp): no all-reduce
+    over cp per gradient, then one over dp per bucket."""
+    params = len(dict(zoo.build("llama", layers=1).model.named_parameters()))
     for rank in range(4):
-        program = compile_program(llama.copy(), Plan(cp=2, dp=2), MeshDesc.fake(dp=2, cp=2, rank=rank))
-        assert program is not None
+        mesh = MeshDesc.fake(dp=2, cp=2, rank=rank)
+        program = compile_program(llama.copy(), Plan(cp=2, dp=2), mesh)
+        graph = next(iter(program.graphs.values()))
+        assert graph.attrs[GraphAttr.CONTEXT_PARALLEL]["partial_gradients"]
+        assert graph.attrs[GraphAttr.DATA_PARALLEL]["over"] == "dp_cp"
+        reduces = [n for n in graph.graph.nodes if n.target is c10d.all_reduce.default]
+        by_group = {}
+        for n in reduces:
+            by_group.setdefault(n.args[-1], []).append(n)
+        assert mesh.size("dp_cp") == 4 and mesh.local_rank("dp_cp") == rank
+        buckets = graph.attrs[GraphAttr.DATA_PARALLEL]["buckets"]
+        assert len(by_group[mesh.group_name("dp_cp")]) == buckets
+        # over cp: the loss' sum and token count only (forward), none per gradient
+        assert len([n for n in by_group[mesh.group_name("cp")] if n.meta["region"] == "backward"]) == 0
+        assert params > buckets
+    unsplit = compile_program(llama.copy(), Plan(cp=2), MeshDesc.fake(cp=2))
+    assert not next(iter(unsplit.graphs.values())).attrs[GraphAttr.CONTEXT_PARALLEL]["partial_gradients"]
 
 
 def test_dump_shows_its_collectives(llama, tmp_path):

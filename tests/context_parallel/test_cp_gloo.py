@@ -59,7 +59,8 @@ def test_cp2_matches_single_process(tmp_path):
     again = got["llama:sgd:pad:full"]["collectives"]["backward.all_gather_into_tensor"]
     assert again > got["llama:sgd:pad"]["collectives"].get("backward.all_gather_into_tensor", 0)
     collectives, attrs = got["llama:sgd:pad"]["collectives"], got["llama:sgd:pad"]["attrs"]
-    assert attrs == {"cp": 2, "rank": 0, "seq": 12, "local_seq": 6, "chunks": [[0, 3], [9, 12]]}
+    assert attrs == {"cp": 2, "rank": 0, "seq": 12, "local_seq": 6, "chunks": [[0, 3], [9, 12]],
+                     "partial_gradients": False}
     layers = 2
     assert collectives["forward.all_gather_into_tensor"] >= 2 * layers          # K and V of every layer
     assert collectives["backward.reduce_scatter_tensor"] == 2 * layers          # their gradients
@@ -83,17 +84,21 @@ def test_cp3_balanced_chunks_match_single_process(tmp_path):
 
 def test_dp2_cp2_matches_single_process(tmp_path):
     """dp=2 x cp=2: each dp rank's rows (unpadded: equal token counts, so the mean over dp is the
-    global mean), the sequence split over the cp pair."""
-    scenarios = ["llama:sgd", "llama:adamw"]
+    global mean), the sequence split over the cp pair; each gradient all-reduced once, over the
+    four ranks of dp x cp (with clipping, and two microbatches accumulated first)."""
+    scenarios = ["llama:sgd", "llama:adamw", "llama:sgd:clip", "llama:sgd:mb2", "gpt+attention=sdpa:adamw:ring"]
     got = launch(tmp_path, 4, "dp=2,cp=2", scenarios)
     for scenario in scenarios:
         assert_matches(scenario, got[scenario])
+        assert got[scenario]["attrs"]["partial_gradients"]
+    # the gradients' parts summed over dp x cp in data_parallel's one bucket, not per gradient over cp
+    assert got["llama:sgd"]["collectives"]["backward.all_reduce"] == 1
 
 
 def test_tp2_cp2_matches_single_process(tmp_path):
     """tp=2 x cp=2: tensor_parallel's per-rank graph re-traced over cp (its all-gather of the
     vocabulary-split logits gathers each cp rank's own token rows)."""
-    scenarios = ["llama:sgd:pad", "llama:adamw:pad"]
+    scenarios = ["llama:sgd:pad", "llama:adamw:pad", "gpt+attention=sdpa:sgd:ring"]
     got = launch(tmp_path, 4, "tp=2,cp=2", scenarios)
     for scenario in scenarios:
         assert_matches(scenario, got[scenario])
@@ -103,7 +108,7 @@ def test_cp2_pp2_matches_single_process(tmp_path):
     """cp=2 x pp=2 (1F1B, two microbatches, unpadded: their mean is the batch's): each stage's
     attention gathers K and V over its cp pair, the stages pass their sequence chunks' activations,
     and ``model.state_dict()`` on rank 0 gives the trained parameters of both stages."""
-    scenarios = ["llama:sgd", "llama:adamw", "llama:sgd:clip", "llama:sgd:full"]
+    scenarios = ["llama:sgd", "llama:adamw", "llama:sgd:clip", "llama:sgd:full", "gpt+attention=sdpa:sgd:ring"]
     got = launch(tmp_path, 4, "cp=2,pp=2", scenarios)
     for scenario in scenarios:
         assert got[scenario]["stages"] == 2 and got[scenario]["attrs"]["local_seq"] == 6
