@@ -16,7 +16,8 @@ This bench captures the whole training step of the recipe GPT at LLaMA-7B width 
 side with ``A(s) / cp`` from the cp = 1 graph; and the bytes of the layer's all-gathers (the
 exchange) against the formula; then, per rank, the query-key pairs the causal attention computes
 with the balanced chunks (rank r holds chunks r and 2cp - 1 - r) and with contiguous ones
-(``balance=false``). SDPA is captured on meta as CPU's fused flash kernel (as the
+(``balance=false``); and with ring attention (``attention=ring``) the saved bytes and the
+largest K block a rank holds at once. SDPA is captured on meta as CPU's fused flash kernel (as the
 CPU capture and the device run it: ``graph_ir.meta_attention``), which keeps only the output
 and its log-sum-exp, no ``a * s * s`` probabilities.
 
@@ -60,9 +61,9 @@ def gathered_bytes(graph, prefix: str = "layers.0") -> int:
     return total
 
 
-def _compiled(graph, cp: int, rank: int = 0, balance: bool = True):
+def _compiled(graph, cp: int, rank: int = 0, balance: bool = True, attention: str = "gather"):
     steps = ["cleanup", "autocast{dtype=bf16,policy=cuda}"] + (
-        [f"context_parallel{{balance={str(balance).lower()}}}"] if cp > 1 else [])
+        [f"context_parallel{{balance={str(balance).lower()},attention={attention}}}"] if cp > 1 else [])
     ctx = PassContext(mesh=MeshDesc.fake(cp=cp, rank=rank))
     return PassManager(Pipeline.of(*steps, "recompute{policy=none}", "cleanup"), verify_level="off").run(
         graph.copy(), ctx)
@@ -71,6 +72,19 @@ def _compiled(graph, cp: int, rank: int = 0, balance: bool = True):
 def measure(graph, cp: int):
     out = _compiled(graph, cp)
     return layer_bytes(out)[0], gathered_bytes(out)
+
+
+def largest_exchange(graph, target) -> int:
+    """Bytes of the largest value one forward exchange of ``target`` gives a rank (a whole K, or
+    one ring step's block of K)."""
+    return max((n.meta["val"].numel() * n.meta["val"].element_size() for n in graph.graph.nodes
+                if n.target is target and str(n.meta.get("region")) == "forward"), default=0)
+
+
+def ring_measure(graph, cp: int):
+    """(saved bytes, largest K or V block received) with ``attention=ring``."""
+    out = _compiled(graph, cp, attention="ring")
+    return layer_bytes(out)[0], largest_exchange(out, torch.ops._c10d_functional.all_to_all_single.default)
 
 
 def attention_pairs(graph) -> int:
@@ -105,6 +119,17 @@ def main(argv=None) -> None:
         kv = 2 * s * b * h * 2 if cp > 1 else 0
         print(f"{cp:>3} {got / 2**20:>10.1f} {whole / cp / 2**20:>12.1f} {got / (whole / cp):>7.3f} "
               f"{gathered / 2**20:>17.1f} {kv / 2**20:>11.1f} {(gathered / kv if kv else 0):>7.3f}")
+    # ring attention: the same saved bytes; K and V held a ring step's block at a time
+    print(f"\nring attention: saved MiB, and the largest K (or V) a rank holds at once (gather: the "
+          f"whole s*b*h*2 = {s * b * h * 2 / 2**20:.0f} MiB)")
+    print(f"{'cp':>3} {'saved MiB':>10} {'A(s)/cp MiB':>12} {'ratio':>7} {'K block MiB':>12} {'s/cp*b*h*2':>11} {'ratio':>7}")
+    for cp in args.cp:
+        if cp == 1:
+            continue
+        got, block = ring_measure(graph, cp)
+        want = s // cp * b * h * 2
+        print(f"{cp:>3} {got / 2**20:>10.1f} {whole / cp / 2**20:>12.1f} {got / (whole / cp):>7.3f} "
+              f"{block / 2**20:>12.1f} {want / 2**20:>11.1f} {block / want:>7.3f}")
     # is_causal: each chunk attends to the keys up to its end; causal pairs s(s+1)/2 of s^2
     print(f"\nattention query-key pairs per rank (is_causal), as a share of the whole s^2 / cp; "
           f"causal alone is {(s + 1) / (2 * s):.3f}")
