@@ -242,8 +242,9 @@ def _sequence_length(graph: TrainGraph, cp: int) -> int:
             + ", ".join(f"{k}: {v}" for k, v in lengths.items()))
     seq = next(iter(lengths.values()))
     if seq % cp:
-        raise ContextParallelError(f"context_parallel: sequence length {seq} (batch inputs' dim 1) is not "
-                                   f"divisible by cp={cp}")
+        raise ContextParallelError(f"context_parallel: sequence length {seq} (dim 1 of the batch inputs "
+                                   f"{', '.join(lengths)}) is not divisible by cp={cp} (rule: cp splits "
+                                   "token sequences laid out [batch, seq, ...]; an image's channel dim is not a sequence)")
     return seq
 
 

@@ -136,7 +136,7 @@ def test_ring_attention_passes_k_and_v_round_the_ranks_and_computes_the_same_blo
 
 
 def test_refusals(llama):
-    with pytest.raises(PassFailure, match="sequence length 12 .* not divisible by cp=5"):
+    with pytest.raises(PassFailure, match=r"sequence length 12 \(dim 1 of the batch inputs .*input_ids.*\) is not divisible by cp=5"):
         _run(llama, cp=5)
     with pytest.raises(PassFailure, match="context_parallel must run before data_parallel"):
         _run(llama, pipeline="data_parallel,context_parallel", dp=2)

@@ -68,6 +68,17 @@ def test_cp2_matches_single_process(tmp_path):
     assert collectives["backward.all_reduce"] == params
 
 
+def test_cp2_on_more_transformers_models_matches_single_process(tmp_path):
+    """The balanced chunks on models with other positional and attention code: GPT-NeoX (partial
+    rotary, parallel residual), Phi-3 (fused qkv), Mistral, Qwen2 (qkv bias), Gemma (one kv head)
+    and BERT (bidirectional, absolute positions), padded."""
+    scenarios = ["gpt_neox:sgd:pad", "phi3:sgd:pad", "mistral:adamw:pad", "qwen2:sgd:pad", "gemma:sgd:pad",
+                 "bert:sgd:pad"]
+    got = launch(tmp_path, 2, "cp=2", scenarios)
+    for scenario in scenarios:
+        assert_matches(scenario, got[scenario])
+
+
 def test_cp3_balanced_chunks_match_single_process(tmp_path):
     """cp=3 on a 12-token sequence: six chunks of two, rank r holding chunks r and 5 - r; the
     recipe GPT's is_causal attention computes each chunk against the keys up to its own end,
