@@ -112,24 +112,22 @@ def main(argv=None) -> None:
     print(f"LLaMA-7B-wide layer: s={s} b={b} h={h} a={cfg.n_head}, bf16 activations "
           f"(captured in {time.perf_counter() - start:.1f}s)")
     whole, _ = measure(graph, 1)
-    print(f"{'cp':>3} {'saved MiB':>10} {'A(s)/cp MiB':>12} {'ratio':>7} {'K/V gathered MiB':>17} "
-          f"{'2sbh*2 MiB':>11} {'ratio':>7}")
-    for cp in args.cp:
-        got, gathered = (whole, 0) if cp == 1 else measure(graph, cp)
-        kv = 2 * s * b * h * 2 if cp > 1 else 0
-        print(f"{cp:>3} {got / 2**20:>10.1f} {whole / cp / 2**20:>12.1f} {got / (whole / cp):>7.3f} "
-              f"{gathered / 2**20:>17.1f} {kv / 2**20:>11.1f} {(gathered / kv if kv else 0):>7.3f}")
+
+    def table(title: str, column: str, formula: str, rows) -> None:
+        """cp, saved bytes against A(s)/cp, and an exchanged size against its formula."""
+        print(title)
+        print(f"{'cp':>3} {'saved MiB':>10} {'A(s)/cp MiB':>12} {'ratio':>7} {column:>17} {formula:>11} {'ratio':>7}")
+        for cp, got, moved, want in rows:
+            print(f"{cp:>3} {got / 2**20:>10.1f} {whole / cp / 2**20:>12.1f} {got / (whole / cp):>7.3f} "
+                  f"{moved / 2**20:>17.1f} {want / 2**20:>11.1f} {(moved / want if want else 0):>7.3f}")
+
+    table("all-gather attention", "K/V gathered MiB", "2sbh*2 MiB",
+          [(cp, *((whole, 0) if cp == 1 else measure(graph, cp)), 2 * s * b * h * 2 if cp > 1 else 0)
+           for cp in args.cp])
     # ring attention: the same saved bytes; K and V held a ring step's block at a time
-    print(f"\nring attention: saved MiB, and the largest K (or V) a rank holds at once (gather: the "
-          f"whole s*b*h*2 = {s * b * h * 2 / 2**20:.0f} MiB)")
-    print(f"{'cp':>3} {'saved MiB':>10} {'A(s)/cp MiB':>12} {'ratio':>7} {'K block MiB':>12} {'s/cp*b*h*2':>11} {'ratio':>7}")
-    for cp in args.cp:
-        if cp == 1:
-            continue
-        got, block = ring_measure(graph, cp)
-        want = s // cp * b * h * 2
-        print(f"{cp:>3} {got / 2**20:>10.1f} {whole / cp / 2**20:>12.1f} {got / (whole / cp):>7.3f} "
-              f"{block / 2**20:>12.1f} {want / 2**20:>11.1f} {block / want:>7.3f}")
+    table(f"\nring attention: the largest K (or V) a rank holds at once (gather: the whole s*b*h*2 = "
+          f"{s * b * h * 2 / 2**20:.0f} MiB)", "K block MiB", "s/cp*b*h*2",
+          [(cp, *ring_measure(graph, cp), s // cp * b * h * 2) for cp in args.cp if cp > 1])
     # is_causal: each chunk attends to the keys up to its end; causal pairs s(s+1)/2 of s^2
     print(f"\nattention query-key pairs per rank (is_causal), as a share of the whole s^2 / cp; "
           f"causal alone is {(s + 1) / (2 * s):.3f}")

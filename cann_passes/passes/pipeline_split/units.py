@@ -49,7 +49,7 @@ def _uncuttable(nodes: _Nodes) -> list[bool]:
     A view crossing a cut is sent as its own tensor (counting its base alone would hide that), a
     multi-output node cannot cross at all, and a collective's result is not ready before its wait."""
     position = {n: i for i, n in enumerate(nodes.forward)}
-    marks = [0] * (len(nodes.forward) + 2)
+    spans = []
     moved, tied = _gathered_values(nodes)
     for i, node in enumerate(nodes.forward):
         if node in moved or node in tied:
@@ -57,13 +57,21 @@ def _uncuttable(nodes: _Nodes) -> list[bool]:
         if aliases_input(node) or not isinstance(node.meta.get("val"), torch.Tensor) or is_collective(node):
             last = max((position[u] for u in node.users if u in position), default=i)
             if last > i:
-                marks[i + 1] += 1
-                marks[last + 1] -= 1
-    view_cross, open_spans = [], 0
-    for i in range(len(nodes.forward)):
-        open_spans += marks[i]
-        view_cross.append(open_spans > 0)
-    return view_cross
+                spans.append((i, last))
+    return _inside(spans, len(nodes.forward))
+
+
+def _inside(spans, length: int) -> list[bool]:
+    """Per position ``i < length``: whether some span ``(low, high)`` has ``low < i <= high``."""
+    marks = [0] * (length + 2)
+    for low, high in spans:
+        marks[low + 1] += 1
+        marks[high + 1] -= 1
+    inside, running = [], 0
+    for i in range(length):
+        running += marks[i]
+        inside.append(running > 0)
+    return inside
 
 
 def _unit_starts(nodes: _Nodes, slack: float = CROSSING_SLACK) -> list[int]:
@@ -124,15 +132,7 @@ def _inside_recomputation(nodes: _Nodes) -> list[bool]:
         if at is not None:
             low, high = spans.get(root(n), (at, at))
             spans[root(n)] = (min(low, at), max(high, at))
-    marks = [0] * (len(nodes.forward) + 2)
-    for low, high in spans.values():
-        marks[low + 1] += 1
-        marks[high + 1] -= 1
-    inside, running = [], 0
-    for i in range(len(nodes.forward)):
-        running += marks[i]
-        inside.append(running > 0)
-    return inside
+    return _inside(spans.values(), len(nodes.forward))
 
 
 def _gathered_values(nodes: _Nodes) -> tuple[set, set]:
