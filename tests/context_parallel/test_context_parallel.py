@@ -183,7 +183,7 @@ def test_with_dp_each_gradient_is_all_reduced_once_over_dp_and_cp(llama):
     buckets sum the parts over the four ranks of dp x cp at once (divided by dp): no all-reduce
     over cp per gradient, then one over dp per bucket."""
     params = len(dict(zoo.build("llama", layers=1).model.named_parameters()))
-    for rank in range(4):
+    for rank in (0, 3):   # (a dp x cp corner each)
         mesh = MeshDesc.fake(dp=2, cp=2, rank=rank)
         program = compile_program(llama.copy(), Plan(cp=2, dp=2), mesh)
         graph = next(iter(program.graphs.values()))
