@@ -545,9 +545,7 @@ class _Rewriter(Rewriter):
 
     def _in_chunk(self, grad, j: int, chunks: int):
         """A key chunk's gradient ``[b, h, L, d]`` placed at chunk ``j`` of ``chunks``, as ``[b, chunks * L, h, d]``."""
-        size = self.layout.chunk
-        return aten.constant_pad_nd.default(aten.transpose.int(grad, 1, 2),
-                                            [0, 0, 0, 0, j * size, (chunks - 1 - j) * size])
+        return _padded_keys(grad, j * self.layout.chunk, chunks * self.layout.chunk)
 
     def _prefix_only(self, causal: bool, kwargs, k) -> bool:
         """Whether each of the rank's chunks attends to the keys up to its own end only: under
@@ -779,9 +777,14 @@ class _KeyBlock:
         ``seq`` keys, zeros elsewhere, in the same layout."""
         if (self.start, self.end) == (0, seq):
             return grad
-        padded = aten.constant_pad_nd.default(aten.transpose.int(grad, 1, 2),
-                                              [0, 0, 0, 0, self.start, seq - self.end])
-        return aten.transpose.int(padded, 1, 2)
+        return aten.transpose.int(_padded_keys(grad, self.start, seq), 1, 2)
+
+
+def _padded_keys(grad, start: int, keys: int) -> torch.Tensor:
+    """A gradient of ``n`` keys from ``start``, ``[b, h, n, d]`` (laid out ``[b, n, h, d]``), as one of
+    ``keys`` keys in that memory order, ``[b, keys, h, d]``, zeros elsewhere."""
+    return aten.constant_pad_nd.default(aten.transpose.int(grad, 1, 2),
+                                        [0, 0, 0, 0, start, keys - start - grad.shape[2]])
 
 
 class _CausalPart:
