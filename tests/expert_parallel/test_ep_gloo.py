@@ -110,3 +110,20 @@ def test_dp2_ep2_pp2_matches_single_process(tmp_path):
     for scenario in scenarios:
         assert got[scenario]["stages"] == 2 and got[scenario]["attrs"]["ep"] == 2
         assert_matches(scenario + ":mb2", got[scenario], dp=2)
+
+
+def test_dp2_ep2_tp2_matches_single_process(tmp_path):
+    """dp=2 = ep=2 with tp=2 (4 ranks): attention and the dense projections split over tp, the
+    experts split over ep and whole on both tp ranks (transformers' grouped expert matmul has no
+    sharding rule: it runs on whole values, as Megatron's expert tensor parallel size 1). OLMoE's
+    q_norm and k_norm normalise over a column-parallel projection's split features (a partial
+    mean reduced before its rsqrt; the norm weight's split gradient gathered in backward)."""
+    scenarios = ["mixtral:sgd", "olmoe:adamw:clip", "qwen2_moe:sgd:zero1"]
+    got = launch(tmp_path, 4, "dp=2,ep=2,tp=2", scenarios)
+    for scenario in scenarios:
+        assert_matches(scenario, got[scenario], dp=2)
+        assert got[scenario]["attrs"]["ep"] == 2
+    run = got["mixtral:sgd"]
+    assert set(run["attrs"]["local_experts"].values()) == {2}
+    assert run["collectives"]["forward.all_to_all_rows"] == 2 * 2     # rows out and back, 2 layers
+    assert run["collectives"]["forward.all_reduce"] >= 2             # the row-parallel projections' sums

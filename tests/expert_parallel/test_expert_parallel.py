@@ -113,7 +113,6 @@ def test_expert_major_order_groups_each_experts_rows_in_rank_order():
 
 @pytest.mark.parametrize("fields, rule", [
     (dict(dp=4, ep=3), "ep must divide dp"),
-    (dict(dp=2, ep=2, tp=2), "with tp = 2 is not built"),
     (dict(dp=2, ep=2, cp=2), "with cp = 2 is not built"),
     (dict(dp=2, ep=2, accumulate_target=8), "with accumulate_target = 8 is not built"),
     (dict(dp=2, ep=2, backend="inductor"), "eager backend only"),

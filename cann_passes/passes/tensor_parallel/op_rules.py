@@ -185,7 +185,9 @@ class OpRules:
                                   stride=(args[1].shape[1], 1))
 
     def _same_placement(self, target, args, kwargs):
-        """An elementwise op whose tensor operands share one shape and placement runs on the shards."""
+        """An elementwise op whose tensor operands share one shape and split runs on the shards. Not
+        on partial sums: an op that is not linear in them (``rsqrt`` of the mean of squares over
+        a split feature dim, OLMoE's q_norm) needs the reduced value, which DTensor's rules give."""
         from torch.distributed.tensor import DTensor, Replicate
         if not is_pointwise(target):
             return None
@@ -198,7 +200,7 @@ class OpRules:
                           for a in flat):
             return None
         first = big[0]
-        if first.placements[0] == Replicate() or not all(
+        if first.placements[0] == Replicate() or first.placements[0].is_partial() or not all(
                 a.shape == first.shape and a.placements == first.placements for a in big) \
                 or not all(a.ndim > 0 or a.placements[0] == Replicate() for a in dts):
             return None

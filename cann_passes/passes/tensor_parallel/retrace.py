@@ -50,14 +50,14 @@ def retrace(graph: TrainGraph, layouts: dict[str, ParamLayout], mesh, *, sequenc
 
 
 def _gradient_placements(graph: TrainGraph, layouts: dict[str, ParamLayout]) -> dict:
-    """Gradient node -> its parameter's placement, for each parameter split in one block per rank
-    (a per-part shard's gradient is left to DTensor)."""
+    """Gradient node -> its parameter's placement, for each parameter whole or split in one block
+    per rank (a per-part shard's gradient is left to DTensor)."""
     try:
         grads = find_gradients(graph, mark=False)
     except GradientNotFound:
         grads = {}
     return {node: dtensor_placement(layouts[name]) for name, node in grads.items()
-            if layouts.get(name) is not None and layouts[name].dim is not None and layouts[name].parts == 1}
+            if layouts.get(name) is not None and (layouts[name].dim is None or layouts[name].parts == 1)}
 
 
 def _origins(graph: TrainGraph, layouts: dict[str, ParamLayout]) -> dict:

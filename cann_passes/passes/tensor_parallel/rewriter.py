@@ -64,10 +64,15 @@ class Rewriter(torch.fx.Interpreter, OpRules):
         """A split parameter's gradient takes the parameter's placement where backward yields it
         (a partial sum is reduce-scattered, a whole one cut), so the optimizer, and ZeRO over dp
         after it, read this rank's shard; left to the optimizer's first op, the cut would be
-        traced there, after some whole-gradient arithmetic."""
-        from torch.distributed.tensor import DTensor
+        traced there, after some whole-gradient arithmetic. A whole parameter's gradient that
+        backward yields split (the weight of a norm over a column-parallel projection's output
+        features, as OLMoE's q_norm) is gathered there too, not after the update; a partial sum
+        of it is left to the reduction DTensor places."""
+        from torch.distributed.tensor import DTensor, Replicate
         want = self.grad_places.get(n)
         if want is None or not isinstance(out, DTensor) or out.placements[0] == want or strided(out):
+            return out
+        if want == Replicate() and not out.placements[0].is_shard():
             return out
         return out.redistribute(self.mesh, [want])
 
@@ -146,8 +151,32 @@ class Rewriter(torch.fx.Interpreter, OpRules):
             return out
         except TensorParallelError:
             raise
+        except NotImplementedError as exc:
+            out = self._replicated(target, args, kwargs)
+            if out is None:
+                raise self._cannot_run(target, args, exc) from None
+            return out
         except Exception as exc:
             raise self._cannot_run(target, args, exc) from None
+
+    def _replicated(self, target, args, kwargs):
+        """An op DTensor has no sharding strategy for (a library's custom op: transformers'
+        grouped expert matmul) on whole values only: every rank runs it on its whole local
+        copies and holds the same whole result, which is what a replicated value is. Not for a
+        random op (its draws would differ per rank) nor for any split or partial operand."""
+        from torch.distributed.tensor import DTensor, Replicate
+        from torch.utils._pytree import tree_flatten, tree_map
+        if random_op(target) or not all(a.placements[0] == Replicate()
+                                         for a in tree_flatten((args, kwargs))[0] if isinstance(a, DTensor)):
+            return None
+
+        def local(a):
+            return a.to_local() if isinstance(a, DTensor) else a
+
+        def whole(t):
+            return DTensor.from_local(t, self.mesh, [Replicate()], run_check=False) \
+                if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t
+        return tree_map(whole, target(*tree_map(local, args), **tree_map(local, kwargs)))
 
     def _replicated_kv_heads(self, target, args):
         """Replicated kv heads (fewer kv heads than tp ranks, see ``layouts.check_heads``): after
