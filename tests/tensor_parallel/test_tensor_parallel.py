@@ -125,6 +125,20 @@ class TestRewrite:
         assert [c[1] for c in found if c[0] == "forward"].count("all_reduce") == 2 * LAYERS + 1
         assert [c[1] for c in found if c[0] == "backward"] == ["all_reduce"] * (2 * LAYERS + 1)
 
+    def test_a_norm_over_split_features_reduces_its_mean_before_rsqrt_and_a_custom_op_runs_whole(self):
+        # OLMoE normalises q and k over the column-parallel projection's split features: the mean of
+        # squares is a partial sum, reduced before the rsqrt that is not linear in it. Its experts'
+        # transformers grouped matmul has no DTensor rule and runs whole on every rank.
+        _, graph = _capture("olmoe")
+        out = _run(graph, tp=2)
+        for node in out.graph.nodes:
+            if node.target is torch.ops.aten.rsqrt.default and "q_norm" in node.meta.get("module_path", ""):
+                source = node.args[0]
+                while source.target is torch.ops.aten.add.Tensor:
+                    source = source.args[0]
+                assert source.target is tpp.c10d.wait_tensor.default, f"{node.name} reads a partial sum"
+        assert "model.layers.0.mlp.experts.gate_up_proj" not in out.attrs["tensor_parallel"]["params"]
+
     def test_two_kv_heads_at_tp4_are_replicated_and_their_query_heads_cut_locally(self, llama):
         # LLaMA with 4 query and 2 kv heads at tp=4: k_proj and v_proj stay whole on every rank,
         # q_proj keeps one query head; in backward each rank's query-head share of dK and dV is
