@@ -14,7 +14,7 @@ program's per-block figures, see :func:`cann_passes.simulate.simulate_pipeline`)
 compiled with its context_parallel pass like any other, so its K/V all-gathers, dK/dV
 reduce-scatters and gradient all-reduces over cp are priced from its graph. ``--ep 1,2,4,8`` searches
 expert parallelism for a mixture of experts (``mixtral-8x7b``): ep divides dp and is not combined
-with tp or cp, and must divide a named shape's experts; an ep plan compiles for the eager backend, the only one
+with cp, and must divide a named shape's experts (with tp the experts stay whole on every tp rank); an ep plan compiles for the eager backend, the only one
 that runs it, and its all-to-alls are priced at the balanced row count. Before anything is compiled, a candidate whose model state
 alone cannot fit is dropped (the bound: fp32 master parameters, one gradient
 shard and the optimizer state, as the captured graph holds them, divided as
@@ -255,7 +255,7 @@ def candidates(devices: int, global_batch: int, *, tps, stages, recomputes, micr
         if z and dp == 1:
             continue
         # What expert parallelism composes with (Plan._check_expert_parallel); it runs on eager only.
-        if ep > 1 and (dp % ep or tp > 1 or cp > 1 or (experts and experts % ep)):
+        if ep > 1 and (dp % ep or cp > 1 or (experts and experts % ep)):
             continue
         extra = {"recompute_budget": budget} if rc == "budget" else {}
         plan = Plan(dp=dp, ep=ep, tp=tp, cp=cp, zero_stage=z, recompute=rc, microbatches=m, precision=prec,

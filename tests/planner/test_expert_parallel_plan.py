@@ -60,8 +60,8 @@ def test_cann_plan_searches_ep_where_it_composes():
                            "--zero", "0,1,3", "--recompute", "none"])
     cands = plan_cli.plan_candidates(args, plan_cli.check(args))
     eps = {(c.plan.ep, c.plan.tp, c.plan.zero_stage) for c in cands}
-    assert {(1, 1, 0), (2, 1, 0), (4, 1, 1), (2, 1, 3), (1, 2, 3)} <= eps
-    assert not any(ep > 1 and tp > 1 for ep, tp, z in eps)
+    assert {(1, 1, 0), (2, 1, 0), (4, 1, 1), (2, 1, 3), (1, 2, 3), (2, 2, 0), (2, 2, 3)} <= eps
+    assert not any(tp > 1 and ep > 2 for ep, tp, z in eps)     # ep divides dp = 4 / tp
     # ep=8 would not divide the tiny Mixtral's 4 experts
     eight = plan_cli.candidates(8, 8, tps=(1,), stages=(0,), recomputes=("none",), microbatches=(1,),
                                 precisions=("bf16",), budget=0.5, heads=4, eps=(1, 4, 8), experts=SPEC.experts)
@@ -78,3 +78,16 @@ def test_cann_plan_prints_ep_plans_with_memory_and_step_time(captures):
     plan_cli.run(args, spec, out=lines.append, captures=captures)
     rows = [line for line in "\n".join(lines).splitlines() if re.match(r" +\d+  dp=", line)]
     assert any("dp=4 ep=2 tp=1 zero=0" in line for line in rows), rows
+
+
+def test_an_ep_plan_with_tp_keeps_the_experts_whole_over_tp(captures):
+    # dp=2 = ep=2 x tp=2: attention and the dense projections split over tp, the experts over ep
+    # only (whole on each tp rank), so a rank holds half the expert bytes at tp 1 and at tp 2
+    full = captures.get(ROWS, SPEC.layers)
+    ep_only, with_tp = (simulate(full, Plan(dp=2, ep=2, tp=tp, precision="bf16", verify="off"),
+                                 tokens_per_microbatch=TOKENS) for tp in (1, 2))
+    params = {n: p.numel() for n, p in _model().named_parameters()}
+    expert = sum(v for n, v in params.items() if ".experts." in n)
+    experts_held = (expert / 2) / (sum(params.values()) - expert / 2)    # of what a rank holds at tp 1
+    assert ep_only.memory["params"] > with_tp.memory["params"] >= ep_only.memory["params"] * experts_held
+    assert with_tp.world_size == 4

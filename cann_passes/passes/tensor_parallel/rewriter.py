@@ -151,19 +151,19 @@ class Rewriter(torch.fx.Interpreter, OpRules):
             return out
         except TensorParallelError:
             raise
-        except NotImplementedError as exc:
+        except Exception as exc:
             out = self._replicated(target, args, kwargs)
             if out is None:
                 raise self._cannot_run(target, args, exc) from None
             return out
-        except Exception as exc:
-            raise self._cannot_run(target, args, exc) from None
 
     def _replicated(self, target, args, kwargs):
-        """An op DTensor has no sharding strategy for (a library's custom op: transformers'
-        grouped expert matmul) on whole values only: every rank runs it on its whole local
-        copies and holds the same whole result, which is what a replicated value is. Not for a
-        random op (its draws would differ per rank) nor for any split or partial operand."""
+        """An op DTensor cannot place, on whole values only: every rank runs it on its whole local
+        copies and holds the same whole result, which is what a replicated value is. So run
+        transformers' grouped expert matmul (a custom op with no sharding strategy) and an
+        integer ``histc`` (DTensor checks it as if on the mesh's device type, CPU here, whose
+        kernel takes floats only; the model's own device took the integer path). Not for a random
+        op (its draws would differ per rank) nor for any split or partial operand."""
         from torch.distributed.tensor import DTensor, Replicate
         from torch.utils._pytree import tree_flatten, tree_map
         if random_op(target) or not all(a.placements[0] == Replicate()
