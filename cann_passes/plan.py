@@ -371,6 +371,10 @@ class Plan:
                             "(the whole parameters would be gathered once per microbatch)", self.zero_master)
         if self.pipeline is not None:
             return   # the text decides the passes: _check_against_pipeline_text
+        if self.optimizer_kernel == "fused" and self.backend == "torchair":
+            raise PlanError("optimizer_kernel", "'fused' (torch's fused Adam kernel as cann::fused_adam) has "
+                            "no GE converter; on torchair use 'foreach', which lowers to GE's Foreach* ops",
+                            self.optimizer_kernel)
         if self.optimizer_kernel in ("foreach", "fused") and self.pp > 1:
             raise PlanError("optimizer_kernel", "applies only at pp = 1 (the pipeline stages' updates "
                             f"stay per parameter: a multi-tensor op would span stages; pp = {self.pp})",

@@ -189,7 +189,7 @@ def _adam_init(param: Tensor, group: dict) -> State:
     return state
 
 
-def _adam_update(param: Tensor, grad: Tensor, state: State, h: Hparams, group: dict, decoupled: bool):
+def adam_update(param: Tensor, grad: Tensor, state: State, h: Hparams, group: dict, decoupled: bool):
     # Scalars (bias corrections, step size) are float64 0-dim tensors, like
     # torch.optim's Python floats.
     beta1, beta2 = h["betas"]
@@ -380,7 +380,7 @@ def _adam_rule(optimizer) -> UpdateRule:
     default = isinstance(optimizer, torch.optim.AdamW)
 
     def update(param, grad, state, h, group):
-        return _adam_update(param, grad, state, h, group, bool(group.get("decoupled_weight_decay", default)))
+        return adam_update(param, grad, state, h, group, bool(group.get("decoupled_weight_decay", default)))
 
     return UpdateRule(_adam_keys, _adam_init, update, baked=("amsgrad", "maximize", "decoupled_weight_decay"),
                       inputs=("lr", "betas", "eps", "weight_decay"), structure=_nonzero("weight_decay"))

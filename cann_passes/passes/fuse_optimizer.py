@@ -39,14 +39,22 @@ stay one per parameter. Gradient clipping's per-gradient scaling and fp16 unscal
 (they are optimizer-region ``mul``s by one shared coefficient, as in ``clip_grad_norm_``'s
 foreach path), and ZeRO's per-shard updates fuse as whole parameters do.
 
-``kernel=fused`` (torch's ``_fused_adamw`` / ``_fused_adam``) is refused: those kernels take
-``beta1``, ``beta2``, ``eps`` and ``weight_decay`` as compile-time floats, while a captured step
-feeds every hyperparameter as a graph input (so that a scheduler never recompiles) and the graph
-does not know their values; baking them would silently ignore a later change. SGD and the other
-optimizers have no fused kernel with these semantics at all.
+``kernel=fused`` replaces instead each Adam/AdamW chain (``graph_ir.analysis.adam_updates``:
+the update of one tensor, recognised by its computation) by torch's fused kernel, one
+``cann::fused_adam`` call (``graph_ir.multi_tensor_ops``) per set of chains that read the same
+hyperparameter inputs and variant (decoupled, weight decay, amsgrad, maximize) and whose
+tensors share a dtype and device: one pass over each tensor's four buffers where the chain
+makes about a dozen full-size passes and ten 0-dim ops. The kernel takes ``beta1``, ``beta2``,
+``eps`` and ``weight_decay`` as floats; the op reads them from their graph inputs with
+``.item()`` each call, so a scheduler still never recompiles, and the step is bitwise
+``torch.optim``'s ``fused=True`` (not the single-tensor chain, which rounds its own way, within
+1e-6). Only the step count's increment stays per parameter (the kernel reads the new count).
+Other chains (SGD, a dtype the kernel lacks) stay as they are; an optimizer with no Adam state
+at all is refused, naming the option.
 
-The eager lowering's in-place reuse (``reuse_dead_operands``) marks only pointwise per-tensor
-ops, so a fused update allocates its results (as torch.optim's out-of-place foreach calls do)
+The eager lowering's in-place reuse (``reuse_dead_operands``) marks per-tensor pointwise ops and
+``cann::fused_adam`` (whose parameter and state lists it writes where they die), not foreach
+ops, so a foreach update allocates its results (as torch.optim's out-of-place foreach calls do)
 and the step no longer writes parameters and state in place: the plan's ``optimizer_kernel:
 auto`` leaves the eager backend unfused for that reason.
 The pipeline runs this pass only at pp = 1: ``pipeline_split`` cuts the graph per stage after
@@ -63,8 +71,10 @@ import torch
 import torch.fx
 
 from graph_ir import TrainGraph
-from graph_ir.build import add_node, tag
+from graph_ir.analysis.adam_updates import AdamUpdate, adam_updates
+from graph_ir.build import add_node, eliminate_dead_code, tag
 from graph_ir.meta import MODULE_PATH, ORIGIN_PASS, Region, region_of
+from graph_ir.multi_tensor_ops import FUSED_ADAM
 
 from ..pass_manager import PassContext, PassOptionError, register_pass
 
@@ -347,25 +357,81 @@ def _stable_topological_order(graph: torch.fx.Graph) -> None:
         cursor = node
 
 
-def _refuse_fused(graph: TrainGraph) -> None:
-    adam = any(s.kind == "opt_state" and s.name.endswith(":exp_avg_sq") for s in graph.signature.inputs)
-    what = ("the fused Adam/AdamW kernels (aten._fused_adamw / aten._fused_adam) take beta1, beta2, eps "
-            "and weight_decay as compile-time floats, while the captured step feeds every hyperparameter "
-            "as a graph input (a scheduler never recompiles) and the graph does not know their values"
-            if adam else
-            "this graph's optimizer has no Adam update (no exp_avg_sq state); torch's fused kernels with "
-            "these semantics exist only for Adam and AdamW, and even those take their hyperparameters as "
-            "compile-time floats the captured step does not have")
-    raise PassOptionError(_ORIGIN, "kernel", f"{what}; use kernel=foreach (bitwise torch.optim's "
-                                             "foreach=True on CPU)", "fused")
+def _fused_adam_key(update: AdamUpdate):
+    """What one ``cann::fused_adam`` call shares, or None where the kernel does not take these tensors:
+    the four per-parameter tensors of one dtype (float32, bfloat16, float16), shape and dense
+    layout, on one device, and a 0-dim float32 step (torch.optim's)."""
+    tensors = [update.inputs[k] for k in ("param", "grad", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+               if k in update.inputs]
+    vals = [_val(n) for n in tensors]
+    step = _val(update.results["step"])
+    first = vals[0]
+    if len(set(tensors)) != len(tensors) or not all(isinstance(v, torch.Tensor) for v in vals) \
+            or first.dtype not in (torch.float32, torch.bfloat16, torch.float16) \
+            or not all(v.dtype == first.dtype and v.shape == first.shape and v.device == first.device
+                       and v.is_contiguous() for v in vals) \
+            or not (isinstance(step, torch.Tensor) and step.ndim == 0 and step.dtype == torch.float32):
+        return None
+    hparams = tuple(update.inputs.get(k) for k in ("lr", "beta1", "beta2", "eps", "weight_decay"))
+    if not all(h is None or isinstance(_val(h), torch.Tensor) and _val(h).ndim == 0 for h in hparams):
+        return None
+    return update.variant, hparams, first.dtype, first.device
+
+
+def _emit_fused_adam(graph: TrainGraph, members: list[AdamUpdate], position: dict) -> None:
+    v = members[0].variant
+
+    def column(key):
+        return [m.inputs[key] for m in members] if key != "step" else [m.results["step"] for m in members]
+    lr, beta1, beta2, eps, wd = (members[0].inputs.get(k) for k in ("lr", "beta1", "beta2", "eps", "weight_decay"))
+    args = (column("param"), column("grad"), column("exp_avg"), column("exp_avg_sq"),
+            column("max_exp_avg_sq") if v.amsgrad else [], column("step"), lr, beta1, beta2, eps, wd,
+            v.decoupled, v.amsgrad, v.maximize)
+    mode = graph.fake_mode()
+    last = max((m.results["param"] for m in members), key=position.__getitem__)
+    with graph.graph.inserting_before(last):
+        fused = add_node(graph.graph, FUSED_ADAM, args, {}, region=Region.OPTIMIZER, module_path="",
+                         origin=_ORIGIN, mode=mode)
+        lists = [_getitem(fused, k, last) for k in range(4)]
+        for i, member in enumerate(members):
+            for k, key in enumerate(("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")):
+                if key in member.results:
+                    member.results[key].replace_all_uses_with(_getitem(lists[k], i, member.results[key]))
+
+
+def fuse_adam(graph: TrainGraph) -> tuple[int, int]:
+    """Each set of Adam/AdamW chains sharing hyperparameters as one ``cann::fused_adam``; returns
+    (calls, tensors updated)."""
+    position = {n: i for i, n in enumerate(graph.graph.nodes)}
+    groups: dict = {}
+    amsgrad = any(s.kind == "opt_state" and s.name.endswith(":max_exp_avg_sq") for s in graph.signature.inputs)
+    for update in adam_updates(graph.graph, amsgrad):
+        key = _fused_adam_key(update)
+        if key is not None:
+            groups.setdefault(key, []).append(update)
+    for members in groups.values():
+        _emit_fused_adam(graph, members, position)
+    if groups:
+        _stable_topological_order(graph.graph)
+        eliminate_dead_code(graph.graph)
+    return len(groups), sum(len(m) for m in groups.values())
 
 
 @register_pass("fuse_optimizer")
 def fuse_optimizer_pass(graph: TrainGraph, ctx: PassContext, *,
                         kernel: Literal["foreach", "fused"] = "foreach") -> TrainGraph:
-    """Per-parameter update chains of the optimizer region as ``_foreach_*`` ops, bitwise."""
+    """Per-parameter update chains of the optimizer region as ``_foreach_*`` ops, bitwise; with
+    ``kernel=fused``, Adam/AdamW chains as torch's fused kernel and nothing else."""
     if kernel == "fused":
-        _refuse_fused(graph)
+        if not any(s.kind == "opt_state" and s.name.endswith(":exp_avg_sq") for s in graph.signature.inputs):
+            raise PassOptionError(_ORIGIN, "kernel", "this graph's optimizer has no Adam update (no exp_avg_sq "
+                                                     "state); torch's fused kernels with these semantics exist "
+                                                     "only for Adam and AdamW; use kernel=foreach (bitwise "
+                                                     "torch.optim's foreach=True on CPU)", "fused")
+        calls, tensors = fuse_adam(graph)
+        ctx.stat("fused_adam_calls", calls)
+        ctx.stat("tensors_fused", tensors)
+        return graph
     fused = groups = 0
     for group in _groups(graph.graph):
         items = _fuse(graph, group)

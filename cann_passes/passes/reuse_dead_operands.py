@@ -54,6 +54,11 @@ of fresh parameters and state every step; ``CANN_PASSES_INPLACE_UPDATES=0``
 asks for it (``reuse_dead_operands{inputs=false}``, and no
 ``wait_for_reductions_first``).
 
+A multi-tensor op of ``graph_ir.multi_tensor_ops.IN_PLACE`` (``cann::fused_adam``, the fused
+AdamW kernel) is marked by the same rules applied to every tensor of the lists it writes: each
+dies there (a buffer the graph allocated, or an updated input past the first-write fence whose
+new value the op returns), no two share a buffer, none shares one with its other operands.
+
 The pass only marks (``graph_ir.meta.REUSES_OPERAND``; the placeholders written are listed in
 ``graph.attrs["written_inputs"]``): the graph stays functional, so it verifies, dumps and
 serializes as any other, and the eager lowering switches the marked ops to their in-place
@@ -65,6 +70,7 @@ The same kernel runs on the same values, so results are bitwise those of the fun
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -77,6 +83,7 @@ from graph_ir.analysis.effects import random_op
 from graph_ir.analysis.memory import storage_roots
 from graph_ir.analysis.updates import distributes_update, updated_inputs
 from graph_ir.meta import REUSES_OPERAND, GraphAttr, Region, region_of
+from graph_ir.multi_tensor_ops import IN_PLACE, InPlaceLists
 
 from ..pass_manager import PassContext, register_pass
 
@@ -89,7 +96,7 @@ def _layout(val) -> tuple | None:
 
 @dataclass
 class ReusePlan:
-    rewrites: dict[torch.fx.Node, torch._ops.OpOverload] = field(default_factory=dict)
+    rewrites: dict[torch.fx.Node, object] = field(default_factory=dict)   # node -> its in-place op
     written: set[torch.fx.Node] = field(default_factory=set)   # graph inputs written in place
 
 
@@ -120,6 +127,9 @@ def _plan(graph: torch.fx.Graph, writable: dict[torch.fx.Node, int]) -> ReusePla
     plan = ReusePlan()
     for n in nodes:
         if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload) or not n.args:
+            continue
+        if n.target in IN_PLACE:
+            _plan_lists(n, IN_PLACE[n.target], writable, position, fence, last_use, roots, find, parent, plan)
             continue
         if torch.Tag.pointwise not in n.target.tags or random_op(n.target):
             continue
@@ -158,6 +168,40 @@ def _plan(graph: torch.fx.Graph, writable: dict[torch.fx.Node, int]) -> ReusePla
     return plan
 
 
+def _plan_lists(n, spec: InPlaceLists, writable, position, fence, last_use, roots, find, parent,
+                plan: ReusePlan) -> None:
+    """A multi-tensor op (``cann::fused_adam``) in place: every tensor of the lists it writes dies
+    there (a buffer the graph allocated, or an updated input past the fence, in a list the op
+    returns), no two share a buffer, and none shares one with another operand."""
+    written = {k: n.args[k] for k in (*spec.written, *spec.scratch)}
+    others = {find(a) for k, a in enumerate(n.args) if k not in written
+              for a in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(a, torch.fx.Node)}
+    targets: dict[tuple[int, int], torch.fx.Node] = {}
+    for k, values in written.items():
+        for i, x in enumerate(values):
+            root = find(x)
+            if root in others or root in targets.values() or last_use.get(root) != position[n] \
+                    or _layout(x.meta.get("val")) is None:
+                return
+            if root.op == "placeholder":
+                if root not in writable or position[n] <= fence or k not in spec.written:
+                    return
+            elif root.op != "call_function":
+                return
+            targets[(k, i)] = root
+    plan.rewrites[n] = spec.run
+    plan.written |= {r for r in targets.values() if r.op == "placeholder"}
+    result_of = {r: k for k, r in spec.written.items()}
+    for lst in n.users:                     # getitem(n, r): a list; getitem(list, i): a tensor
+        if lst.target is not operator.getitem or lst.args[1] not in result_of:
+            continue
+        for item in lst.users:
+            root = targets[(result_of[lst.args[1]], item.args[1])]
+            own = roots[item]
+            parent[own] = root
+            last_use[root] = last_use.get(own, position[n])
+
+
 def mark_reuse(graph: torch.fx.Graph, writable: dict[torch.fx.Node, int] | None = None) -> ReusePlan:
     """Mark ``y = op(x, ...)`` to run as ``op_(x, ...)`` where ``op`` is pointwise, nothing reads ``x``'s
     buffer (through any alias) after this op, and ``x`` has ``y``'s shape, dtype and (contiguous)
@@ -176,7 +220,7 @@ def apply_reuse(gm: torch.fx.GraphModule) -> int:
     """Switch every marked op of ``gm`` to its in-place variant; returns how many."""
     marked = [n for n in gm.graph.nodes if n.meta.get(REUSES_OPERAND)]
     for node in marked:
-        node.target = _maybe_get_inplace_op(node.target)
+        node.target = IN_PLACE[node.target].run if node.target in IN_PLACE else _maybe_get_inplace_op(node.target)
     if marked:
         gm.recompile()
     return len(marked)

@@ -13,7 +13,8 @@ from cann_passes import Plan, compile_for_npu
 from cann_passes.pass_manager import PassContext, PassFailure, PassManager, PassOptionError, PipelineError
 from cann_passes.pass_pipeline import build_pipeline
 from cann_passes.plan import PlanError
-from graph_ir.meta import ORIGIN_PASS, Region
+from graph_ir.meta import ORIGIN_PASS, REUSES_OPERAND, Region
+from graph_ir.multi_tensor_ops import FUSED_ADAM
 from graph_ir.mesh import MeshDesc
 from tests.conftest import gpt_batches, mlp_batches, tiny_gpt, tiny_mlp
 from tests.eager_reference import eager_steps
@@ -144,10 +145,28 @@ class TestFuseOptimizer:
         assert isinstance(cause, PassOptionError) and cause.option == "kernel" and cause.value == "fused"
         assert "no Adam update" in str(cause) and "kernel=foreach" in str(cause)
 
-    def test_kernel_fused_is_refused_for_adamw_saying_the_hyperparameters_are_graph_inputs(self):
-        with pytest.raises(PassFailure) as info:
-            _fuse(mlp_step(OPTIMIZERS["adamw"]).captured, options="{kernel=fused}")
-        assert "compile-time floats" in str(info.value.__cause__)
+    @pytest.mark.parametrize("opt", ["adamw", "adam", "adam_decay_amsgrad"])
+    def test_kernel_fused_makes_one_fused_adam_call_of_every_chain_bitwise(self, opt):
+        step = mlp_step(OPTIMIZERS[opt])
+        base = _unfused(step.captured)
+        fused, record = _fuse(step.captured, options="{kernel=fused}")
+        assert record.stats == {"fused_adam_calls": 1, "tensors_fused": PARAMS}
+        ops = _ops(fused)
+        assert ops[str(FUSED_ADAM)] == 1
+        # what is left per parameter is the step count's increment (the kernel reads the new count)
+        assert set(ops) == {str(FUSED_ADAM), "aten.add.Tensor"} and ops["aten.add.Tensor"] == PARAMS
+        want, got = run(base, step), run(fused, step)
+        assert set(want) == set(got)
+        model, _ = step.fresh()      # torch.optim's fused=True step from the same weights and batch
+        optimizer = OPTIMIZERS[opt](model.parameters(), fused=True)
+        step.loss_fn(model, step.batch).backward()
+        optimizer.step()
+        for name, param in model.named_parameters():
+            assert torch.equal(got[name], param.detach()), name
+            for key, value in optimizer.state[param].items():
+                assert torch.equal(got[f"{name}:{key}"], value), (name, key)
+        for name in want:   # the single-tensor chain rounds its own way
+            assert (got[name] - want[name]).abs().max() < 1e-6, name
 
     def test_an_unknown_kernel_is_refused_when_the_pipeline_is_parsed(self):
         with pytest.raises(PipelineError, match="must be one of 'foreach', 'fused'"):
@@ -179,6 +198,8 @@ class TestPipeline:
         assert info.value.field == "optimizer_kernel"
         with pytest.raises(PlanError, match="applies only at pp = 1"):
             Plan(pp=2, microbatches=2, optimizer_kernel="fused")
+        with pytest.raises(PlanError, match="no GE converter"):
+            Plan(backend="torchair", optimizer_kernel="fused")
         with pytest.raises(PlanError, match="'none' but there is a 'fuse_optimizer' pass"):
             Plan(pipeline="cleanup,fuse_optimizer", optimizer_kernel="none")
 
@@ -233,6 +254,24 @@ class TestTraining:
         assert losses == plain_losses
         assert all(torch.equal(p, q) for p, q in zip(trained.parameters(), plain.parameters()))
         assert _same_state(optimizer, plain_optimizer)
+
+    @pytest.mark.parametrize("opt", ["adamw", "adam_decay_amsgrad"])
+    @pytest.mark.parametrize("model", sorted(MODELS))
+    def test_kernel_fused_trains_bitwise_like_torch_optims_fused_kernel_in_place(self, model, opt):
+        factory, batches = MODELS[model]
+        losses, trained, optimizer, step = _train(factory, batches, OPTIMIZERS[opt],
+                                                  Plan(backend="eager", verify="deep", optimizer_kernel="fused"))
+        ref_losses, ref, ref_optimizer = _eager(factory, batches, lambda p: OPTIMIZERS[opt](p, fused=True))
+        assert losses == ref_losses
+        assert all(torch.equal(p, q) for p, q in zip(trained.parameters(), ref.parameters()))
+        assert _same_state(optimizer, ref_optimizer)
+        graph = step.last.graph
+        fused = [n for n in graph.graph.nodes if n.target is FUSED_ADAM]
+        assert len(fused) == 1 and fused[0].meta.get(REUSES_OPERAND)     # run in place on eager
+        params = {n for n, _ in trained.named_parameters()}
+        written = {s.name for s, n in zip(graph.signature.inputs, graph.placeholders())
+                   if n.name in graph.attrs["written_inputs"]}
+        assert params <= written
 
     def test_llama_trains_bitwise_like_its_unfused_step(self):
         fused = compare("llama", FOREACH, steps=3)

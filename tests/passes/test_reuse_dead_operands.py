@@ -8,6 +8,7 @@ import torch
 from cann_passes.lowering.eager import EagerLowering
 from cann_passes.pass_manager import PassContext, PassManager
 from graph_ir.meta import REUSES_OPERAND, GraphAttr
+from graph_ir.multi_tensor_ops import FUSED_ADAM
 from tests.passes._tiny import mlp_step
 
 
@@ -57,3 +58,26 @@ class TestReuseDeadOperands:
     def test_running_it_again_replaces_the_marks(self):
         _, graph, _ = _marked("cleanup,reuse_dead_operands,reuse_dead_operands{inputs=false}")
         assert graph.attrs[GraphAttr.WRITTEN_INPUTS] == []
+
+    def test_the_fused_adam_kernel_writes_the_parameters_and_state_it_updates_where_they_die(self):
+        step, graph, _ = _marked("cleanup,fuse_optimizer{kernel=fused},reuse_dead_operands")
+        fused = next(n for n in graph.graph.nodes if n.target is FUSED_ADAM)
+        assert fused.meta.get(REUSES_OPERAND)
+        written = set(graph.attrs[GraphAttr.WRITTEN_INPUTS])
+        updated = {p.name for p in fused.args[0] + fused.args[2] + fused.args[3]}   # params and moments
+        assert updated <= written
+        runner = EagerLowering().compile(graph, None, None)
+        inputs = step.inputs()
+        expected = graph.gm(*[t.clone() for t in inputs])       # the functional op on copies
+        got = runner(*inputs)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+        by_name = dict(zip([p.name for p in graph.placeholders()], inputs))
+        outputs = dict(zip([s.name for s in graph.signature.outputs], got))
+        param = fused.args[0][0]
+        assert outputs[next(s.name for s, p in zip(graph.signature.inputs, graph.placeholders()) if p is param)] \
+            is by_name[param.name]                               # the new parameter is the input, written
+
+    def test_without_inputs_the_fused_kernel_runs_on_copies(self):
+        _, graph, _ = _marked("cleanup,fuse_optimizer{kernel=fused},reuse_dead_operands{inputs=false}")
+        fused = next(n for n in graph.graph.nodes if n.target is FUSED_ADAM)
+        assert not fused.meta.get(REUSES_OPERAND) and graph.attrs[GraphAttr.WRITTEN_INPUTS] == []

@@ -1,0 +1,82 @@
+"""Multi-tensor optimizer ops a graph may hold, and how each runs in place.
+
+``cann::fused_adam`` is Adam's or AdamW's update of a list of parameters in one call of torch's
+fused kernel (``aten._fused_adam_`` / ``aten._fused_adamw_``, the kernel behind
+``torch.optim.AdamW(fused=True)``): one pass over each parameter's four tensors instead of the
+dozen full-size passes and ~10 0-dim ops per parameter of the single-tensor chain. The kernel
+takes ``beta1``, ``beta2``, ``eps`` and ``weight_decay`` as Python floats; the captured step
+feeds them as graph inputs (float64 0-dim tensors, so a scheduler never recompiles), so this op
+takes the tensors and reads them with ``.item()`` when it runs: exactly the float the user
+set, at the cost of four scalar reads per call, and nothing baked into the graph. ``lr`` goes
+to the kernel's tensor overload. On CPU the result is bitwise ``torch.optim``'s ``fused=True``
+step.
+
+The op is functional (it returns new tensors, as every node of a captured graph does). The eager
+lowering runs it in place where the parameters and state it updates die there
+(``cann_passes.passes.reuse_dead_operands``): :data:`IN_PLACE` says which argument lists it
+writes, and which result each becomes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+
+def _kernel(decoupled: bool):
+    return (torch.ops.aten._fused_adamw_ if decoupled else torch.ops.aten._fused_adam_).tensor_lr
+
+
+def fused_adam_into_inputs(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
+                           exp_avg_sqs: list[Tensor], max_exp_avg_sqs: list[Tensor], steps: list[Tensor],
+                           lr: Tensor, beta1: Tensor, beta2: Tensor, eps: Tensor, weight_decay: Optional[Tensor],
+                           decoupled: bool, amsgrad: bool, maximize: bool):
+    """``cann::fused_adam`` writing its results into ``params`` and the state lists (``grads`` too
+    may be written: the kernel's schema says so); returns those lists, as the op returns its results."""
+    _kernel(decoupled)(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr=lr,
+                       beta1=beta1.item(), beta2=beta2.item(),
+                       weight_decay=0.0 if weight_decay is None else weight_decay.item(),
+                       eps=eps.item(), amsgrad=amsgrad, maximize=maximize)
+    return params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs
+
+
+@torch.library.custom_op("cann::fused_adam", mutates_args=())
+def fused_adam(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+               max_exp_avg_sqs: list[Tensor], steps: list[Tensor], lr: Tensor, beta1: Tensor, beta2: Tensor,
+               eps: Tensor, weight_decay: Optional[Tensor], decoupled: bool, amsgrad: bool, maximize: bool
+               ) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]:
+    """Adam (``decoupled=False``) or AdamW over lists of tensors; ``steps`` are the incremented step
+    counts (torch.optim adds one before the kernel reads them); ``weight_decay`` None: no decay (a
+    group whose weight decay is zero has no such input in the chain). Returns the new parameters,
+    ``exp_avg``, ``exp_avg_sq`` and ``max_exp_avg_sq`` (empty unless ``amsgrad``)."""
+    def fresh(ts):
+        return [t.clone() for t in ts]
+    return fused_adam_into_inputs(fresh(params), fresh(grads), fresh(exp_avgs), fresh(exp_avg_sqs),
+                                  fresh(max_exp_avg_sqs), steps, lr, beta1, beta2, eps, weight_decay,
+                                  decoupled, amsgrad, maximize)
+
+
+@fused_adam.register_fake
+def _(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, eps, weight_decay,
+      decoupled, amsgrad, maximize):
+    def like(ts):
+        return [torch.empty_like(t) for t in ts]
+    return like(params), like(exp_avgs), like(exp_avg_sqs), like(max_exp_avg_sqs)
+
+
+FUSED_ADAM = torch.ops.cann.fused_adam.default
+
+
+@dataclass(frozen=True)
+class InPlaceLists:
+    """How a multi-tensor op runs in place: the function that writes into its argument lists,
+    which argument list becomes which result list, and the lists it may scribble on."""
+
+    run: Callable
+    written: dict[int, int]          # argument index -> result index
+    scratch: tuple[int, ...] = ()    # argument lists written but not returned (must be dead there)
+
+
+IN_PLACE: dict = {FUSED_ADAM: InPlaceLists(fused_adam_into_inputs, {0: 0, 2: 1, 3: 2, 4: 3}, scratch=(1,))}
