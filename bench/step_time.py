@@ -16,6 +16,8 @@ with AdamW, every row from the same initial weights:
 - ``ours-eager-foreach`` / ``ours-inductor-unfused``: the update as ``_foreach_*`` ops on eager
   (``optimizer_kernel: foreach``; eager's default leaves it per parameter, in place) / per
   parameter on inductor (``none``; inductor's default fuses it);
+- ``ours-eager-fused``: the update as torch's fused AdamW kernel on eager (``optimizer_kernel:
+  fused``: one ``cann::fused_adam`` call, in place; bitwise the ``fused`` row's update);
 - ``ours-inductor+onednn``: inductor with the opt-in ``linear_on_onednn`` pass.
 
 Rows run in interleaved rounds (every row once per round, in a rotating
@@ -56,7 +58,8 @@ MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::
               "aten::_scaled_dot_product_flash_attention_for_cpu",
               "aten::_scaled_dot_product_flash_attention_for_cpu_backward")
 ROWS = ("eager", "foreach", "fused", "compile", "compile+opt", "ours-eager", "ours-eager-unguarded",
-        "ours-eager-foreach", "ours-inductor", "ours-inductor-unfused", "ours-inductor+onednn")
+        "ours-eager-foreach", "ours-eager-fused", "ours-inductor", "ours-inductor-unfused", "ours-inductor+onednn")
+_KERNELS = {"-unfused": "none", "-foreach": "foreach", "-fused": "fused"}
 
 
 @dataclass
@@ -196,8 +199,10 @@ def make_row(name: str, case: Case) -> Row:
         opt = _adamw(model)
         backend, _, extra = name[len("ours-"):].partition("+")
         unguarded = backend.endswith("-unguarded")
-        kernel = "none" if backend.endswith("-unfused") else "foreach" if backend.endswith("-foreach") else "auto"
-        plan = Plan(backend=backend.removesuffix("-unguarded").removesuffix("-unfused").removesuffix("-foreach"),
+        suffix = next((k for k in _KERNELS if backend.endswith(k)), "")
+        kernel = _KERNELS.get(suffix, "auto")
+        plan = Plan(backend=backend.removesuffix("-unguarded").removesuffix(suffix) if suffix else
+                    backend.removesuffix("-unguarded"),
                     extra_passes=("linear_on_onednn",) if extra == "onednn" else (), optimizer_kernel=kernel)
         step = compile_for_npu(model, plan, optimizer=opt, loss_fn=case.loss_fn)
         t0 = time.perf_counter()

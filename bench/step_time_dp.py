@@ -8,10 +8,13 @@ rows per rank) with AdamW from the same initial weights:
 
 - ``ddp``: ``DistributedDataParallel`` and ``torch.optim.AdamW`` (the
   per-parameter loop, updating in place) -- the 1.00x baseline;
+- ``ddp-fused``: the same with ``AdamW(fused=True)`` (torch's fused kernel);
 - ``fsdp2``: ``fully_shard`` on every block and the root (parameters, gradients
   and optimizer state sharded, as ZeRO-3), the same AdamW on the DTensor shards;
 - ``ours-dp``, ``ours-zero1``, ``ours-zero2``, ``ours-zero3``: the compiled
   whole step on the eager backend, parameters and state updated in place;
+- ``...-fused``: the same plan with ``optimizer_kernel: fused`` (the AdamW update, or each
+  ZeRO shard's, as torch's fused kernel, in place);
 - ``...-functional``: the same plan lowered with ``CANN_PASSES_INPLACE_UPDATES=0``
   (no input written, fresh parameters and state each step, stored by the
   runtime): what the DP and ZeRO steps did before they updated in place (then
@@ -47,8 +50,9 @@ from typing import Callable
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-ROWS = ("ddp", "fsdp2", "ours-dp", "ours-dp-functional", "ours-zero1", "ours-zero1-functional",
-        "ours-zero2", "ours-zero2-functional", "ours-zero3", "ours-zero3-functional")
+ROWS = ("ddp", "ddp-fused", "fsdp2", "ours-dp", "ours-dp-functional", "ours-dp-fused", "ours-zero1",
+        "ours-zero1-functional", "ours-zero1-fused", "ours-zero2", "ours-zero2-functional", "ours-zero3",
+        "ours-zero3-functional", "ours-zero3-fused")
 STAGES = {"dp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
 BIG = 1 << 20
 
@@ -101,8 +105,8 @@ def global_batch(rows: int = 8, seq: int = 128):
     return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
 
 
-def adamw(params):
-    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, foreach=False)
+def adamw(params, fused: bool = False):
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, **({"fused": True} if fused else {"foreach": False}))
 
 
 def make_row(name: str, layers: int, world, batch) -> Row:
@@ -113,13 +117,14 @@ def make_row(name: str, layers: int, world, batch) -> Row:
     t0 = time.perf_counter()
     if name.startswith("ours-"):
         strategy = name.split("-")[1]
-        plan = Plan(backend="eager", dp=world.dp_size, zero_stage=STAGES[strategy], compile_cache="off")
+        plan = Plan(backend="eager", dp=world.dp_size, zero_stage=STAGES[strategy], compile_cache="off",
+                    optimizer_kernel="fused" if name.endswith("-fused") else "auto")
         step = compile_for_npu(model, plan, optimizer=adamw(model.parameters()), loss_fn=gpt_loss)
         with env(INPLACE_UPDATES_ENV, "0" if name.endswith("-functional") else None):
             step.compile(batch)
         step(batch)
         return Row(name, step, time.perf_counter() - t0)
-    if name == "ddp":
+    if name.startswith("ddp"):
         from torch.nn.parallel import DistributedDataParallel
         wrapped = DistributedDataParallel(model)
     else:
@@ -127,7 +132,7 @@ def make_row(name: str, layers: int, world, batch) -> Row:
         for block in model.layers:
             fully_shard(block)
         wrapped = fully_shard(model)
-    opt = adamw(wrapped.parameters())
+    opt = adamw(wrapped.parameters(), fused=name.endswith("-fused"))
 
     def run(b):
         opt.zero_grad(set_to_none=True)
