@@ -33,6 +33,9 @@ GRADIENT_OF = "gradient_of"
 # True on a pointwise node that may run in place over its first operand's buffer (that buffer dies
 # there): reuse_dead_operands decides, the eager lowering applies it.
 REUSES_OPERAND = "reuses_operand"
+# On a marked multi-tensor op (graph_ir.multi_tensor_ops): (argument, list index) of each tensor it
+# writes a copy of instead (one read again later, or an input the step does not return as itself).
+REUSE_COPIES = "reuse_copies"
 # ``SHARDING`` holds a node's placement on the mesh (:mod:`graph_ir.placement`), as JSON.
 
 

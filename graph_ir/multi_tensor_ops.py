@@ -32,9 +32,18 @@ def _kernel(decoupled: bool):
 def fused_adam_into_inputs(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
                            exp_avg_sqs: list[Tensor], max_exp_avg_sqs: list[Tensor], steps: list[Tensor],
                            lr: Tensor, beta1: Tensor, beta2: Tensor, eps: Tensor, weight_decay: Optional[Tensor],
-                           decoupled: bool, amsgrad: bool, maximize: bool):
-    """``cann::fused_adam`` writing its results into ``params`` and the state lists (``grads`` too
-    may be written: the kernel's schema says so); returns those lists, as the op returns its results."""
+                           decoupled: bool, amsgrad: bool, maximize: bool, copies: tuple = ()):
+    """``cann::fused_adam`` writing its results into ``params`` and the state lists; returns those
+    lists, as the op returns its results. ``grads`` are read only: the kernel's schema marks them
+    written because it unscales them in place by ``grad_scale``, which this op never passes.
+    ``copies``: (argument index, list index) of the tensors to write a copy of instead (a value
+    read again later, or an input the step does not return as its own new value)."""
+    if copies:
+        lists = [params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs]
+        lists = [list(ts) for ts in lists]
+        for k, i in copies:
+            lists[k][i] = lists[k][i].clone()
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs = lists
     _kernel(decoupled)(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr=lr,
                        beta1=beta1.item(), beta2=beta2.item(),
                        weight_decay=0.0 if weight_decay is None else weight_decay.item(),
@@ -53,7 +62,7 @@ def fused_adam(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor]
     ``exp_avg``, ``exp_avg_sq`` and ``max_exp_avg_sq`` (empty unless ``amsgrad``)."""
     def fresh(ts):
         return [t.clone() for t in ts]
-    return fused_adam_into_inputs(fresh(params), fresh(grads), fresh(exp_avgs), fresh(exp_avg_sqs),
+    return fused_adam_into_inputs(fresh(params), grads, fresh(exp_avgs), fresh(exp_avg_sqs),
                                   fresh(max_exp_avg_sqs), steps, lr, beta1, beta2, eps, weight_decay,
                                   decoupled, amsgrad, maximize)
 
@@ -71,12 +80,13 @@ FUSED_ADAM = torch.ops.cann.fused_adam.default
 
 @dataclass(frozen=True)
 class InPlaceLists:
-    """How a multi-tensor op runs in place: the function that writes into its argument lists,
-    which argument list becomes which result list, and the lists it may scribble on."""
+    """How a multi-tensor op runs in place: the function that writes into its argument lists (its
+    ``copies`` keyword names the tensors to write a copy of instead), which argument list becomes
+    which result list, and the lists it may scribble on."""
 
     run: Callable
     written: dict[int, int]          # argument index -> result index
     scratch: tuple[int, ...] = ()    # argument lists written but not returned (must be dead there)
 
 
-IN_PLACE: dict = {FUSED_ADAM: InPlaceLists(fused_adam_into_inputs, {0: 0, 2: 1, 3: 2, 4: 3}, scratch=(1,))}
+IN_PLACE: dict = {FUSED_ADAM: InPlaceLists(fused_adam_into_inputs, {0: 0, 2: 1, 3: 2, 4: 3})}

@@ -82,7 +82,7 @@ from graph_ir.analysis.collectives import is_communication_op
 from graph_ir.analysis.effects import random_op
 from graph_ir.analysis.memory import storage_roots
 from graph_ir.analysis.updates import distributes_update, updated_inputs
-from graph_ir.meta import REUSES_OPERAND, GraphAttr, Region, region_of
+from graph_ir.meta import REUSE_COPIES, REUSES_OPERAND, GraphAttr, Region, region_of
 from graph_ir.multi_tensor_ops import IN_PLACE, InPlaceLists
 
 from ..pass_manager import PassContext, register_pass
@@ -97,6 +97,7 @@ def _layout(val) -> tuple | None:
 @dataclass
 class ReusePlan:
     rewrites: dict[torch.fx.Node, object] = field(default_factory=dict)   # node -> its in-place op
+    copies: dict[torch.fx.Node, tuple] = field(default_factory=dict)       # multi-tensor op -> entries copied
     written: set[torch.fx.Node] = field(default_factory=set)   # graph inputs written in place
 
 
@@ -170,33 +171,41 @@ def _plan(graph: torch.fx.Graph, writable: dict[torch.fx.Node, int]) -> ReusePla
 
 def _plan_lists(n, spec: InPlaceLists, writable, position, fence, last_use, roots, find, parent,
                 plan: ReusePlan) -> None:
-    """A multi-tensor op (``cann::fused_adam``) in place: every tensor of the lists it writes dies
-    there (a buffer the graph allocated, or an updated input past the fence, in a list the op
-    returns), no two share a buffer, and none shares one with another operand."""
+    """A multi-tensor op (``cann::fused_adam``) in place, tensor by tensor: each tensor of the lists
+    it writes that dies there (a buffer the graph allocated, or an updated input past the fence,
+    in a list the op returns), shares a buffer with no other operand and has a dense layout is
+    written; the others are copied first (a ZeRO shard viewing a whole input parameter)."""
     written = {k: n.args[k] for k in (*spec.written, *spec.scratch)}
     others = {find(a) for k, a in enumerate(n.args) if k not in written
               for a in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(a, torch.fx.Node)}
     targets: dict[tuple[int, int], torch.fx.Node] = {}
+    copies = []
     for k, values in written.items():
         for i, x in enumerate(values):
             root = find(x)
-            if root in others or root in targets.values() or last_use.get(root) != position[n] \
-                    or _layout(x.meta.get("val")) is None:
-                return
+            dies = root not in others and root not in targets.values() and last_use.get(root) == position[n] \
+                and _layout(x.meta.get("val")) is not None
             if root.op == "placeholder":
-                if root not in writable or position[n] <= fence or k not in spec.written:
-                    return
+                dies = dies and root in writable and position[n] > fence and k in spec.written
             elif root.op != "call_function":
-                return
-            targets[(k, i)] = root
+                dies = False
+            if dies:
+                targets[(k, i)] = root
+            else:
+                copies.append((k, i))
+    if not targets:
+        return
     plan.rewrites[n] = spec.run
+    plan.copies[n] = tuple(copies)
     plan.written |= {r for r in targets.values() if r.op == "placeholder"}
     result_of = {r: k for k, r in spec.written.items()}
     for lst in n.users:                     # getitem(n, r): a list; getitem(list, i): a tensor
         if lst.target is not operator.getitem or lst.args[1] not in result_of:
             continue
         for item in lst.users:
-            root = targets[(result_of[lst.args[1]], item.args[1])]
+            root = targets.get((result_of[lst.args[1]], item.args[1]))
+            if root is None:
+                continue
             own = roots[item]
             parent[own] = root
             last_use[root] = last_use.get(own, position[n])
@@ -211,8 +220,11 @@ def mark_reuse(graph: torch.fx.Graph, writable: dict[torch.fx.Node, int] | None 
     plan = _plan(graph, writable or {})
     for node in graph.nodes:
         node.meta.pop(REUSES_OPERAND, None)
+        node.meta.pop(REUSE_COPIES, None)
     for node in plan.rewrites:
         node.meta[REUSES_OPERAND] = True
+        if node in plan.copies:
+            node.meta[REUSE_COPIES] = plan.copies[node]
     return plan
 
 
@@ -220,7 +232,11 @@ def apply_reuse(gm: torch.fx.GraphModule) -> int:
     """Switch every marked op of ``gm`` to its in-place variant; returns how many."""
     marked = [n for n in gm.graph.nodes if n.meta.get(REUSES_OPERAND)]
     for node in marked:
-        node.target = IN_PLACE[node.target].run if node.target in IN_PLACE else _maybe_get_inplace_op(node.target)
+        if node.target in IN_PLACE:
+            node.target = IN_PLACE[node.target].run
+            node.kwargs = {**node.kwargs, "copies": node.meta.get(REUSE_COPIES, ())}
+        else:
+            node.target = _maybe_get_inplace_op(node.target)
     if marked:
         gm.recompile()
     return len(marked)

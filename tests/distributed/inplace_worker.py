@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from cann_passes import Plan, compile_for_npu  # noqa: E402
 from cann_passes.runtime.binding import bind_inputs  # noqa: E402
 from cann_passes.runtime.distributed import init_distributed, shard_batch  # noqa: E402
+from graph_ir.multi_tensor_ops import FUSED_ADAM  # noqa: E402
 from graph_ir.signature import OutputKind, split_state_name  # noqa: E402
 from tests import zoo  # noqa: E402
 
@@ -29,16 +30,23 @@ STEPS = 3
 STAGES = {"dp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
 # Runs: (strategy, optimizer, gradient clipping norm); every strategy with both optimizers, ZeRO-2's
 # AdamW with clipping, which adds a collective of the optimizer's own (the norm's all-reduce).
+# ``adamw_fused``: AdamW with ``optimizer_kernel: fused`` (torch's fused kernel, written in place),
+# against torch.optim's ``fused=True``.
 RUNS = [(strategy, kind, 0.5 if (strategy, kind) == ("zero2", "adamw") else None)
-        for strategy in STAGES for kind in ("sgd", "adamw")]
+        for strategy in STAGES for kind in ("sgd", "adamw")] + [
+    (strategy, "adamw_fused", None) for strategy in ("dp", "zero1", "zero3")]
 OPTIMIZERS = {
     "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1),
+    "adamw_fused": lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1),
 }
 
 
-def make(kind: str):
+def make(kind: str, reference: bool = False):
+    """The model and optimizer of a run; ``reference``: the optimizer torch.optim runs it with."""
     entry = zoo.build("gpt2", layers=2)
+    if reference and kind == "adamw_fused":
+        return entry, torch.optim.AdamW(entry.model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
     return entry, OPTIMIZERS[kind](entry.model.parameters())
 
 
@@ -66,7 +74,9 @@ def parity(world_size: int, out: str):
         for strategy, kind, clip in RUNS:
             entry, opt = make(kind)
             model = entry.model
-            step = compile_for_npu(model, base.replace(zero_stage=STAGES[strategy], grad_clip_norm=clip),
+            kernel = "fused" if kind.endswith("_fused") else "auto"
+            step = compile_for_npu(model, base.replace(zero_stage=STAGES[strategy], grad_clip_norm=clip,
+                                                       optimizer_kernel=kernel),
                                    optimizer=opt, loss_fn=entry.loss_fn)
             params = dict(model.named_parameters())
             losses, mismatches, storage = [], [], None
@@ -97,6 +107,7 @@ def parity(world_size: int, out: str):
             result[run_name(strategy, kind, clip)] = {
                 "losses": losses, "mismatches": mismatches, "written": list(runner.written_inputs),
                 "storage_kept": kept, "held": len(held),
+                "fused_calls": sum(n.target is FUSED_ADAM for n in graph.graph.nodes),
                 "params": {n: p.detach().clone() for n, p in model.state_dict().items()}}
         torch.save(result, f"{out}/parity.rank{world.rank}.pt")
         failure(world, base.replace(zero_stage=1), out)

@@ -1,7 +1,8 @@
 """Parameters and optimizer state updated in place under data parallelism and ZeRO-1/2/3 (eager backend).
 
 Two gloo ranks train a transformers GPT-2 built from a config with SGD (momentum) and AdamW (under
-ZeRO-2 with gradient clipping, a collective of the optimizer's own). Every
+ZeRO-2 with gradient clipping, a collective of the optimizer's own; under DP, ZeRO-1 and ZeRO-3 also
+as torch's fused kernel, ``optimizer_kernel: fused``, against ``fused=True``). Every
 step equals the functional variant of the same graph bitwise, on every rank and for every value the
 step stores (``inplace_worker.parity``), and the run equals plain ``torch.optim`` on the global batches
 in this process (1e-5: ranks sum in another order). The storage of what is written in place stays
@@ -31,7 +32,7 @@ def _launch(*args: str):
 
 
 def _eager_torch(kind: str, clip):
-    entry, opt = inplace_worker.make(kind)
+    entry, opt = inplace_worker.make(kind, reference=True)
     losses = []
     for i in range(inplace_worker.STEPS):
         opt.zero_grad()
@@ -54,7 +55,7 @@ def ranks(tmp_path_factory):
 def test_dp_and_every_zero_stage_update_in_place_bitwise_like_the_functional_step(ranks):
     reference = {(kind, clip): _eager_torch(kind, clip) for _, kind, clip in inplace_worker.RUNS}
     params = len(list(inplace_worker.make("sgd")[0].model.parameters()))
-    state_per_param = {"sgd": 1, "adamw": 3}          # momentum_buffer; step, exp_avg, exp_avg_sq
+    state_per_param = {"sgd": 1, "adamw": 3, "adamw_fused": 3}   # momentum_buffer; step, exp_avg, exp_avg_sq
     for rank in range(2):
         result = torch.load(ranks / f"parity.rank{rank}.pt", weights_only=False)
         for strategy, kind, clip in inplace_worker.RUNS:
@@ -66,6 +67,7 @@ def test_dp_and_every_zero_stage_update_in_place_bitwise_like_the_functional_ste
             expected = params * (per_param + (0 if stage in (1, 2) else 1))
             assert len(got["written"]) == expected, f"{what}: {len(got['written'])} inputs written in place"
             assert got["storage_kept"] >= expected, f"{what}: a written value moved to new storage"
+            assert got["fused_calls"] == (1 if kind == "adamw_fused" else 0), what
             want_losses, want_params = reference[(kind, clip)]
             for i, (a, b) in enumerate(zip(got["losses"], want_losses, strict=True)):
                 assert abs(a - b) <= 1e-5 * abs(b), f"{what}: step {i} loss {a} vs eager torch {b}"
