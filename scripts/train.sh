@@ -5,6 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 echo "scripts/train.sh: checking .venv, then python -m recipes.train_gpt $*"
 start=$(date +%s.%N)
-./scripts/setup.sh
+./scripts/setup.sh core
 echo "scripts/train.sh: .venv ready in $(awk -v a="$start" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')s"
 exec .venv/bin/python -m recipes.train_gpt "$@"
