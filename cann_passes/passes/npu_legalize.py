@@ -290,9 +290,13 @@ def _bitwise(tensor_op):
 def _histc(x, bins=100, min=0, max=0):  # noqa: A002 - aten's argument names
     """ATen's CPU histc: bin ``trunc((x - min) * bins / (max - min))`` in the input's precision, the
     right edge in the last bin, NaN and values outside [min, max] not counted; the counts as an
-    index_add of ones (exact below 2**24). transformers' routing counts its expert ids so."""
+    index_add of ones (exact below 2**24). transformers' routing counts its expert ids so: as float
+    on CPU, as int32 on an accelerator (whose kernels take integers), binned here as the float64
+    values they equal (exact), the counts in the input's dtype."""
+    if not x.dtype.is_floating_point and x.dtype != torch.bool:
+        return _histc(x.to(torch.float64), bins, min, max).to(x.dtype)
     if x.dtype not in (torch.float32, torch.float64):
-        raise _NoDecomposition(f"histc of {x.dtype} values (float32 and float64 only)")
+        raise _NoDecomposition(f"histc of {x.dtype} values (float32, float64 and integers only)")
     if not min < max:
         raise _NoDecomposition("histc without an explicit min < max (the range comes from the data)")
     lo, hi = _rounded(min, x.dtype), _rounded(max, x.dtype)

@@ -23,6 +23,9 @@ def test_histc_decomposition_is_atens_cpu_histc():
     for experts in (2, 3, 8, 60, 64):      # transformers' routing counts: integer ids, min 0, max E - 1
         ids = torch.randint(0, experts, (4096,)).float()
         assert torch.equal(histc(ids, experts, 0, experts - 1), torch.histc(ids, experts, 0, experts - 1))
+        # on an accelerator transformers counts int32 ids (CPU's kernel takes floats only)
+        got = histc(ids.int(), experts, 0, experts - 1)
+        assert got.dtype == torch.int32 and torch.equal(got, torch.histc(ids, experts, 0, experts - 1).int())
     for bins, lo, hi in ((7, -1.3, 2.9), (100, 0.0, 1.0), (13, -5, 5)):
         x = torch.cat([torch.randn(10000) * 3, torch.linspace(lo, hi, bins + 1),
                        torch.tensor([float("nan"), lo, hi, float("inf")])])
