@@ -32,16 +32,26 @@ def _mergeable(node: torch.fx.Node, impure: ImpurityCache) -> bool:
     return not node.meta.get(RECOMPUTE) and GRADIENT_OF not in node.meta
 
 
+_NODE = torch.fx.Node
+
+
+def _freeze(a):
+    # Dispatch on the exact type: a node's arguments are mostly nodes and tuples of them, and
+    # this runs for every argument of every node (a 7B-shaped step has about 50,000).
+    kind = type(a)
+    if kind is _NODE:
+        return a   # hashed by identity: one node, one name in its graph
+    if kind is tuple or kind is list:
+        return (kind.__name__, tuple([_freeze(x) for x in a]))
+    if kind is dict or isinstance(a, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in a.items()))
+    if isinstance(a, (list, tuple)):   # an immutable_list or a named tuple
+        return (kind.__name__, tuple([_freeze(x) for x in a]))
+    return (kind.__name__, a)
+
+
 def _key(node: torch.fx.Node):
-    def freeze(a):
-        if isinstance(a, (list, tuple)):
-            return (type(a).__name__, tuple(freeze(x) for x in a))
-        if isinstance(a, torch.fx.Node):
-            return a   # hashed by identity: one node, one name in its graph
-        if isinstance(a, dict):
-            return tuple(sorted((k, freeze(v)) for k, v in a.items()))
-        return (type(a).__name__, a)
-    return (node.meta.get(REGION), node.target, freeze(node.args), freeze(node.kwargs))
+    return (node.meta.get(REGION), node.target, _freeze(node.args), _freeze(node.kwargs))
 
 
 def eliminate_common_subexpressions(graph: torch.fx.Graph) -> int:
@@ -51,12 +61,11 @@ def eliminate_common_subexpressions(graph: torch.fx.Graph) -> int:
     for node in list(graph.nodes):
         if not _mergeable(node, impure):
             continue
+        key = _key(node)
         try:
-            key = _key(node)
-            hash(key)
-        except TypeError:
+            first = seen.get(key)
+        except TypeError:   # an unhashable constant argument
             continue
-        first = seen.get(key)
         if first is None:
             seen[key] = node
             continue
