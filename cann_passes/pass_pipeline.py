@@ -130,10 +130,11 @@ def build_pipeline(plan: Plan, backend: str) -> Pipeline:
                               sequence_parallel=plan.sequence_parallel,
                               vocab_parallel_loss=plan.vocab_parallel_loss)))
     if plan.cp > 1:
-        # With dp (no ZeRO, one stage) the gradients' parts over cp are summed by data_parallel's
-        # buckets over dp and cp at once, rather than all-reduced over cp first.
+        # With dp (one stage) the gradients' parts over cp are summed by data_parallel's buckets
+        # over dp and cp at once, or by ZeRO after its reduce-scatter over dp (a 1/dp shard over
+        # cp), rather than all-reduced whole over cp first.
         options = {"attention": plan.cp_attention} if plan.cp_attention != "gather" else {}
-        if plan.dp > 1 and plan.zero_stage == 0 and plan.pp == 1:
+        if plan.dp > 1 and plan.pp == 1:
             options["gradients"] = "partial"
         steps.append(str(spec("context_parallel", **options)) if options else "context_parallel")
     if plan.ep > 1:

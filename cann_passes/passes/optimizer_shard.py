@@ -39,6 +39,12 @@ the concatenated new shards rebuilds them.
 Padding (the last rank's shard tail) is zero in parameters, gradients and
 state, which the update keeps at zero; its bytes are reported in
 ``graph.attrs['zero']`` and in the pass statistics.
+
+Under context parallelism with ``context_parallel{gradients=partial}`` each
+rank's gradient is its part of the sum over its sequence chunks: each
+bucket's reduce-scattered shard is all-reduced (summed) over cp, 1/N of the
+bytes an all-reduce of every whole gradient over cp moves, and the fp16
+overflow flag is agreed over ``dp_cp``.
 """
 from __future__ import annotations
 
@@ -104,8 +110,11 @@ def _over_dp(tg: TrainGraph, name: str, local: Placement, axis: str = DP) -> Pla
 # -- gradients: reduce-scatter ------------------------------------------------------------------
 
 def _reduce_scatter_bucket(tg: TrainGraph, bucket: list[str], grads, layout: ShardLayout, stage: int,
-                           reduce_op: str, scale: float = 1.0, dtype: torch.dtype | None = None
-                           ) -> dict[str, torch.fx.Node]:
+                           reduce_op: str, scale: float = 1.0, dtype: torch.dtype | None = None,
+                           parts_over=None) -> dict[str, torch.fx.Node]:
+    """``parts_over``: the cp group when each rank's gradient is its part of a sum over its sequence
+    chunks (``context_parallel{gradients=partial}``): the dp shard is summed over it after the
+    reduce-scatter, moving 1/dp of the bytes an all-reduce of the whole gradient over cp would."""
     position = position_map(tg)
     values = [grads[n] for n in bucket]
     readers = {n: [u for u in grads[n].users if region_of(u) == Region.OPTIMIZER] for n in bucket}
@@ -126,6 +135,9 @@ def _reduce_scatter_bucket(tg: TrainGraph, bucket: list[str], grads, layout: Sha
     mine = receive(c10d.wait_tensor.default, scattered)
     if mine.meta["val"].dtype != table.meta["val"].dtype:
         mine = receive(aten._to_copy.default, mine, dtype=table.meta["val"].dtype)
+    if parts_over is not None:
+        mine = receive(c10d.wait_tensor.default,
+                       receive(c10d.all_reduce.default, mine, "sum", parts_over.group_name))
     if scale != 1.0:
         mine = receive(aten.mul.Tensor, mine, scale)
     shards, offset = {}, 0
@@ -446,9 +458,14 @@ def optimizer_shard_pass(graph: TrainGraph, ctx: PassContext, *, stage: int = 1,
     sizes = {n: nbytes(grads[n].meta["val"]) for n in order}
     buckets = make_buckets(dense, sizes, bucket_bytes)
     sharded_master = _master_sharded(graph, stage, master, axis_size(ctx, "pp"))
+    parts = graph.attrs.get(GraphAttr.CONTEXT_PARALLEL, {}).get("partial_gradients")
+    parts_over = mesh_dim(ctx, "cp", ORIGIN) if parts else None
+    if parts and experts:
+        raise DistributedRewriteError("optimizer_shard: partial context-parallel gradients with expert "
+                                      "parameters (rule: context_parallel{gradients=partial} is for dense models)")
     for bucket in buckets:
         _reduce_scatter_bucket(graph, bucket, grads, layout, stage, "sum" if accumulating else "avg",
-                               dtype=dtype)
+                               dtype=dtype, parts_over=parts_over)
     expert_layout = _expert_gradients(graph, ctx, [n for n in order if n in experts], grads, sizes,
                                       bucket_bytes, stage, accumulating, group.size, dtype)
     _shard_inputs(graph, dense, layout, shard_params=sharded_master)
@@ -472,7 +489,8 @@ def optimizer_shard_pass(graph: TrainGraph, ctx: PassContext, *, stage: int = 1,
             for bucket in make_buckets(list(expert_layout.shape), sizes, bucket_bytes):
                 _gather_new_params(graph, bucket, expert_layout)
     average_loss(graph, group, ORIGIN)
-    agree_on_overflow(graph, group, ORIGIN)      # every rank skips the same fp16 steps
+    # every rank skips the same fp16 steps (with cp parts, a part's overflow is the whole's)
+    agree_on_overflow(graph, mesh_dim(ctx, "dp_cp", ORIGIN) if parts else group, ORIGIN)
     padding = {n: layout.padding(n) for n in dense}
     if expert_layout is not None:
         padding.update({n: expert_layout.padding(n) for n in expert_layout.shape})

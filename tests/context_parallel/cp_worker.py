@@ -7,7 +7,8 @@ scenario is ``model:optimizer[:option...]``: a ``tests.zoo`` model trained 10 st
 rows of the global batch, whole (the graph cuts its part of the sequence). Options: ``pad``
 (right-padded rows: the loss' count of tokens differs between the sequence chunks), ``clip``
 (gradient clipping at 1.0), ``mb2`` (two microbatches accumulated per step), ``full`` (full
-recompute: K and V gathered again in backward), ``ring`` (``cp_attention="ring"``). Rank 0 writes the losses, the parameters as ``model.state_dict()``
+recompute: K and V gathered again in backward), ``ring`` (``cp_attention="ring"``), ``zero1`` /
+``zero2`` / ``zero3`` (ZeRO over dp). Rank 0 writes the losses, the parameters as ``model.state_dict()``
 gives them (under pp gathered from the stage owning each), the graph's collectives and the number of
 pipeline stages to OUT/<scenario>.<mesh>.pt.
 """
@@ -51,7 +52,8 @@ def main(out: str, mesh: str, *scenarios: str):
             plan = Plan(backend="eager", verify="deep", grad_clip_norm=1.0 if "clip" in options else None,
                         microbatches=2 if "mb2" in options else staged,
                         recompute="full" if "full" in options else "none",
-                        cp_attention="ring" if "ring" in options else "gather", **sizes)
+                        cp_attention="ring" if "ring" in options else "gather",
+                        zero_stage=next((int(o[4:]) for o in options if o.startswith("zero")), 0), **sizes)
             step = compile_for_npu(entry.model, plan, optimizer=optimizer, loss_fn=entry.loss_fn)
             dp = sizes["dp"]
             losses = [float(step(shard_batch(b, world.dp_rank, dp))) for b in batches(entry, "pad" in options)]

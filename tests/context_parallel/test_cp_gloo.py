@@ -95,14 +95,20 @@ def test_cp3_balanced_chunks_match_single_process(tmp_path):
 def test_dp2_cp2_matches_single_process(tmp_path):
     """dp=2 x cp=2: each dp rank's rows (unpadded: equal token counts, so the mean over dp is the
     global mean), the sequence split over the cp pair; each gradient all-reduced once, over the
-    four ranks of dp x cp (with clipping, and two microbatches accumulated first)."""
-    scenarios = ["llama:sgd", "llama:adamw:clip", "llama:sgd:mb2", "gpt+attention=sdpa:adamw:ring"]
+    four ranks of dp x cp (with clipping, and two microbatches accumulated first); under ZeRO-1 and
+    ZeRO-3 reduce-scattered over dp and the shard summed over cp."""
+    scenarios = ["llama:sgd", "llama:adamw:clip", "llama:sgd:mb2", "gpt+attention=sdpa:adamw:ring",
+                 "llama:adamw:zero1:clip", "gpt_neox:sgd:zero3"]
     got = launch(tmp_path, 4, "dp=2,cp=2", scenarios)
     for scenario in scenarios:
         assert_matches(scenario, got[scenario])
         assert got[scenario]["attrs"]["partial_gradients"]
     # the gradients' parts summed over dp x cp in data_parallel's one bucket, not per gradient over cp
     assert got["llama:sgd"]["collectives"]["backward.all_reduce"] == 1
+    # ZeRO: one reduce-scatter over dp per bucket, then the shard's all-reduce over cp (and the
+    # clipping norm's), none per gradient in backward
+    zero1 = got["llama:adamw:zero1:clip"]["collectives"]
+    assert "backward.all_reduce" not in zero1 and zero1["optimizer.all_reduce"] == 2
 
 
 def test_tp2_cp2_matches_single_process(tmp_path):
