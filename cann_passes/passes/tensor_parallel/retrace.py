@@ -30,6 +30,7 @@ def retrace(graph: TrainGraph, layouts: dict[str, ParamLayout], mesh, *, sequenc
     origins = _origins(graph, layouts)
     values = [n.meta["val"] for n in graph.placeholders()]
     grad_places = _gradient_placements(graph, layouts)
+    whole_grads = _whole_gradients(graph, layouts)
     weights = weight_nodes(graph)
 
     def step(*local):
@@ -37,7 +38,7 @@ def retrace(graph: TrainGraph, layouts: dict[str, ParamLayout], mesh, *, sequenc
                    if isinstance(v, torch.Tensor) else t for t, p, v in zip(local, in_place, values)]
         with implicit_replication():
             outs = Rewriter(graph.gm, mesh, sequence_parallel=sequence_parallel, origins=origins,
-                            grad_places=grad_places, weights=weights).run(*wrapped)
+                            grad_places=grad_places, weights=weights, whole_grads=whole_grads).run(*wrapped)
         return [o.redistribute(mesh, [p]).to_local() if isinstance(o, DTensor) else o
                 for o, p in zip(outs, out_place)]
 
@@ -50,14 +51,23 @@ def retrace(graph: TrainGraph, layouts: dict[str, ParamLayout], mesh, *, sequenc
 
 
 def _gradient_placements(graph: TrainGraph, layouts: dict[str, ParamLayout]) -> dict:
-    """Gradient node -> its parameter's placement, for each parameter whole or split in one block
-    per rank (a per-part shard's gradient is left to DTensor)."""
+    """Gradient node -> its parameter's placement, for each parameter split in one block per rank
+    (a per-part shard's gradient is left to DTensor)."""
     try:
         grads = find_gradients(graph, mark=False)
     except GradientNotFound:
         grads = {}
     return {node: dtensor_placement(layouts[name]) for name, node in grads.items()
-            if layouts.get(name) is not None and (layouts[name].dim is None or layouts[name].parts == 1)}
+            if layouts.get(name) is not None and layouts[name].dim is not None and layouts[name].parts == 1}
+
+
+def _whole_gradients(graph: TrainGraph, layouts: dict[str, ParamLayout]) -> set:
+    """The gradient nodes of the parameters tensor parallelism leaves whole."""
+    try:
+        grads = find_gradients(graph, mark=False)
+    except GradientNotFound:
+        return set()
+    return {node for name, node in grads.items() if layouts.get(name) is not None and layouts[name].dim is None}
 
 
 def _origins(graph: TrainGraph, layouts: dict[str, ParamLayout]) -> dict:

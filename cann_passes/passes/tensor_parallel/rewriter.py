@@ -39,10 +39,11 @@ class Rewriter(torch.fx.Interpreter, OpRules):
     """Runs the captured graph on DTensors; the extra rules torch's registry lacks live here."""
 
     def __init__(self, gm, mesh, *, sequence_parallel: bool, origins: dict, grad_places: dict | None = None,
-                 weights: set | None = None):
+                 weights: set | None = None, whole_grads: set | None = None):
         super().__init__(gm, garbage_collect_values=False)   # (_whole reads a view's input later)
         self.mesh, self.sp, self.origins = mesh, sequence_parallel, origins
         self.grad_places = grad_places or {}
+        self.whole_grads = whole_grads or set()     # whole parameters' gradients: a split one is gathered
         self.weights = weights or set()
         self.vocab_backwards = _vocab_embedding_backwards(gm.graph, self.weights)
         self.product_places = _weight_gradient_products(self.grad_places)
@@ -70,9 +71,9 @@ class Rewriter(torch.fx.Interpreter, OpRules):
         of it is left to the reduction DTensor places."""
         from torch.distributed.tensor import DTensor, Replicate
         want = self.grad_places.get(n)
+        if want is None and n in self.whole_grads and isinstance(out, DTensor) and out.placements[0].is_shard():
+            want = Replicate()
         if want is None or not isinstance(out, DTensor) or out.placements[0] == want or strided(out):
-            return out
-        if want == Replicate() and not out.placements[0].is_shard():
             return out
         return out.redistribute(self.mesh, [want])
 
