@@ -81,12 +81,11 @@ FUSED_ADAM = torch.ops.cann.fused_adam.default
 @dataclass(frozen=True)
 class InPlaceLists:
     """How a multi-tensor op runs in place: the function that writes into its argument lists (its
-    ``copies`` keyword names the tensors to write a copy of instead), which argument list becomes
-    which result list, and the lists it may scribble on."""
+    ``copies`` keyword names the tensors to write a copy of instead), and which argument list
+    becomes which result list."""
 
     run: Callable
     written: dict[int, int]          # argument index -> result index
-    scratch: tuple[int, ...] = ()    # argument lists written but not returned (must be dead there)
 
 
 IN_PLACE: dict = {FUSED_ADAM: InPlaceLists(fused_adam_into_inputs, {0: 0, 2: 1, 3: 2, 4: 3})}

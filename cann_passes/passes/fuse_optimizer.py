@@ -42,7 +42,7 @@ foreach path), and ZeRO's per-shard updates fuse as whole parameters do.
 ``kernel=fused`` replaces instead each Adam/AdamW chain (``graph_ir.analysis.adam_updates``:
 the update of one tensor, recognised by its computation) by torch's fused kernel, one
 ``cann::fused_adam`` call (``graph_ir.multi_tensor_ops``) per set of chains that read the same
-hyperparameter inputs and variant (decoupled, weight decay, amsgrad, maximize) and whose
+hyperparameter inputs and variant (decoupled, weight decay, amsgrad) and whose
 tensors share a dtype and device: one pass over each tensor's four buffers where the chain
 makes about a dozen full-size passes and ten 0-dim ops. The kernel takes ``beta1``, ``beta2``,
 ``eps`` and ``weight_decay`` as floats; the op reads them from their graph inputs with
@@ -357,6 +357,11 @@ def _stable_topological_order(graph: torch.fx.Graph) -> None:
         cursor = node
 
 
+def _has_state(graph: TrainGraph, key: str) -> bool:
+    """Whether the graph takes optimizer state ``key`` (``exp_avg_sq``: an Adam update) of some parameter."""
+    return any(s.kind == "opt_state" and s.name.endswith(f":{key}") for s in graph.signature.inputs)
+
+
 def _fused_adam_key(update: AdamUpdate):
     """What one ``cann::fused_adam`` call shares, or None where the kernel does not take these tensors:
     the four per-parameter tensors of one dtype (float32, bfloat16, float16), shape and dense
@@ -404,8 +409,7 @@ def fuse_adam(graph: TrainGraph) -> tuple[int, int]:
     (calls, tensors updated)."""
     position = {n: i for i, n in enumerate(graph.graph.nodes)}
     groups: dict = {}
-    amsgrad = any(s.kind == "opt_state" and s.name.endswith(":max_exp_avg_sq") for s in graph.signature.inputs)
-    for update in adam_updates(graph.graph, amsgrad):
+    for update in adam_updates(graph.graph, amsgrad=_has_state(graph, "max_exp_avg_sq")):
         key = _fused_adam_key(update)
         if key is not None:
             groups.setdefault(key, []).append(update)
@@ -423,7 +427,7 @@ def fuse_optimizer_pass(graph: TrainGraph, ctx: PassContext, *,
     """Per-parameter update chains of the optimizer region as ``_foreach_*`` ops, bitwise; with
     ``kernel=fused``, Adam/AdamW chains as torch's fused kernel and nothing else."""
     if kernel == "fused":
-        if not any(s.kind == "opt_state" and s.name.endswith(":exp_avg_sq") for s in graph.signature.inputs):
+        if not _has_state(graph, "exp_avg_sq"):
             raise PassOptionError(_ORIGIN, "kernel", "this graph's optimizer has no Adam update (no exp_avg_sq "
                                                      "state); torch's fused kernels with these semantics exist "
                                                      "only for Adam and AdamW; use kernel=foreach (bitwise "

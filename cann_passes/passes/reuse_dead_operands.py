@@ -172,10 +172,10 @@ def _plan(graph: torch.fx.Graph, writable: dict[torch.fx.Node, int]) -> ReusePla
 def _plan_lists(n, spec: InPlaceLists, writable, position, fence, last_use, roots, find, parent,
                 plan: ReusePlan) -> None:
     """A multi-tensor op (``cann::fused_adam``) in place, tensor by tensor: each tensor of the lists
-    it writes that dies there (a buffer the graph allocated, or an updated input past the fence,
-    in a list the op returns), shares a buffer with no other operand and has a dense layout is
+    it writes that dies there (a buffer the graph allocated, or an updated input past the fence),
+    shares a buffer with no other operand and has a dense layout is
     written; the others are copied first (a ZeRO shard viewing a whole input parameter)."""
-    written = {k: n.args[k] for k in (*spec.written, *spec.scratch)}
+    written = {k: n.args[k] for k in spec.written}
     others = {find(a) for k, a in enumerate(n.args) if k not in written
               for a in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(a, torch.fx.Node)}
     targets: dict[tuple[int, int], torch.fx.Node] = {}
@@ -186,7 +186,7 @@ def _plan_lists(n, spec: InPlaceLists, writable, position, fence, last_use, root
             dies = root not in others and root not in targets.values() and last_use.get(root) == position[n] \
                 and _layout(x.meta.get("val")) is not None
             if root.op == "placeholder":
-                dies = dies and root in writable and position[n] > fence and k in spec.written
+                dies = dies and root in writable and position[n] > fence
             elif root.op != "call_function":
                 dies = False
             if dies:

@@ -29,8 +29,7 @@ def retrace(graph: TrainGraph, layouts: dict[str, ParamLayout], mesh, *, sequenc
     out_place = [dtensor_placement(layout_for(spec, layouts)) for spec in graph.signature.outputs]
     origins = _origins(graph, layouts)
     values = [n.meta["val"] for n in graph.placeholders()]
-    grad_places = _gradient_placements(graph, layouts)
-    whole_grads = _whole_gradients(graph, layouts)
+    grad_places, whole_grads = _gradient_placements(graph, layouts)
     weights = weight_nodes(graph)
 
     def step(*local):
@@ -50,24 +49,18 @@ def retrace(graph: TrainGraph, layouts: dict[str, ParamLayout], mesh, *, sequenc
         return make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(*local_inputs)
 
 
-def _gradient_placements(graph: TrainGraph, layouts: dict[str, ParamLayout]) -> dict:
+def _gradient_placements(graph: TrainGraph, layouts: dict[str, ParamLayout]) -> tuple[dict, set]:
     """Gradient node -> its parameter's placement, for each parameter split in one block per rank
-    (a per-part shard's gradient is left to DTensor)."""
+    (a per-part shard's gradient is left to DTensor); and the gradient nodes of the parameters
+    left whole (gathered where backward yields them split)."""
     try:
         grads = find_gradients(graph, mark=False)
     except GradientNotFound:
         grads = {}
-    return {node: dtensor_placement(layouts[name]) for name, node in grads.items()
-            if layouts.get(name) is not None and layouts[name].dim is not None and layouts[name].parts == 1}
-
-
-def _whole_gradients(graph: TrainGraph, layouts: dict[str, ParamLayout]) -> set:
-    """The gradient nodes of the parameters tensor parallelism leaves whole."""
-    try:
-        grads = find_gradients(graph, mark=False)
-    except GradientNotFound:
-        return set()
-    return {node for name, node in grads.items() if layouts.get(name) is not None and layouts[name].dim is None}
+    placed = {node: dtensor_placement(layouts[name]) for name, node in grads.items()
+              if layouts.get(name) is not None and layouts[name].dim is not None and layouts[name].parts == 1}
+    whole = {node for name, node in grads.items() if layouts.get(name) is not None and layouts[name].dim is None}
+    return placed, whole
 
 
 def _origins(graph: TrainGraph, layouts: dict[str, ParamLayout]) -> dict:
