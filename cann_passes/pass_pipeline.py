@@ -142,8 +142,10 @@ def build_pipeline(plan: Plan, backend: str) -> Pipeline:
     if plan.recompute != "none":
         steps.append(recompute_spec(plan))
     if accumulating:
+        # Under ep an expert's gradient sums every group rank's loss: the samples weight the seed.
+        weight = ",weight=seed" if plan.ep > 1 and plan.accumulate_target is not None else ""
         steps.append(f"grad_accumulation{{microbatches={plan.microbatches},"
-                     f"target={plan.accumulate_target or 0}}}")
+                     f"target={plan.accumulate_target or 0}{weight}}}")
         if loss_scale:   # unscale and check the accumulated gradients, once per optimizer step
             steps.append(loss_scale)
     bucket_mb = ONE_BUCKET_PER_GRADIENT_MB if plan.pp > 1 else plan.bucket_mb

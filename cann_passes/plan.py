@@ -279,14 +279,10 @@ class Plan:
             raise PlanError("ep", f"the expert-parallel ranks are data-parallel ranks (dp = edp x ep, as "
                                   f"Megatron's expert-data-parallel groups): ep must divide dp = {self.dp}",
                             self.ep)
-        not_built = [("cp", self.cp > 1),
-                     ("accumulate_target", self.accumulate_target is not None)]
-        for name, asked in not_built:
-            if asked:
-                raise PlanError("ep", f"expert parallelism with {name} = {getattr(self, name)!r} is not built "
-                                      "yet (built: ep within dp, with tp, ZeRO 1-3, pp, microbatches, clipping, mixed "
-                                      "precision, recompute)",
-                                self.ep)
+        if self.cp > 1:
+            raise PlanError("ep", f"expert parallelism with cp = {self.cp} is not built yet (built: ep within "
+                                  "dp, with tp, ZeRO 1-3, pp, microbatches, accumulate_target, clipping, mixed "
+                                  "precision, recompute)", self.ep)
         if self.backend in ("inductor", "torchair"):
             raise PlanError("ep", f"expert parallelism runs on the eager backend only (backend = "
                                   f"{self.backend!r}): the rows a rank receives depend on the routing, and "

@@ -56,7 +56,8 @@ class GraphAttr:
     ZERO = "zero"                      # {stage, dp, rank, params}: ZeRO rewrite done (optimizer_shard)
     TENSOR_PARALLEL = "tensor_parallel"  # {tp, rank, family, rules, params}: tensor_parallel's split
     CONTEXT_PARALLEL = "context_parallel"  # {cp, rank, seq}: the sequence split over cp (context_parallel)
-    GRAD_ACCUMULATION = "grad_accumulation"  # {microbatches, target}: accumulating step
+    EXPERT_PARALLEL = "expert_parallel"  # {ep, experts, ...}: experts split over ep (expert_parallel)
+    GRAD_ACCUMULATION = "grad_accumulation"  # {microbatches, target, weight}: accumulating step
     MESH = "mesh"                      # the mesh description the graph was compiled for (JSON)
     RANK = "rank"                      # the global rank a per-rank graph belongs to
     STAGE = "stage"                    # a pipeline stage graph: {index, stages, rank, first, last}

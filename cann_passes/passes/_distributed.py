@@ -20,8 +20,9 @@ from graph_ir.analysis.collectives import collective_elements as graph_collectiv
 from graph_ir.analysis.gradients import GradientNotFound, find_gradients, optimizer_subgraph  # noqa: F401
 from graph_ir.build import fake_value, tag
 from graph_ir.meta import GRADIENT_OF, Region, region_of  # noqa: F401  (GRADIENT_OF: passes' import)
+from graph_ir.meta import ACCUMULATION_WEIGHT, GraphAttr
 from graph_ir.placement import placements
-from graph_ir.signature import OutputKind
+from graph_ir.signature import InputKind, OutputKind
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -170,11 +171,22 @@ def collective_elements(tg: TrainGraph) -> dict[str, int]:
 
 
 def average_loss(tg: TrainGraph, group: MeshDim, origin: str) -> None:
-    """Make the loss output the mean over data-parallel ranks, so every rank reports the global loss."""
+    """Make the loss output the mean over data-parallel ranks, so every rank reports the global loss.
+
+    Under dynamic accumulation the ranks' microbatches may differ in size: the mean is weighted
+    by each rank's samples (``grad_accumulation:weight``), as the gradients are."""
     i = tg.signature.output_index(OutputKind.LOSS, "loss")
     loss = tg.output_values()[i]
     build = NodeBuilder(tg, after(loss), region_of(loss), origin)
-    reduced = build(c10d.wait_tensor.default, build(c10d.all_reduce.default, loss, "avg", group.group_name))
+    if tg.attrs.get(GraphAttr.GRAD_ACCUMULATION, {}).get("target"):
+        weight = tg.input_node(InputKind.STEP_STATE, ACCUMULATION_WEIGHT)
+        if weight.meta["val"].dtype != loss.meta["val"].dtype:
+            weight = build(aten._to_copy.default, weight, dtype=loss.meta["val"].dtype)
+        both = build(aten.stack.default, [build(aten.mul.Tensor, loss, weight), weight])
+        summed = build(c10d.wait_tensor.default, build(c10d.all_reduce.default, both, "sum", group.group_name))
+        reduced = build(aten.div.Tensor, build(aten.select.int, summed, 0, 0), build(aten.select.int, summed, 0, 1))
+    else:
+        reduced = build(c10d.wait_tensor.default, build(c10d.all_reduce.default, loss, "avg", group.group_name))
     values = tg.output_values()
     values[i] = reduced
     tg.set_outputs(values)

@@ -50,7 +50,7 @@ from ..pass_manager import PassContext, register_pass
 from ._distributed import DistributedRewriteError, NodeBuilder, aten, c10d, mesh_dim, recompute_val
 
 ORIGIN = "expert_parallel"
-ATTR = "expert_parallel"
+ATTR = GraphAttr.EXPERT_PARALLEL
 
 
 @torch.library.custom_op("cann::all_to_all_rows", mutates_args=())

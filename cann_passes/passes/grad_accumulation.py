@@ -16,6 +16,12 @@ and synchronize the optimizer's gradients at the start of the optimizer
 region, gradients cross ranks once per optimizer step, not per microbatch.
 The pass must therefore run before those two.
 
+``weight=seed`` weights the backward seed instead (``acc = acc_in + grad`` of ``weight * loss``):
+needed where a parameter's gradient sums terms from other ranks' losses (expert parallelism's
+all-to-all sends each expert the rows of every rank in its group), which the rank's own weight
+must not scale when the ranks' microbatches differ in size (``target``: chosen at run time).
+``gradient`` keeps the gradients bitwise those of the unweighted backward, scaled after.
+
 ``microbatches`` (static: the runtime splits each batch in that many) and
 ``target`` (dynamic: samples per optimizer step, chosen at run time) are
 recorded for the runtime; the graph is the same for both.
@@ -25,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from graph_ir import TrainGraph
+from graph_ir.analysis.gradients import GradientNotFound, backward_seed
 from graph_ir.meta import (ACCUMULATION_PREFIX, ACCUMULATION_SCALE, ACCUMULATION_WEIGHT, ACCUMULATOR_PREFIX,
                            GraphAttr, Region, region_of)
 from graph_ir.signature import InputKind, OutputKind, Spec
@@ -55,26 +62,43 @@ def _accumulator(tg: TrainGraph, name: str, grad: torch.fx.Node) -> torch.fx.Nod
 
 @register_pass("grad_accumulation", preserves=())
 def grad_accumulation_pass(graph: TrainGraph, ctx: PassContext, *, microbatches: int = 1,
-                           target: int = 0) -> TrainGraph:
+                           target: int = 0, weight: str = "gradient") -> TrainGraph:
     """Accumulate sample-weighted gradients in step state; the optimizer reads their scaled sum."""
     if microbatches < 1 or target < 0:
         raise DistributedRewriteError(f"grad_accumulation options microbatches={microbatches} (>= 1) "
                                       f"and target={target} (>= 0, 0 = static) are out of range")
+    if weight not in ("gradient", "seed"):
+        raise DistributedRewriteError(f"grad_accumulation option weight={weight!r}: must be 'gradient' "
+                                      "(scale each gradient) or 'seed' (scale the backward seed)")
+    if weight == "gradient" and target and GraphAttr.EXPERT_PARALLEL in graph.attrs:
+        raise DistributedRewriteError(
+            "grad_accumulation option weight='gradient' with target > 0 on an expert-parallel step: an "
+            "expert's gradient sums the losses of every rank of its group, whose microbatch sizes differ "
+            "at run time, so this rank's weight cannot scale it (rule: use weight=seed)")
     if any(k in graph.attrs for k in (GraphAttr.DATA_PARALLEL, GraphAttr.ZERO, GraphAttr.GRAD_ACCUMULATION)):
         raise DistributedRewriteError("grad_accumulation must run before data_parallel and optimizer_shard "
                                       "(rule: gradients are synchronized once per optimizer step), and once")
     grads = gradients(graph)
     position = position_map(graph)
     loss = graph.output_value(OutputKind.LOSS, "loss")
-    weight = _scalar_input(graph, "weight", loss.meta["val"])
+    weight_in = _scalar_input(graph, "weight", loss.meta["val"])
     scale = _scalar_input(graph, "scale", loss.meta["val"])
     optimizer_start = first_node_of(graph, Region.OPTIMIZER)
+    if weight == "seed":
+        try:
+            seed = backward_seed(graph)
+        except GradientNotFound as exc:
+            raise DistributedRewriteError(f"grad_accumulation weight=seed needs {exc}") from None
+        users = list(seed.users)
+        weighted = NodeBuilder(graph, after(seed), Region.BACKWARD, "grad_accumulation")(aten.mul.Tensor, seed, weight_in)
+        for user in users:
+            user.replace_input_with(seed, weighted)
     for name in sorted(grads, key=lambda n: position[grads[n]]):
         grad = grads[name]
         readers = [u for u in grad.users if region_of(u) == Region.OPTIMIZER]
         acc_in = _accumulator(graph, name, grad)
         build = NodeBuilder(graph, after(grad), region_of(grad), "grad_accumulation")
-        acc = build(aten.add.Tensor, acc_in, build(aten.mul.Tensor, grad, weight))
+        acc = build(aten.add.Tensor, acc_in, grad if weight == "seed" else build(aten.mul.Tensor, grad, weight_in))
         graph.add_output(Spec(OutputKind.STEP_STATE, ACCUMULATOR + name), acc)
         # All scaled gradients come before any update, so a later pass can gather them into
         # buckets and synchronize each before its first reader.
@@ -83,6 +107,6 @@ def grad_accumulation_pass(graph: TrainGraph, ctx: PassContext, *, microbatches:
         redirect(grad, scaled, readers)
         grad.meta.pop(GRADIENT_OF, None)
         scaled.meta[GRADIENT_OF] = name
-    graph.attrs[GraphAttr.GRAD_ACCUMULATION] = {"microbatches": microbatches, "target": target}
+    graph.attrs[GraphAttr.GRAD_ACCUMULATION] = {"microbatches": microbatches, "target": target, "weight": weight}
     ctx.stat("accumulators", len(grads))
     return graph

@@ -57,7 +57,7 @@ import torch
 import torch.fx
 
 from graph_ir import TrainGraph
-from graph_ir.analysis.gradients import GradientNotFound, find_gradients
+from graph_ir.analysis.gradients import GradientNotFound, backward_seed, find_gradients
 from graph_ir.build import add_node
 from graph_ir.meta import GRADIENT_OF, GraphAttr, Region, region_of
 from graph_ir.signature import InputKind, OutputKind, Spec
@@ -90,13 +90,10 @@ class _Emitter:
 
 
 def _backward_seed(tg: TrainGraph) -> torch.fx.Node:
-    loss = tg.output_value(OutputKind.LOSS, "loss")
-    seeds = [u for u in loss.users if u.target == aten.ones_like.default
-             and region_of(u) == Region.BACKWARD]
-    if len(seeds) != 1:
-        raise LossScaleError(f"loss_scale needs the backward seed ones_like(loss) in the backward region; "
-                             f"found {len(seeds)} (was the step captured by capture_train_step?)")
-    return seeds[0]
+    try:
+        return backward_seed(tg)
+    except GradientNotFound as exc:
+        raise LossScaleError(f"loss_scale needs {exc}") from None
 
 
 def _gradients(tg: TrainGraph) -> list[torch.fx.Node]:

@@ -25,6 +25,18 @@ class GradientNotFound(ValueError):
     pass
 
 
+def backward_seed(tg) -> torch.fx.Node:
+    """The ``ones_like(loss)`` that starts the backward: scaling it scales every gradient,
+    including the parts a parameter receives from other ranks' losses through a collective."""
+    loss = tg.output_value(OutputKind.LOSS, "loss")
+    seeds = [u for u in loss.users if u.target == torch.ops.aten.ones_like.default
+             and region_of(u) == Region.BACKWARD]
+    if len(seeds) != 1:
+        raise GradientNotFound(f"the backward seed ones_like(loss) in the backward region: found {len(seeds)} "
+                               "(was the step captured by capture_train_step?)")
+    return seeds[0]
+
+
 def optimizer_ancestors(node: torch.fx.Node) -> list[torch.fx.Node]:
     seen, stack, out = set(), [node], []
     while stack:

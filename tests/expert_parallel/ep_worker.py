@@ -5,7 +5,9 @@ ep of them split the experts; with pp, two microbatches per step, as the 1F1B sc
 scenario is ``model:optimizer[:option...]``: a ``tests.zoo`` mixture of experts trained 10 steps with ``compile_for_npu``, each data-parallel rank fed its rows of the global batch.
 Options: ``clip`` (gradient clipping at 1.0), ``bf16`` (bf16 autocast), ``selective`` / ``full``
 (recompute), ``zero1`` / ``zero2`` (ZeRO over dp, the experts' over edp), ``ckpt`` (save a
-checkpoint after step 5 and go on). ``resume:model:optimizer`` resumes the ``ckpt`` run's checkpoint
+checkpoint after step 5 and go on), ``target`` (dynamic accumulation, ``accumulate_target`` =
+TARGET: each call's global batch split unevenly over two ranks, ``uneven_rows(i)`` rows to rank 0,
+so that an update sums two calls whose ranks' sizes differ). ``resume:model:optimizer`` resumes the ``ckpt`` run's checkpoint
 on this mesh (its plan's ep, possibly 1) and trains the last 5 steps. Rank 0 writes the losses,
 the parameters as ``model.state_dict()`` gives them (whole), the graph's collectives, the bytes
 of expert parameters this rank holds (at pp = 1) and the number of pipeline stages to
@@ -29,6 +31,20 @@ STEPS = 10
 
 def batches(entry):
     return [entry.make_batch(1000 + i, pad=False) for i in range(STEPS)]
+
+
+TARGET = 8
+
+
+def uneven_rows(call: int) -> int:
+    """Rank 0's rows of call ``call``'s 4-row global batch under ``target`` (rank 1 takes the rest)."""
+    return 1 if call % 2 == 0 else 3
+
+
+def uneven_shard(batch, rank: int, call: int):
+    import torch.utils._pytree as pytree
+    k = uneven_rows(call)
+    return pytree.tree_map(lambda t: t[:k] if rank == 0 else t[k:], batch)
 
 
 def mesh_of(text: str) -> dict[str, int]:
@@ -78,11 +94,14 @@ def main(out: str, mesh: str, *scenarios: str):
                         precision="bf16" if "bf16" in options else "fp32",
                         microbatches=2 if "mb2" in options else staged,
                         zero_stage=next((int(o[4:]) for o in options if o.startswith("zero")), 0),
+                        accumulate_target=TARGET if "target" in options else None,
                         recompute=next((o for o in options if o in ("selective", "full")), "none"), **sizes)
             step = compile_for_npu(entry.model, plan, optimizer=optimizer, loss_fn=entry.loss_fn)
             losses = []
             for i, batch in enumerate(batches(entry)):
-                losses.append(float(step(shard_batch(batch, world.dp_rank, sizes["dp"]))))
+                mine = (uneven_shard(batch, world.dp_rank, i) if "target" in options
+                        else shard_batch(batch, world.dp_rank, sizes["dp"]))
+                losses.append(float(step(mine)))
                 if i == 4 and "ckpt" in options:
                     checkpoint.save(step, ckpt_path(out, name, opt))
             graph = step.last.graph
@@ -94,7 +113,8 @@ def main(out: str, mesh: str, *scenarios: str):
             if world.rank == 0:
                 torch.save({"losses": losses, "params": params, "held_expert_bytes": held,
                             "collectives": {f"{r}.{c}": n for (r, c), n in count_collectives(graph).items()},
-                            "attrs": graph.attrs.get("expert_parallel"), "stages": pipeline["stages"]},
+                            "attrs": graph.attrs.get("expert_parallel"), "stages": pipeline["stages"],
+                            "history": list(step.accumulation.history) if "target" in options else None},
                            os.path.join(out, f"{scenario}.{mesh}.pt"))
 
 

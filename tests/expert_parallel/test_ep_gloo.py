@@ -112,6 +112,40 @@ def test_dp2_ep2_pp2_matches_single_process(tmp_path):
         assert_matches(scenario + ":mb2", got[scenario], dp=2)
 
 
+def test_dp2_ep2_dynamic_accumulation_with_uneven_ranks_matches_single_process(tmp_path):
+    """accumulate_target = 8 over 4-row calls split 1 + 3, then 3 + 1: each update sums two calls
+    whose ranks' sizes differ. An expert's gradient sums both ranks' losses, each weighted by its
+    own rank's samples (the seed is weighted, not this rank's gradient)."""
+    scenarios = ["mixtral:sgd:target", "qwen2_moe:adamw:target:clip"]
+    got = launch(tmp_path, 2, "dp=2,ep=2", scenarios)
+    for scenario in scenarios:
+        name, opt, *options = scenario.split(":")
+        entry, optimizer = ep_worker.make(name, opt)
+        losses = []
+        data = ep_worker.batches(entry)
+        for first in range(0, len(data), 2):
+            optimizer.zero_grad()
+            total = 0
+            for call in (first, first + 1):
+                parts = [ep_worker.uneven_shard(data[call], r, call) for r in range(2)]
+                rows = [ep_worker.uneven_rows(call), 4 - ep_worker.uneven_rows(call)]
+                part_losses = [entry.loss_fn(entry.model, part) for part in parts]
+                weighted = sum(r * l for r, l in zip(rows, part_losses))
+                losses.append(weighted.item() / 4)   # every rank reports the samples' mean
+                total = total + weighted
+            (total / 8).backward()
+            if "clip" in options:
+                torch.nn.utils.clip_grad_norm_(entry.model.parameters(), 1.0)
+            optimizer.step()
+        assert got[scenario]["history"] == [8] * 5, got[scenario]["history"]
+        for i, (a, b) in enumerate(zip(got[scenario]["losses"], losses, strict=True)):
+            assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), f"{scenario}: call {i} loss {a} vs eager {b}"
+        if opt == "sgd":
+            for pname, want in {n: p.detach() for n, p in entry.model.named_parameters()}.items():
+                err = (got[scenario]["params"][pname] - want).abs().max().item()
+                assert err <= 1e-5, f"{scenario}: parameter {pname} differs from eager by {err:.2e}"
+
+
 def test_dp2_ep2_tp2_matches_single_process(tmp_path):
     """dp=2 = ep=2 with tp=2 (4 ranks): attention and the dense projections split over tp, the
     experts split over ep and whole on both tp ranks (transformers' grouped expert matmul has no

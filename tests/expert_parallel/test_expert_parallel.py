@@ -12,7 +12,7 @@ from cann_passes.passes.expert_parallel import expert_major_order
 from cann_passes.plan import PlanError
 from graph_ir import capture_train_step
 from graph_ir.mesh import MeshDesc
-from graph_ir.meta import SHARDING
+from graph_ir.meta import ACCUMULATION_WEIGHT, SHARDING
 from graph_ir.placement import FlatShard, Placement, placements
 from graph_ir.signature import InputKind
 from tests import zoo
@@ -114,7 +114,6 @@ def test_expert_major_order_groups_each_experts_rows_in_rank_order():
 @pytest.mark.parametrize("fields, rule", [
     (dict(dp=4, ep=3), "ep must divide dp"),
     (dict(dp=2, ep=2, cp=2), "with cp = 2 is not built"),
-    (dict(dp=2, ep=2, accumulate_target=8), "with accumulate_target = 8 is not built"),
     (dict(dp=2, ep=2, backend="inductor"), "eager backend only"),
 ])
 def test_plan_refuses_what_is_not_built(fields, rule):
@@ -169,3 +168,22 @@ def test_mesh_sub_axes():
     assert mesh.for_rank(3).local_rank("ep") == 1
     with pytest.raises(ValueError, match="ep=3 must divide dp=4"):
         MeshDesc.fake(dp=4, ep=3)
+
+
+def test_dynamic_accumulation_weights_the_seed_not_this_ranks_gradient(mixtral):
+    # An expert's gradient sums the losses of every rank of its group; under accumulate_target
+    # their microbatch sizes differ, so the samples weight the backward seed on each rank.
+    assert "weight=seed" in str(build_pipeline(Plan(dp=2, ep=2, accumulate_target=8, backend="eager"), "eager"))
+    assert "weight=seed" not in str(build_pipeline(Plan(dp=2, ep=2, microbatches=2, backend="eager"), "eager"))
+    with pytest.raises(PassFailure, match="weight='gradient' with target > 0 on an expert-parallel step"):
+        _run(mixtral, pipeline="expert_parallel,grad_accumulation{target=8},data_parallel", dp=2, ep=2)
+    out = _run(mixtral, pipeline="expert_parallel,grad_accumulation{target=8,weight=seed},data_parallel",
+               dp=2, ep=2)
+    seed = next(n for n in out.graph.nodes if n.target is torch.ops.aten.ones_like.default)
+    (weighted,) = seed.users
+    assert weighted.target is torch.ops.aten.mul.Tensor
+    assert weighted.args[1] is out.input_node(InputKind.STEP_STATE, ACCUMULATION_WEIGHT)
+    # the reported loss is the samples' mean over ranks: (w * loss, w) summed together
+    sums = [n for n in out.graph.nodes if n.target is c10d.all_reduce.default and n.args[1] == "sum"
+            and n.args[0].target is torch.ops.aten.stack.default]
+    assert len(sums) == 1
