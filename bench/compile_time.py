@@ -9,7 +9,8 @@ steps after it:
 - ``torch.compile(model)``: forward and backward compiled (Dynamo + AOTAutograd +
   inductor), ``torch.optim.AdamW.step`` eager;
 - ``+ compiled optimizer``: the same with ``torch.compile`` over the optimizer step too;
-- ours, backend inductor / eager: ``compile_for_npu`` (capture, passes, lowering).
+- ours, backend inductor / eager: ``compile_for_npu`` (capture, passes, lowering); ``ours inductor
+  fused`` with ``optimizer_kernel: fused`` (the update one multi-tensor kernel inductor calls).
 
 **cold**: empty caches (a fresh ``TORCHINDUCTOR_CACHE_DIR`` and compile cache directory);
 **warm**: a second fresh process with the same model and plan and the caches the cold one
@@ -38,7 +39,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-ROWS = ("torch.compile(model)", "torch.compile(model) + compiled optimizer", "ours inductor", "ours eager")
+ROWS = ("torch.compile(model)", "torch.compile(model) + compiled optimizer", "ours inductor", "ours inductor fused",
+        "ours eager")
 
 
 def _config(quick: bool):
@@ -82,7 +84,11 @@ def child(row: str, quick: bool, model_name: str = "gpt") -> dict:
             return loss
     else:
         from cann_passes import Plan, compile_for_npu
-        step = compile_for_npu(model, Plan(backend=row.split()[-1], compile_cache=os.environ["BENCH_COMPILE_CACHE"]),
+        # "fused": the optimizer as one multi-tensor kernel (optimizer_kernel: fused), which inductor
+        # calls rather than generating and compiling the update's code
+        backend = row.split()[1]
+        kernel = {"optimizer_kernel": "fused"} if row.endswith("fused") else {}
+        step = compile_for_npu(model, Plan(backend=backend, compile_cache=os.environ["BENCH_COMPILE_CACHE"], **kernel),
                                optimizer=opt, loss_fn=loss_fn)
     times, cpu = [], []
     children0 = _children_cpu()

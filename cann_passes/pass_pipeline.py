@@ -174,12 +174,16 @@ def build_pipeline(plan: Plan, backend: str) -> Pipeline:
 
 
 def optimizer_kernel(plan: Plan, backend: str) -> str:
-    """``plan.optimizer_kernel`` with ``auto`` resolved: foreach, except on the eager backend, whose
-    in-place updates (``reuse_dead_operands``) are marked on per-tensor pointwise ops only: a fused
-    update there would allocate every new parameter and state tensor instead of writing in place."""
+    """``plan.optimizer_kernel`` with ``auto`` resolved per backend (the fuse_optimizer option):
+
+    - eager: none. Its per-tensor updates are written in place (``reuse_dead_operands``) and are
+      bitwise the default single-tensor ``torch.optim``, which the fused kernel rounds otherwise;
+    - inductor: torch's fused Adam kernel where the optimizer is Adam/AdamW, foreach otherwise:
+      inductor calls it instead of generating and compiling the update's code;
+    - torchair: foreach (GE's Foreach* operators; the fused kernel has no GE converter)."""
     if plan.optimizer_kernel != "auto":
         return plan.optimizer_kernel
-    return "none" if backend == "eager" else "foreach"
+    return {"eager": "none", "inductor": "fused_or_foreach"}.get(backend, "foreach")
 
 
 def recompute_spec(plan: Plan):

@@ -50,7 +50,10 @@ makes about a dozen full-size passes and ten 0-dim ops. The kernel takes ``beta1
 ``torch.optim``'s ``fused=True`` (not the single-tensor chain, which rounds its own way, within
 1e-6). Only the step count's increment stays per parameter (the kernel reads the new count).
 Other chains (SGD, a dtype the kernel lacks) stay as they are; an optimizer with no Adam state
-at all is refused, naming the option.
+at all is refused, naming the option. ``kernel=fused_or_foreach`` (the plan's ``auto`` on
+inductor) takes ``fused`` for a graph with Adam state and ``foreach`` for any other: inductor
+then calls one kernel for the Adam update instead of generating and compiling its code (a
+third less cold compile for a 6-layer GPT, and a faster step).
 
 The eager lowering's in-place reuse (``reuse_dead_operands``) marks per-tensor pointwise ops and
 ``cann::fused_adam`` (whose parameter and state lists it writes where they die), not foreach
@@ -423,9 +426,12 @@ def fuse_adam(graph: TrainGraph) -> tuple[int, int]:
 
 @register_pass("fuse_optimizer")
 def fuse_optimizer_pass(graph: TrainGraph, ctx: PassContext, *,
-                        kernel: Literal["foreach", "fused"] = "foreach") -> TrainGraph:
+                        kernel: Literal["foreach", "fused", "fused_or_foreach"] = "foreach") -> TrainGraph:
     """Per-parameter update chains of the optimizer region as ``_foreach_*`` ops, bitwise; with
-    ``kernel=fused``, Adam/AdamW chains as torch's fused kernel and nothing else."""
+    ``kernel=fused``, Adam/AdamW chains as torch's fused kernel and nothing else;
+    ``fused_or_foreach``: fused where the optimizer has Adam state, foreach otherwise."""
+    if kernel == "fused_or_foreach":
+        kernel = "fused" if _has_state(graph, "exp_avg_sq") else "foreach"
     if kernel == "fused":
         if not _has_state(graph, "exp_avg_sq"):
             raise PassOptionError(_ORIGIN, "kernel", "this graph's optimizer has no Adam update (no exp_avg_sq "

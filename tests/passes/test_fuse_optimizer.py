@@ -145,6 +145,11 @@ class TestFuseOptimizer:
         assert isinstance(cause, PassOptionError) and cause.option == "kernel" and cause.value == "fused"
         assert "no Adam update" in str(cause) and "kernel=foreach" in str(cause)
 
+    @pytest.mark.parametrize("opt, stats", [("adamw", {"fused_adam_calls": 1}), ("sgd", {"groups": 4})])
+    def test_kernel_fused_or_foreach_takes_fused_for_adam_state_and_foreach_otherwise(self, opt, stats):
+        _, record = _fuse(mlp_step(OPTIMIZERS[opt]).captured, options="{kernel=fused_or_foreach}")
+        assert {k: record.stats[k] for k in stats} == stats
+
     @pytest.mark.parametrize("opt", ["adamw", "adam", "adam_decay_amsgrad"])
     def test_kernel_fused_makes_one_fused_adam_call_of_every_chain_bitwise(self, opt):
         step = mlp_step(OPTIMIZERS[opt])
@@ -179,10 +184,9 @@ class TestPipeline:
                                 "inductor").passes
         names = [p.name for p in passes]
         at = names.index("fuse_optimizer")
-        assert passes[at].text() == "fuse_optimizer{kernel=foreach}"
+        assert passes[at].text() == "fuse_optimizer{kernel=fused_or_foreach}"
         assert names[at - 2:at + 2] == ["optimizer_shard", "grad_clip", "fuse_optimizer", "spell_out_alpha"]
-        for backend in ("inductor", "torchair"):
-            assert "fuse_optimizer{kernel=foreach}" in str(build_pipeline(Plan(), backend))
+        assert "fuse_optimizer{kernel=foreach}" in str(build_pipeline(Plan(), "torchair"))
         # eager writes per-tensor updates in place (reuse_dead_operands); fusing there is asked for
         assert "fuse_optimizer" not in str(build_pipeline(Plan(), "eager"))
         assert "fuse_optimizer{kernel=foreach}" in str(build_pipeline(Plan(optimizer_kernel="foreach"), "eager"))
@@ -295,11 +299,15 @@ class TestTraining:
         assert any(op.startswith("aten._foreach_") for op in _ops(apply))
 
     @pytest.mark.slow
-    def test_inductor_lowers_the_fused_update_within_1e5_of_torch_optim(self):
-        foreach = lambda p: OPTIMIZERS["adamw"](p, foreach=True)   # noqa: E731
-        losses, trained, _, step = _train(tiny_mlp, mlp_batches, foreach, Plan(backend="inductor"))
-        assert any(op.startswith("aten._foreach_") for op in _ops(step.last.program.main))
-        ref_losses, ref, _ = _eager(tiny_mlp, mlp_batches, foreach)
+    @pytest.mark.parametrize("opt, kernel", [("adamw", "cann.fused_adam"), ("sgd_nesterov", "aten._foreach_")])
+    def test_inductor_lowers_the_fused_update_within_1e5_of_torch_optim(self, opt, kernel):
+        # inductor's default: torch's fused kernel for Adam/AdamW (inductor calls it rather than
+        # compiling the update), foreach ops for any other optimizer
+        make = lambda p: OPTIMIZERS[opt](p, foreach=True)   # noqa: E731
+        losses, trained, _, step = _train(tiny_mlp, mlp_batches, make, Plan(backend="inductor"))
+        assert "fuse_optimizer{kernel=fused_or_foreach}" in str(step.last.pipeline)
+        assert any(op.startswith(kernel) for op in _ops(step.last.program.main)), kernel
+        ref_losses, ref, _ = _eager(tiny_mlp, mlp_batches, make)
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
         for p, q in zip(trained.parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, rtol=0, atol=1e-5)
