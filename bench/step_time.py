@@ -18,8 +18,8 @@ with AdamW, every row from the same initial weights:
   parameter on inductor (``none``; inductor's default fuses it);
 - ``ours-eager-fused``: the update as torch's fused AdamW kernel on eager (``optimizer_kernel:
   fused``: one ``cann::fused_adam`` call, in place; bitwise the ``fused`` row's update);
-  ``ours-inductor-fused`` the same kernel called from inductor's code (which then generates no
-  code for the update);
+  ``ours-inductor-fused`` / ``-foreach`` the fused kernel (inductor's default for Adam: it then
+  generates no code for the update) / the ``_foreach_*`` update on inductor;
 - ``ours-inductor+onednn``: inductor with the opt-in ``linear_on_onednn`` pass.
 
 Rows run in interleaved rounds (every row once per round, in a rotating
@@ -60,7 +60,7 @@ MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::
               "aten::_scaled_dot_product_flash_attention_for_cpu",
               "aten::_scaled_dot_product_flash_attention_for_cpu_backward")
 ROWS = ("eager", "foreach", "fused", "compile", "compile+opt", "ours-eager", "ours-eager-unguarded",
-        "ours-eager-foreach", "ours-eager-fused", "ours-inductor", "ours-inductor-unfused", "ours-inductor-fused",
+        "ours-eager-foreach", "ours-eager-fused", "ours-inductor", "ours-inductor-unfused", "ours-inductor-foreach", "ours-inductor-fused",
         "ours-inductor+onednn")
 _KERNELS = {"-unfused": "none", "-foreach": "foreach", "-fused": "fused"}
 

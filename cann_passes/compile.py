@@ -95,7 +95,13 @@ def compile_program(captured: TrainGraph, plan: Plan, mesh: MeshDesc | None = No
     mesh = mesh or MeshDesc.single()
     check_mesh(plan, mesh)
     backend = backend or ("eager" if plan.backend == "auto" else plan.backend)
-    pipeline = with_required_passes(build_pipeline(plan, backend), backend, mesh)
+    fused = bool(captured.attrs.get(GraphAttr.OPTIMIZER_FUSED))
+    if fused and plan.pp > 1 and not plan.pipeline and plan.optimizer_kernel == "auto":
+        raise PlanError("pp", f"the optimizer ({captured.attrs.get('optimizer')}) was made with fused=True, whose "
+                              "kernel the step runs only at pp = 1 (each stage updates its own parameters "
+                              "one by one): make it with fused=False, or set optimizer_kernel: none to run "
+                              "the single-tensor update (within 1e-6 of the fused one)", plan.pp)
+    pipeline = with_required_passes(build_pipeline(plan, backend, optimizer_fused=fused), backend, mesh)
     ctx = PassContext(mesh=mesh)
     dump = DumpWriter(dump_dir, str(pipeline)) if dump_dir else None
     if dump:

@@ -109,7 +109,9 @@ def plan_field_of(plan: Plan, pass_name: str, option: str) -> str | None:
     return field
 
 
-def build_pipeline(plan: Plan, backend: str) -> Pipeline:
+def build_pipeline(plan: Plan, backend: str, *, optimizer_fused: bool = False) -> Pipeline:
+    """The plan's pass pipeline for ``backend``. ``optimizer_fused``: the captured optimizer runs
+    torch's fused kernel (``AdamW(fused=True)``), which ``auto`` then picks too."""
     if plan.pipeline:
         return Pipeline.parse(plan.pipeline)
     if plan.pp > 1:
@@ -157,7 +159,7 @@ def build_pipeline(plan: Plan, backend: str) -> Pipeline:
         steps.append(f"optimizer_shard{{stage={plan.zero_stage},bucket_mb={bucket_mb}{master}{reduce_dtype}}}")
     if plan.grad_clip_norm is not None:
         steps.append(f"grad_clip{{max_norm={float(plan.grad_clip_norm)!r}}}")
-    kernel = optimizer_kernel(plan, backend)
+    kernel = optimizer_kernel(plan, backend, optimizer_fused=optimizer_fused)
     if kernel != "none" and plan.pp == 1:
         steps.append(str(spec("fuse_optimizer", kernel=kernel)))
     steps.extend(plan.extra_passes)
@@ -173,8 +175,10 @@ def build_pipeline(plan: Plan, backend: str) -> Pipeline:
     return Pipeline.of(*steps)
 
 
-def optimizer_kernel(plan: Plan, backend: str) -> str:
-    """``plan.optimizer_kernel`` with ``auto`` resolved per backend (the fuse_optimizer option):
+def optimizer_kernel(plan: Plan, backend: str, *, optimizer_fused: bool = False) -> str:
+    """``plan.optimizer_kernel`` with ``auto`` resolved per backend (the fuse_optimizer option).
+    An optimizer made with ``fused=True`` gets torch's fused kernel on eager and inductor, so that
+    the step updates bitwise as it does eagerly. Otherwise:
 
     - eager: none. Its per-tensor updates are written in place (``reuse_dead_operands``) and are
       bitwise the default single-tensor ``torch.optim``, which the fused kernel rounds otherwise;
@@ -183,6 +187,8 @@ def optimizer_kernel(plan: Plan, backend: str) -> str:
     - torchair: foreach (GE's Foreach* operators; the fused kernel has no GE converter)."""
     if plan.optimizer_kernel != "auto":
         return plan.optimizer_kernel
+    if optimizer_fused and backend in ("eager", "inductor"):
+        return "fused"
     return {"eager": "none", "inductor": "fused_or_foreach"}.get(backend, "foreach")
 
 

@@ -37,9 +37,9 @@ from .analysis.gradients import GradientNotFound, find_gradients
 from .build import eliminate_dead_code
 from .custom_autograd import capturing_custom_autograd
 from .guards import GuardRecorder
-from .meta import MODULE_PATH, REGION, Region
+from .meta import MODULE_PATH, REGION, GraphAttr, Region
 from .meta_attention import fused_attention_on_meta
-from .optimizers import UpdateRule, rule_for
+from .optimizers import UpdateRule, fused_kernel_asked, rule_for
 from .signature import InputKind, OutputKind, Spec, StepSignature, state_name
 from .train_graph import TrainGraph
 
@@ -742,7 +742,8 @@ def capture_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     eliminate_dead_code(gm.graph)
     gm.recompile()
     tg = TrainGraph(gm, signature, {"name": name, "optimizer": type(optimizer).__name__,
-                                    "model": type(model).__name__})
+                                    "model": type(model).__name__,
+                                    GraphAttr.OPTIMIZER_FUSED: fused_kernel_asked(optimizer)})
     _mark_gradients(tg)
     return tg, layout
 

@@ -58,6 +58,7 @@ class GraphAttr:
     CONTEXT_PARALLEL = "context_parallel"  # {cp, rank, seq}: the sequence split over cp (context_parallel)
     EXPERT_PARALLEL = "expert_parallel"  # {ep, experts, ...}: experts split over ep (expert_parallel)
     GRAD_ACCUMULATION = "grad_accumulation"  # {microbatches, target, weight}: accumulating step
+    OPTIMIZER_FUSED = "optimizer_fused"  # capture: the optimizer asked for torch's fused kernel (fused=True)
     MESH = "mesh"                      # the mesh description the graph was compiled for (JSON)
     RANK = "rank"                      # the global rank a per-rank graph belongs to
     STAGE = "stage"                    # a pipeline stage graph: {index, stages, rank, first, last}

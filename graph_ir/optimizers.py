@@ -426,11 +426,30 @@ def _lookup(cls: type):
     return None
 
 
+def fused_kernel_asked(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` runs torch's fused kernel (``fused=True``): the captured step then
+    runs that kernel too (``optimizer_kernel: fused``), so that it updates bitwise as eager does.
+    Only Adam and AdamW have it here; a fused SGD, or fused and unfused groups in one optimizer,
+    are refused naming the option."""
+    name = type(optimizer).__name__
+    fused = [bool(group.get("fused")) for group in optimizer.param_groups]
+    if not any(fused):
+        return False
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        raise UnsupportedOptimizer(f"{name} option fused=True is not supported in a captured step (supported: "
+                                   "fused=False; the step runs torch's fused kernel for Adam and AdamW only)")
+    if not all(fused):
+        raise UnsupportedOptimizer(f"{name} option fused is True in some param groups and not in others; a "
+                                   "captured step runs one kernel for all of them (rule: the same fused in every group)")
+    return True
+
+
 def rule_for(optimizer: torch.optim.Optimizer) -> UpdateRule:
     """The update rule for ``optimizer``'s class, or a clear error naming what is missing."""
     name = type(optimizer).__name__
+    fused_kernel_asked(optimizer)
     for group in optimizer.param_groups:
-        _check_group(name, group, {"differentiable": False, "fused": False})
+        _check_group(name, group, {"differentiable": False})
     found = _lookup(type(optimizer))
     if found is None:
         raise UnsupportedOptimizer(

@@ -9,13 +9,14 @@ from collections import Counter
 import pytest
 import torch
 
-from cann_passes import Plan, compile_for_npu
+from cann_passes import Plan, compile_for_npu, compile_program
 from cann_passes.pass_manager import PassContext, PassFailure, PassManager, PassOptionError, PipelineError
 from cann_passes.pass_pipeline import build_pipeline
 from cann_passes.plan import PlanError
 from graph_ir.meta import ORIGIN_PASS, REUSES_OPERAND, Region
 from graph_ir.multi_tensor_ops import FUSED_ADAM
 from graph_ir.mesh import MeshDesc
+from graph_ir.optimizers import UnsupportedOptimizer
 from tests.conftest import gpt_batches, mlp_batches, tiny_gpt, tiny_mlp
 from tests.eager_reference import eager_steps
 from tests.passes._tiny import aten, fx_graph, mlp_step, run
@@ -276,6 +277,32 @@ class TestTraining:
         written = {s.name for s, n in zip(graph.signature.inputs, graph.placeholders())
                    if n.name in graph.attrs["written_inputs"]}
         assert params <= written
+
+    @pytest.mark.parametrize("opt", ["adamw", "adam_decay_amsgrad"])
+    def test_an_optimizer_made_with_fused_true_gets_its_kernel_and_trains_bitwise_like_eager(self, opt):
+        # what the user wrote is what runs: AdamW(fused=True) under the plan's default
+        fused = lambda p: OPTIMIZERS[opt](p, fused=True)   # noqa: E731
+        losses, trained, optimizer, step = _train(tiny_mlp, mlp_batches, fused, Plan(backend="eager", verify="deep"))
+        assert "fuse_optimizer{kernel=fused}" in str(step.last.pipeline)
+        ref_losses, ref, ref_optimizer = _eager(tiny_mlp, mlp_batches, fused)
+        assert losses == ref_losses
+        assert all(torch.equal(p, q) for p, q in zip(trained.parameters(), ref.parameters()))
+        assert _same_state(optimizer, ref_optimizer)
+
+    def test_a_fused_optimizer_the_step_cannot_run_as_eager_does_is_refused_by_name(self):
+        model, loss_fn = tiny_mlp()
+        with pytest.raises(UnsupportedOptimizer, match="SGD option fused=True is not supported"):
+            compile_for_npu(model, Plan(backend="eager"), optimizer=torch.optim.SGD(model.parameters(), lr=0.1,
+                                                                                     fused=True), loss_fn=loss_fn)
+        first, *rest = model.parameters()
+        mixed = torch.optim.AdamW([{"params": [first], "fused": True}, {"params": rest}])
+        with pytest.raises(UnsupportedOptimizer, match="fused is True in some param groups"):
+            compile_for_npu(model, Plan(backend="eager"), optimizer=mixed, loss_fn=loss_fn)
+        # the kernel runs at pp = 1 only: a pipeline would update one by one, not bitwise
+        step = mlp_step(lambda p: OPTIMIZERS["adamw"](p, fused=True))
+        with pytest.raises(PlanError, match="fused=True, whose kernel the step runs only at pp = 1") as info:
+            compile_program(step.captured, Plan(pp=2, microbatches=2, verify="off"), MeshDesc.fake(pp=2))
+        assert info.value.field == "pp"
 
     def test_llama_trains_bitwise_like_its_unfused_step(self):
         fused = compare("llama", FOREACH, steps=3)
