@@ -23,7 +23,22 @@ HAVE=$(cat "$STAMP" 2>/dev/null || true)
 if { [ "$HAVE" = "$WANT $EXTRAS" ] || [ "$HAVE" = "$WANT test" ]; } && .venv/bin/python -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('torch') and u.find_spec('cann_passes')))"; then
     exit 0
 fi
-# torch is pinned to the 2.13 CPU build (an unpinned torch would pull the CUDA build); one pip run
-# resolves it with the project's dependencies.
-.venv/bin/pip install -q --disable-pip-version-check "torch==2.13.*" -e "$SPEC"
+# torch is pinned to the 2.13 CPU build (an unpinned torch would pull the CUDA build); one run
+# resolves it with the project's dependencies. uv installs the same set in seconds where pip
+# takes most of a minute (torch unpacks 1 GB), so it is used when a CPU wheel of torch 2.13 lies
+# in pip's find-links (uv reads no pip configuration, and the index's default torch is the CUDA
+# build); otherwise, or if uv cannot be had or fails, pip does it.
+FIND_LINKS=${PIP_FIND_LINKS:-$(.venv/bin/pip config get global.find-links 2>/dev/null || true)}
+UV_LINKS=()
+for dir in $FIND_LINKS; do
+    if compgen -G "$dir/torch-2.13.*+cpu-*.whl" >/dev/null; then
+        UV_LINKS+=(--find-links "$dir")
+    fi
+done
+if [ ${#UV_LINKS[@]} -gt 0 ] && .venv/bin/pip install -q --disable-pip-version-check uv >/dev/null 2>&1 \
+        && .venv/bin/uv pip install -q --python .venv/bin/python "${UV_LINKS[@]}" "torch==2.13.*" -e "$SPEC"; then
+    :
+else
+    .venv/bin/pip install -q --disable-pip-version-check "torch==2.13.*" -e "$SPEC"
+fi
 echo "$WANT $EXTRAS" > "$STAMP"
