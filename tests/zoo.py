@@ -28,7 +28,11 @@ bert (BertForMaskedLM), t5 (T5ForConditionalGeneration), vit
 ``return_loss=True``), and three mixtures of experts with transformers' default experts
 implementation (a ``grouped_mm`` custom op with its registered backward) and the router's
 load-balancing loss in the loss (``output_router_logits=True``): mixtral, qwen2_moe (with a
-shared expert), olmoe; 4 experts, top-2.
+shared expert), olmoe; 4 experts, top-2. And opt (OPTForCausalLM), bloom (ALiBi), falcon
+(parallel attention, multi-query), roberta (RobertaForMaskedLM), bart (encoder-decoder), swin
+(shifted windows: a roll, window partitions, a gathered relative position bias), resnet
+(convolutions with BatchNorm, whose running statistics the step updates) and whisper (log-mel
+features through convolutions into an encoder-decoder).
 
 Batches: token models get right padding on some rows (``attention_mask`` 0,
 ``labels`` -100 there); ``pad=False`` gives an all-ones mask. ``make_batch`` is
@@ -59,10 +63,12 @@ from tests.eager_reference import eager_steps as reference_steps
 VOCAB, HIDDEN, HEADS, KV_HEADS, FFN = 96, 32, 4, 2, 64
 BATCH, SEQ = 4, 12
 IMAGE, PATCH, CHANNELS, CLASSES = 16, 8, 3, 5
+MELS, FRAMES = 8, 32
 PAD_ID = 0
 
 MODELS = ("gpt", "gpt2", "llama", "mistral", "qwen2", "bert", "t5", "vit", "clip",
-          "mixtral", "qwen2_moe", "olmoe", "gpt_neox", "phi3", "gemma")
+          "mixtral", "qwen2_moe", "olmoe", "gpt_neox", "phi3", "gemma",
+          "opt", "bloom", "falcon", "roberta", "bart", "swin", "resnet", "whisper")
 EXPERTS, TOP_K = 4, 2
 
 
@@ -131,6 +137,21 @@ def seq2seq_batch(seed: int, pad: bool = True) -> dict[str, torch.Tensor]:
     ids, mask = _tokens(g, _lengths(g, pad))
     tgt, tgt_mask = _tokens(g, _lengths(g, pad, seq=SEQ // 2), seq=SEQ // 2)
     return {"input_ids": ids, "attention_mask": mask, "labels": tgt.masked_fill(tgt_mask == 0, -100)}
+
+
+def mlm_batch_one_type(seed: int, pad: bool = True) -> dict[str, torch.Tensor]:
+    """RoBERTa's masked LM batch: BERT's, without token types (RoBERTa has one)."""
+    batch = mlm_batch(seed, pad)
+    del batch["token_type_ids"]
+    return batch
+
+
+def audio_text_batch(seed: int, pad: bool = True) -> dict[str, torch.Tensor]:
+    """Whisper: log-mel features ``[batch, mels, frames]`` and the transcript as ``labels``."""
+    g = _gen(seed)
+    tgt, tgt_mask = _tokens(g, _lengths(g, pad, seq=SEQ // 2), seq=SEQ // 2)
+    return {"input_features": torch.randn(BATCH, MELS, FRAMES, generator=g),
+            "labels": tgt.masked_fill(tgt_mask == 0, -100)}
 
 
 def image_batch(seed: int, pad: bool = True) -> dict[str, torch.Tensor]:
@@ -246,6 +267,89 @@ def _build_clip(layers, **kw):
             ("text_model.encoder.layers", "vision_model.encoder.layers"))
 
 
+def _build_opt(layers, **kw):
+    # OPT: learned positions offset by 2, pre-LayerNorm decoder, ReLU MLP
+    from transformers import OPTConfig, OPTForCausalLM
+    cfg = OPTConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=layers, ffn_dim=FFN,
+                    num_attention_heads=HEADS, max_position_embeddings=64, word_embed_proj_dim=HIDDEN,
+                    dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0,
+                    pad_token_id=PAD_ID, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, **kw)
+    return OPTForCausalLM(cfg), hf_loss, causal_lm_batch, True, ("model.decoder.layers",)
+
+
+def _build_bloom(layers, **kw):
+    # BLOOM: ALiBi position biases (no position embedding), fused query_key_value, embedding LayerNorm
+    from transformers import BloomConfig, BloomForCausalLM
+    cfg = BloomConfig(vocab_size=VOCAB, hidden_size=HIDDEN, n_layer=layers, n_head=HEADS, hidden_dropout=0.0,
+                      attention_dropout=0.0, pad_token_id=PAD_ID, bos_token_id=1, eos_token_id=2,
+                      tie_word_embeddings=False, **kw)
+    return BloomForCausalLM(cfg), hf_loss, causal_lm_batch, True, ("transformer.h",)
+
+
+def _build_falcon(layers, **kw):
+    # Falcon-7B's shape: parallel attention and MLP from one LayerNorm, multi-query attention
+    # (one kv head) in a fused query_key_value, rotary positions, no biases
+    from transformers import FalconConfig, FalconForCausalLM
+    cfg = FalconConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=layers, num_attention_heads=HEADS,
+                       multi_query=True, parallel_attn=True, new_decoder_architecture=False, bias=False,
+                       hidden_dropout=0.0, attention_dropout=0.0, max_position_embeddings=64,
+                       pad_token_id=PAD_ID, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, **kw)
+    return FalconForCausalLM(cfg), hf_loss, causal_lm_batch, True, ("transformer.h",)
+
+
+def _build_roberta(layers, **kw):
+    # RoBERTa: BERT's encoder with positions counted from the padding index + 1
+    from transformers import RobertaConfig, RobertaForMaskedLM
+    cfg = RobertaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=layers, num_attention_heads=HEADS,
+                        intermediate_size=FFN, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0, pad_token_id=PAD_ID, type_vocab_size=1, **kw)
+    return RobertaForMaskedLM(cfg), hf_loss, mlm_batch_one_type, True, ("roberta.encoder.layer",)
+
+
+def _build_bart(layers, **kw):
+    # BART: encoder-decoder with learned positions, the decoder fed the labels shifted right
+    from transformers import BartConfig, BartForConditionalGeneration
+    cfg = BartConfig(vocab_size=VOCAB, d_model=HIDDEN, encoder_layers=layers, decoder_layers=layers,
+                     encoder_attention_heads=HEADS, decoder_attention_heads=HEADS, encoder_ffn_dim=FFN,
+                     decoder_ffn_dim=FFN, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+                     activation_dropout=0.0, encoder_layerdrop=0.0, decoder_layerdrop=0.0, pad_token_id=PAD_ID,
+                     bos_token_id=1, eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None, **kw)
+    return BartForConditionalGeneration(cfg), hf_loss, seq2seq_batch, True, ("model.encoder.layers",
+                                                                             "model.decoder.layers")
+
+
+def _build_swin(layers, **kw):
+    # Swin: shifted-window attention (a roll of the feature map, window partitions, a relative
+    # position bias table gathered by index), patch merging between stages
+    from transformers import SwinConfig, SwinForImageClassification
+    # (the second block of the first stage is the shifted one; one block after the merge)
+    cfg = SwinConfig(image_size=IMAGE, patch_size=2, num_channels=CHANNELS, embed_dim=16, depths=[layers, 1],
+                     num_heads=[2, 4], window_size=4, mlp_ratio=2.0, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0, drop_path_rate=0.0, num_labels=CLASSES, **kw)
+    return SwinForImageClassification(cfg), hf_loss, image_batch, False, ("swin.encoder.layers",)
+
+
+def _build_resnet(layers, **kw):
+    # ResNet: convolutions with BatchNorm, whose running statistics the step updates (buffers)
+    from transformers import ResNetConfig, ResNetForImageClassification
+    cfg = ResNetConfig(num_channels=CHANNELS, embedding_size=8, hidden_sizes=[8, 16], depths=[layers, layers],
+                       layer_type="basic", num_labels=CLASSES, **kw)
+    return ResNetForImageClassification(cfg), hf_loss, image_batch, False, ("resnet.encoder.stages",)
+
+
+def _build_whisper(layers, **kw):
+    # Whisper: log-mel features through two convolutions into an encoder, a decoder over text
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+    cfg = WhisperConfig(vocab_size=VOCAB, num_mel_bins=MELS, d_model=HIDDEN, encoder_layers=layers,
+                        decoder_layers=layers, encoder_attention_heads=HEADS, decoder_attention_heads=HEADS,
+                        encoder_ffn_dim=FFN, decoder_ffn_dim=FFN, max_source_positions=FRAMES // 2,
+                        max_target_positions=64, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                        pad_token_id=PAD_ID, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
+                        begin_suppress_tokens=None, suppress_tokens=None, **kw)
+    return WhisperForConditionalGeneration(cfg), hf_loss, audio_text_batch, False, ("model.encoder.layers",
+                                                                                    "model.decoder.layers")
+
+
 _BUILDERS = {
     "gpt": _build_gpt, "gpt2": _build_gpt2,
     "llama": _decoder("LlamaConfig", "LlamaForCausalLM"),
@@ -267,6 +371,8 @@ _BUILDERS = {
     "gemma": _decoder("GemmaConfig", "GemmaForCausalLM", num_key_value_heads=1, head_dim=HIDDEN // HEADS,
                       tie_word_embeddings=True),
     "bert": _build_bert, "t5": _build_t5, "vit": _build_vit, "clip": _build_clip,
+    "opt": _build_opt, "bloom": _build_bloom, "falcon": _build_falcon, "roberta": _build_roberta,
+    "bart": _build_bart, "swin": _build_swin, "resnet": _build_resnet, "whisper": _build_whisper,
 }
 
 

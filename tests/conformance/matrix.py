@@ -34,12 +34,19 @@ import torch
 from tests.zoo import build, eager_steps
 
 MODELS = ("gpt", "gpt2", "llama", "mistral", "bert", "t5", "vit", "clip", "mixtral", "qwen2_moe", "olmoe",
-          "gpt_neox", "gemma")
+          "gpt_neox", "gemma", "opt", "bloom", "falcon", "roberta", "bart", "swin", "resnet", "whisper")
 MODEL_TITLES = {"gpt": "recipe GPT", "gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
                 "mistral": "MistralForCausalLM", "bert": "BertForMaskedLM",
                 "t5": "T5ForConditionalGeneration", "vit": "ViTForImageClassification", "clip": "CLIPModel",
                 "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                "olmoe": "OlmoeForCausalLM", "gpt_neox": "GPTNeoXForCausalLM", "gemma": "GemmaForCausalLM"}
+                "olmoe": "OlmoeForCausalLM", "gpt_neox": "GPTNeoXForCausalLM", "gemma": "GemmaForCausalLM",
+                "opt": "OPTForCausalLM", "bloom": "BloomForCausalLM", "falcon": "FalconForCausalLM",
+                "roberta": "RobertaForMaskedLM", "bart": "BartForConditionalGeneration",
+                "swin": "SwinForImageClassification", "resnet": "ResNetForImageClassification",
+                "whisper": "WhisperForConditionalGeneration"}
+# Cells refused by design, with the words the refusal must say: selective recompute keeps the
+# attention core's inputs and recomputes the rest, and a convolutional network has none.
+EXPECTED_REFUSALS = {("resnet", "selective"): "found no attention core"}
 PLANS = {
     "fp32": {},
     "bf16": {"precision": "bf16"},

@@ -1,6 +1,6 @@
 """The conformance matrix (tests/conformance/matrix.py): model × plan on the eager backend, 3 steps.
 
-Every cell must be ``ok``: fp32-like plans equal to eager PyTorch to 1e-5,
+Every cell must be ``ok`` (or refused where ``EXPECTED_REFUSALS`` says so, with its reason): fp32-like plans equal to eager PyTorch to 1e-5,
 bf16/fp16 within 2e-2 of eager autocast with fp32 master weights, recompute
 plans bitwise equal to the no-recompute step (``selective`` saving fewer
 bytes). ``python -m bench.conformance`` prints the same matrix.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conformance.matrix import MODELS, PLANS, ModelRuns, full_recompute_ratio, run_cell
+from tests.conformance.matrix import EXPECTED_REFUSALS, MODELS, PLANS, ModelRuns, full_recompute_ratio, run_cell
 
 _runs: dict[str, ModelRuns] = {}
 
@@ -31,6 +31,10 @@ def _cases():
 @pytest.mark.parametrize("model, plan", list(_cases()))
 def test_cell(model, plan):
     cell = run_cell(_model_runs(model), plan)
+    refusal = EXPECTED_REFUSALS.get((model, plan))
+    if refusal:
+        assert cell.status == "refused" and refusal in cell.detail, f"{model} × {plan}: {cell.status}: {cell.detail}"
+        return
     assert cell.status == "ok", f"{model} × {plan}: {cell.status}: {cell.detail}"
 
 

@@ -45,7 +45,7 @@ def eager_reference(name: str, opt: str, pad: bool = True, microbatches: int = 1
         losses.append(total)
     params = {n: p.detach().clone() for n, p in entry.model.named_parameters()}
     optim = {n: {k: v.clone() for k, v in optimizer.state[p].items() if v.dim()}
-             for n, p in entry.model.named_parameters()}
+             for n, p in entry.model.named_parameters() if p.requires_grad}
     return losses, params, optim
 
 
@@ -152,3 +152,14 @@ def test_tp2_with_gradient_accumulation_and_gqa_kv_shards_under_sequence_paralle
         "dim": 0, "parts": 1, "rule": "*.self_attn.k_proj=column"}
     assert sp["collectives"]["forward.all_gather_into_tensor"] == sp["collectives"]["forward.reduce_scatter_tensor"] \
         == 2 * LAYERS + 1
+
+
+def test_tp2_on_opt_bart_and_whisper_matches_single_process_training(tmp_path):
+    """Families the built-in rules name by their projections' spelling: OPT (its attention's output
+    gradient reaches the attention backward whole and is cut to each rank's heads), BART and
+    Whisper (encoder-decoder; the cross-attention, which no rule splits, runs whole on every rank)."""
+    scenarios = ["step:opt:sgd", "step:bart:sgd", "step:whisper:sgd"]
+    results = launch(tmp_path, 2, scenarios)
+    for scenario, got in results.items():
+        assert_matches(scenario, got)
+        assert got["attrs"]["params"], scenario    # something was split

@@ -19,6 +19,10 @@ _HEAD_LOCAL_OPS = {
 }
 
 
+class _NotHeadLocal(Exception):
+    pass
+
+
 def is_pointwise(target) -> bool:
     return isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
 
@@ -234,14 +238,32 @@ class OpRules:
         return self.call_function(target, (kept, *args[1:]), kwargs)
 
     def _head_local(self, target, args, kwargs):
-        """Attention kernels without a DTensor rule: independent per head, so head shards run locally."""
-        from torch.distributed.tensor import DTensor, Shard
+        """Attention kernels without a DTensor rule: independent per head, so head shards run locally.
+        A whole operand beside head shards (OPT's output gradient reaches the attention backward
+        replicated) is cut to this rank's heads, a local slice; a whole mask broadcast over the
+        heads (dim 1 of size 1) is read whole."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
         if target not in _HEAD_LOCAL_OPS:
             return None
         tensors = [a for a in args if isinstance(a, DTensor)]
-        if not tensors or not all(a.placements[0] == Shard(1) for a in tensors):
+        split = [a for a in tensors if a.placements[0] == Shard(1)]
+        if not split:
             return None
-        outs = target(*[_to_local(a) for a in args], **{k: _to_local(v) for k, v in kwargs.items()})
+        heads = split[0].shape[1]
+
+        def local(a):
+            if not isinstance(a, DTensor) or a.placements[0] == Shard(1):
+                return _to_local(a)
+            if a.placements[0] == Replicate() and a.ndim >= 2 and a.shape[1] == heads:
+                return a.redistribute(self.mesh, [Shard(1)]).to_local()
+            if a.placements[0] == Replicate() and a.ndim >= 2 and a.shape[1] == 1:
+                return a.to_local()
+            raise _NotHeadLocal
+        try:
+            locals_ = [local(a) for a in args]
+        except _NotHeadLocal:
+            return None
+        outs = target(*locals_, **{k: _to_local(v) for k, v in kwargs.items()})
         wholes = _global_meta(target, args, kwargs)
         single = not isinstance(outs, (tuple, list))
         outs, wholes = ([outs], [wholes]) if single else (outs, wholes)

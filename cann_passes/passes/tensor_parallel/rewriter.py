@@ -7,7 +7,7 @@ import torch.fx
 import torch.fx.traceback as fx_traceback
 
 from graph_ir import TrainGraph
-from graph_ir.analysis.effects import random_op
+from graph_ir.analysis.effects import draws_random, random_op
 from graph_ir.meta import MODULE_PATH, RECOMPUTE, REGION
 from graph_ir.signature import InputKind
 
@@ -163,11 +163,12 @@ class Rewriter(torch.fx.Interpreter, OpRules):
         copies and holds the same whole result, which is what a replicated value is. So run
         transformers' grouped expert matmul (a custom op with no sharding strategy) and an
         integer ``histc`` (DTensor checks it as if on the mesh's device type, CPU here, whose
-        kernel takes floats only; the model's own device took the integer path). Not for a random
-        op (its draws would differ per rank) nor for any split or partial operand."""
+        kernel takes floats only; the model's own device took the integer path), and an attention
+        whose projections no rule split (BART's cross-attention). Not for an op that draws random
+        numbers (its draws would differ per rank) nor for any split or partial operand."""
         from torch.distributed.tensor import DTensor, Replicate
         from torch.utils._pytree import tree_flatten, tree_map
-        if random_op(target) or not all(a.placements[0] == Replicate()
+        if draws_random(self.current) or not all(a.placements[0] == Replicate()
                                          for a in tree_flatten((args, kwargs))[0] if isinstance(a, DTensor)):
             return None
 
