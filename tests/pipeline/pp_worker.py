@@ -30,7 +30,7 @@ from recipes.models.gpt import GPT, gpt_loss, gpt_tiny  # noqa: E402
 STEPS, GLOBAL_BATCH, SEQ = 10, 8, 16
 FP16_STEPS = 4
 MODELS = {"gpt4": dict(n_layer=4), "heavy_head": dict(n_layer=4, vocab_size=2048)}
-ZOO = {"llama": dict(layers=2), "gpt2": dict(layers=2), "gpt_neox": dict(layers=2), "gemma": dict(layers=2)}
+ZOO = {name: dict(layers=2) for name in ("llama", "gpt2", "gpt_neox", "gemma", "bart", "whisper", "swin", "bloom")}
 
 
 def global_batch(name: str, i: int):

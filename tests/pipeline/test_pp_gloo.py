@@ -307,3 +307,16 @@ def test_pp2_dynamic_accumulation_updates_once_the_target_is_reached(tmp_path_fa
                         for name, value in result[config]["every"].items():
                             err = (value - want[name]).abs().max().item()
                             assert err <= 1e-5, f"{config} rank {rank}: {name} differs by {err:.2e}"
+
+
+def test_pp2_on_encoder_decoders_windows_and_alibi_matches_single_process_training(tmp_path_factory, subtests):
+    """Families the split had not met: BART and Whisper (the encoder's output crosses to the decoder's
+    stage with the residual stream), Swin (shifted windows, patch merging between stages) and BLOOM
+    (ALiBi biases built from the mask, read by every layer). (ResNet's BatchNorm normalises each
+    microbatch by its own statistics, as eager accumulation does: the conformance matrix checks
+    it against that; one full-batch step is another computation.)"""
+    configs = ["bart/1f1b:sgd", "whisper/1f1b:sgd", "swin/1f1b:sgd", "bloom/1f1b:adamw"]
+    ranks = _launch(tmp_path_factory, "new_families_pp2", 2, "gpt4", 2, 1, configs)
+    for config in configs:
+        with subtests.test(config=config):
+            _check(ranks, config, "gpt4")
