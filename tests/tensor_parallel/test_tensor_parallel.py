@@ -405,3 +405,14 @@ def test_selective_recompute_keeps_gqa_kv_heads_not_their_repeats(attention):
     # K and V (2 kv heads each), Q and (unless the fused kernel's backward recomputes it) the
     # output (8 heads each); repeated K / V would be two more of 8
     assert kept.count(2) == 2 and kept.count(8) in (1, 2) and len(kept) <= 4, kept
+
+
+def test_an_attention_no_rule_splits_runs_whole_and_a_whole_gradient_beside_head_shards_is_cut():
+    # Rules for the self-attention only: BART's cross-attention runs on whole q, k and v on every
+    # rank (a pure op DTensor has no strategy for, all operands replicated); the self-attention's
+    # output projection left whole hands its backward a whole gradient, cut to the rank's heads.
+    _, graph = _capture("bart")
+    out = _run(graph, rules="*.self_attn.q_proj=column;*.self_attn.k_proj=column;*.self_attn.v_proj=column")
+    heads = {n.meta.get("module_path"): n.meta["val"][0].shape[1] for n in out.graph.nodes
+             if n.target is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+    assert heads["model.decoder.layers.0.encoder_attn"] == 4 and heads["model.decoder.layers.0.self_attn"] == 2

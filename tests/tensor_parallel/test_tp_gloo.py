@@ -155,11 +155,14 @@ def test_tp2_with_gradient_accumulation_and_gqa_kv_shards_under_sequence_paralle
 
 
 def test_tp2_on_opt_bart_and_whisper_matches_single_process_training(tmp_path):
-    """Families the built-in rules name by their projections' spelling: OPT (its attention's output
-    gradient reaches the attention backward whole and is cut to each rank's heads), BART and
-    Whisper (encoder-decoder; the cross-attention, which no rule splits, runs whole on every rank)."""
-    scenarios = ["step:opt:sgd", "step:bart:sgd", "step:whisper:sgd"]
+    """fairseq's naming (OPT; BART and Whisper, encoder-decoders): self- and cross-attention
+    projections and fc1 / fc2 split Megatron's way, 2 all-reduces per attention or MLP block in
+    forward."""
+    scenarios = ["step:opt:sgd", "step:bart:adamw", "step:whisper:sgd"]
     results = launch(tmp_path, 2, scenarios)
     for scenario, got in results.items():
         assert_matches(scenario, got)
-        assert got["attrs"]["params"], scenario    # something was split
+        assert got["attrs"]["family"] == "fairseq", scenario
+        split = got["attrs"]["params"]
+        assert any(".fc1." in n for n in split) and any(".fc2." in n for n in split), scenario
+    assert any(".encoder_attn.out_proj." in n for n in results["step:bart:adamw"]["attrs"]["params"])

@@ -15,6 +15,13 @@ BUILTIN_RULES: tuple[tuple[str, str, str], ...] = (
     ("gpt2", "*.attn.c_attn.weight",
      "*.h.*.attn.c_attn=column:3;*.h.*.attn.c_proj=row;*.h.*.mlp.c_fc=column;*.h.*.mlp.c_proj=row;"
      "*wte=vocab;lm_head=column"),
+    # fairseq's naming, as transformers' OPT, BART, mBART, Whisper, M2M-100 and Marian spell it:
+    # q/k/v/out_proj in self- and cross-attention, fc1/fc2 the MLP (before llama, whose q_proj
+    # marker these share)
+    ("fairseq", "*.self_attn.out_proj.weight",
+     "*.self_attn.q_proj=column;*.self_attn.k_proj=column;*.self_attn.v_proj=column;*.self_attn.out_proj=row;"
+     "*.encoder_attn.q_proj=column;*.encoder_attn.k_proj=column;*.encoder_attn.v_proj=column;"
+     "*.encoder_attn.out_proj=row;*.fc1=column;*.fc2=row"),
     ("llama", "*.self_attn.q_proj.weight",
      "*.self_attn.q_proj=column;*.self_attn.k_proj=column;*.self_attn.v_proj=column;"
      "*.self_attn.o_proj=row;*.mlp.gate_proj=column;*.mlp.up_proj=column;*.mlp.down_proj=row;"
