@@ -154,14 +154,16 @@ def test_tp2_with_gradient_accumulation_and_gqa_kv_shards_under_sequence_paralle
         == 2 * LAYERS + 1
 
 
-def test_tp2_on_opt_bart_and_whisper_matches_single_process_training(tmp_path):
+def test_tp2_on_opt_bart_whisper_and_gpt_neox_matches_single_process_training(tmp_path):
     """fairseq's naming (OPT; BART and Whisper, encoder-decoders): self- and cross-attention
-    projections and fc1 / fc2 split Megatron's way, 2 all-reduces per attention or MLP block in
-    forward."""
-    scenarios = ["step:opt:sgd", "step:bart:adamw", "step:whisper:sgd"]
+    projections and fc1 / fc2 split Megatron's way; GPT-NeoX by its built-in rules."""
+    scenarios = ["step:opt:sgd", "step:bart:adamw", "step:whisper:sgd", "step:gpt_neox:sgd"]
     results = launch(tmp_path, 2, scenarios)
     for scenario, got in results.items():
         assert_matches(scenario, got)
+        if "gpt_neox" in scenario:   # its interleaved query_key_value split whole heads by the built-in rule
+            assert got["attrs"]["family"] == "gpt_neox"
+            continue
         assert got["attrs"]["family"] == "fairseq", scenario
         split = got["attrs"]["params"]
         assert any(".fc1." in n for n in split) and any(".fc2." in n for n in split), scenario

@@ -32,6 +32,11 @@ BUILTIN_RULES: tuple[tuple[str, str, str], ...] = (
     ("phi3", "*.self_attn.qkv_proj.weight",
      "*.self_attn.qkv_proj=column:3;*.self_attn.o_proj=row;*.mlp.gate_up_proj=column:2;*.mlp.down_proj=row;"
      "*embed_tokens=vocab;lm_head=column"),
+    # GPT-NeoX (Pythia): q, k and v interleaved per head in one query_key_value, so a plain
+    # column split keeps whole heads on each rank ('column:3' would cut a head's q, k, v apart)
+    ("gpt_neox", "*.attention.query_key_value.weight",
+     "*.attention.query_key_value=column;*.attention.dense=row;*.mlp.dense_h_to_4h=column;"
+     "*.mlp.dense_4h_to_h=row"),
     ("bert", "*.attention.self.query.weight",
      "*.attention.self.query=column;*.attention.self.key=column;*.attention.self.value=column;"
      "*.attention.output.dense=row;*.intermediate.dense=column;*.layer.*.output.dense=row;"
