@@ -116,10 +116,13 @@ class StageValue:
 
 # Step-state names of gradient accumulation, shared by the pass that adds them and the runtime
 # that sets them: the microbatch's sample count, 1 / samples of the optimizer step, and the
-# per-parameter accumulators under their own prefix (so a parameter named "weight" cannot collide).
+# per-parameter accumulators under their own prefix (so a parameter named "weight" cannot collide);
+# and 1.0 for the first microbatch of an optimizer step, else 0.0 (data parallelism broadcasts
+# the updated buffers there only, as DDP does under no_sync).
 ACCUMULATION_PREFIX = "grad_accumulation:"
 ACCUMULATION_WEIGHT = ACCUMULATION_PREFIX + "weight"
 ACCUMULATION_SCALE = ACCUMULATION_PREFIX + "scale"
+ACCUMULATION_FIRST = ACCUMULATION_PREFIX + "first"
 ACCUMULATOR_PREFIX = ACCUMULATION_PREFIX + "grad/"
 
 

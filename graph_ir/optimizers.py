@@ -440,7 +440,8 @@ def fused_kernel_asked(optimizer: torch.optim.Optimizer) -> bool:
                                    "fused=False; the step runs torch's fused kernel for Adam and AdamW only)")
     if not all(fused):
         raise UnsupportedOptimizer(f"{name} option fused is True in some param groups and not in others; a "
-                                   "captured step runs one kernel for all of them (rule: the same fused in every group)")
+                                   "captured step runs one kernel for all of them (rule: the same fused in "
+                                   "every group)")
     return True
 
 

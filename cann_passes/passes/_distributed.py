@@ -20,9 +20,9 @@ from graph_ir.analysis.collectives import collective_elements as graph_collectiv
 from graph_ir.analysis.gradients import GradientNotFound, find_gradients, optimizer_subgraph  # noqa: F401
 from graph_ir.build import fake_value, tag
 from graph_ir.meta import GRADIENT_OF, Region, region_of  # noqa: F401  (GRADIENT_OF: passes' import)
-from graph_ir.meta import ACCUMULATION_WEIGHT, GraphAttr
+from graph_ir.meta import ACCUMULATION_FIRST, ACCUMULATION_WEIGHT, GraphAttr
 from graph_ir.placement import placements
-from graph_ir.signature import InputKind, OutputKind
+from graph_ir.signature import InputKind, OutputKind, Spec
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -190,6 +190,42 @@ def average_loss(tg: TrainGraph, group: MeshDim, origin: str) -> None:
     values = tg.output_values()
     values[i] = reduced
     tg.set_outputs(values)
+
+
+BUFFER_SYNC = ("broadcast", "local")
+
+
+def broadcast_updated_buffers(tg: TrainGraph, group: MeshDim, origin: str, how: str = "broadcast") -> int:
+    """torch DDP's ``broadcast_buffers``: every buffer the step updates (BatchNorm's running
+    statistics) is replaced, before the forward reads it, by data-parallel rank 0's, so that each
+    rank updates rank 0's statistics with its own batch, as under DDP (rank 0's are unchanged, and
+    in train mode the normalisation reads the batch's statistics, so gradients are the same either
+    way: only the buffers of ranks other than 0 differ). Accumulating, only the first microbatch
+    of an optimizer step takes rank 0's (step state ``grad_accumulation:first``), as DDP, whose
+    forwards under ``no_sync`` leave the next forward unsynchronised. ``local``: each rank's
+    follow its own batches. Returns the number broadcast."""
+    if how not in BUFFER_SYNC:
+        raise DistributedRewriteError(f"{origin} option buffers={how!r}: must be one of {', '.join(BUFFER_SYNC)}")
+    updated = {spec.name for spec in tg.signature.outputs if spec.kind == OutputKind.BUFFER}
+    buffers = [node for spec, node in zip(tg.signature.inputs, tg.placeholders())
+               if spec.kind == InputKind.BUFFER and spec.name in updated and node.users]
+    if how == "local" or group.size == 1 or not buffers:
+        return 0
+    build = NodeBuilder(tg, first_node_of(tg, Region.FORWARD), Region.FORWARD, origin)
+    first = None
+    if GraphAttr.GRAD_ACCUMULATION in tg.attrs:
+        tg.attrs.setdefault(GraphAttr.STEP_STATE, {})[ACCUMULATION_FIRST] = {"value": 1.0, "dtype": "float32",
+                                                                            "shape": []}
+        with tg.fake_mode():
+            flag = torch.empty((), dtype=torch.float32, device=tg.placeholders()[0].meta["val"].device)
+        first = build(aten.ne.Scalar, tg.add_input(Spec(InputKind.STEP_STATE, ACCUMULATION_FIRST), flag), 0)
+    for node in buffers:
+        sent = build(c10d.broadcast.default, node, 0, group.group_name)
+        taken = build(c10d.wait_tensor.default, sent)
+        if first is not None:
+            taken = build(aten.where.self, first, taken, node)
+        node.replace_all_uses_with(taken, delete_user_cb=lambda u: u is not sent and u is not taken)
+    return len(buffers)
 
 
 def redirect(value: torch.fx.Node, replacement: torch.fx.Node, users: Iterable[torch.fx.Node]) -> None:

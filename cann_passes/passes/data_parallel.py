@@ -39,19 +39,21 @@ from graph_ir import TrainGraph
 from graph_ir.meta import GRADIENT_OF, GraphAttr, Region, nbytes, region_of
 
 from ..pass_manager import PassContext, register_pass
-from ._distributed import (REDUCE_DTYPES, DistributedRewriteError, agree_on_overflow, all_reduce_bucket,
-                           average_loss, collective_elements, expert_params, gradients, make_buckets, mesh_dim,
-                           position_map, reduce_dtype_of)
+from ._distributed import (BUFFER_SYNC, REDUCE_DTYPES, DistributedRewriteError, agree_on_overflow,
+                           all_reduce_bucket, average_loss, broadcast_updated_buffers, collective_elements,
+                           expert_params, gradients, make_buckets, mesh_dim, position_map, reduce_dtype_of)
 
 ALGOS = ("auto", "ring", "tree")
 
 
 @register_pass("data_parallel", preserves=())
 def data_parallel_pass(graph: TrainGraph, ctx: PassContext, *, bucket_mb: float = 25.0,
-                       algo: Literal[ALGOS] = "auto", reduce_dtype: Literal[tuple(REDUCE_DTYPES)] = "fp32"
-                       ) -> TrainGraph:
+                       algo: Literal[ALGOS] = "auto", reduce_dtype: Literal[tuple(REDUCE_DTYPES)] = "fp32",
+                       buffers: Literal[BUFFER_SYNC] = "broadcast") -> TrainGraph:
     """Bucketed gradient all-reduce over the mesh's ``dp`` dimension; loss averaged over ranks.
-    ``reduce_dtype=bf16``: each bucket reduced in bf16 (divided by the ranks first) and cast back."""
+    ``reduce_dtype=bf16``: each bucket reduced in bf16 (divided by the ranks first) and cast back.
+    ``buffers``: the updated buffers broadcast from dp rank 0 before the forward (DDP's
+    ``broadcast_buffers``), or ``local``."""
     dtype = reduce_dtype_of(reduce_dtype, "data_parallel")
     if algo not in ALGOS:
         raise DistributedRewriteError(f"data_parallel option algo={algo!r} must be one of {ALGOS}")
@@ -83,6 +85,7 @@ def data_parallel_pass(graph: TrainGraph, ctx: PassContext, *, bucket_mb: float 
             all_reduce_bucket(graph, bucket, grads, edp if edp.size > 1 else None, "sum",
                               1.0 if accumulating else 1.0 / group.size, dtype=dtype)
     average_loss(graph, group, "data_parallel")
+    ctx.stat("buffers_broadcast", broadcast_updated_buffers(graph, group, "data_parallel", buffers))
     agree_on_overflow(graph, summed, "data_parallel")   # (a part's overflow is the whole's)
     graph.attrs[GraphAttr.DATA_PARALLEL] = {"dp": group.size, "buckets": len(buckets), "algo": algo}
     if parts:

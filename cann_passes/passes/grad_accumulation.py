@@ -90,7 +90,8 @@ def grad_accumulation_pass(graph: TrainGraph, ctx: PassContext, *, microbatches:
         except GradientNotFound as exc:
             raise DistributedRewriteError(f"grad_accumulation weight=seed needs {exc}") from None
         users = list(seed.users)
-        weighted = NodeBuilder(graph, after(seed), Region.BACKWARD, "grad_accumulation")(aten.mul.Tensor, seed, weight_in)
+        build = NodeBuilder(graph, after(seed), Region.BACKWARD, "grad_accumulation")
+        weighted = build(aten.mul.Tensor, seed, weight_in)
         for user in users:
             user.replace_input_with(seed, weighted)
     for name in sorted(grads, key=lambda n: position[grads[n]]):

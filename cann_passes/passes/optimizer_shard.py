@@ -58,11 +58,11 @@ from graph_ir.placement import FlatShard, Placement, placement_of, set_placement
 from graph_ir.signature import InputKind, OutputKind
 
 from ..pass_manager import PassContext, register_pass
-from ._distributed import (REDUCE_DTYPES, DistributedRewriteError, MeshDim, NodeBuilder, after, agree_on_overflow,
-                           all_reduce_bucket, aten, axis_size, compress, expert_params, reduce_dtype_of,
-                           average_loss, c10d, collective_elements, first_node_of, first_user, gradients,
-                           later_region, make_buckets, mesh_dim, optimizer_subgraph, position_map,
-                           recompute_val, redirect)
+from ._distributed import (BUFFER_SYNC, REDUCE_DTYPES, DistributedRewriteError, MeshDim, NodeBuilder, after,
+                           agree_on_overflow, all_reduce_bucket, aten, average_loss, axis_size,
+                           broadcast_updated_buffers, c10d, collective_elements, compress, expert_params,
+                           first_node_of, first_user, gradients, later_region, make_buckets, mesh_dim,
+                           optimizer_subgraph, position_map, recompute_val, redirect, reduce_dtype_of)
 from graph_ir.analysis.cost import is_view_op
 
 ORIGIN = "optimizer_shard"
@@ -434,9 +434,11 @@ def _expert_gradients(graph: TrainGraph, ctx: PassContext, names: list[str], gra
 @register_pass("optimizer_shard", preserves=())
 def optimizer_shard_pass(graph: TrainGraph, ctx: PassContext, *, stage: int = 1,
                          bucket_mb: float = 25.0, master: Literal[MASTER_OPTIONS] = "whole",
-                         reduce_dtype: Literal[tuple(REDUCE_DTYPES)] = "fp32") -> TrainGraph:
+                         reduce_dtype: Literal[tuple(REDUCE_DTYPES)] = "fp32",
+                         buffers: Literal[BUFFER_SYNC] = "broadcast") -> TrainGraph:
     """ZeRO stage 1/2/3 over the mesh's ``dp`` dimension (see the module docstring);
-    ``reduce_dtype=bf16``: gradients reduce-scattered in bf16 (divided by the ranks first)."""
+    ``reduce_dtype=bf16``: gradients reduce-scattered in bf16 (divided by the ranks first);
+    ``buffers``: as data_parallel's (dp rank 0's updated buffers broadcast, or ``local``)."""
     dtype = reduce_dtype_of(reduce_dtype, ORIGIN)
     if stage not in (1, 2, 3):
         raise DistributedRewriteError(f"optimizer_shard option stage={stage} must be 1, 2 or 3")
@@ -489,6 +491,7 @@ def optimizer_shard_pass(graph: TrainGraph, ctx: PassContext, *, stage: int = 1,
             for bucket in make_buckets(list(expert_layout.shape), sizes, bucket_bytes):
                 _gather_new_params(graph, bucket, expert_layout)
     average_loss(graph, group, ORIGIN)
+    ctx.stat("buffers_broadcast", broadcast_updated_buffers(graph, group, ORIGIN, buffers))
     # every rank skips the same fp16 steps (with cp parts, a part's overflow is the whole's)
     agree_on_overflow(graph, mesh_dim(ctx, "dp_cp", ORIGIN) if parts else group, ORIGIN)
     padding = {n: layout.padding(n) for n in dense}

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from graph_ir.meta import ACCUMULATION_SCALE, ACCUMULATION_WEIGHT
+from graph_ir.meta import ACCUMULATION_FIRST, ACCUMULATION_SCALE, ACCUMULATION_WEIGHT
 from graph_ir.signature import InputKind
 
 
@@ -88,13 +88,14 @@ class AccumulationState:
         torch.distributed.all_reduce(count, group=step.world.group("dp"))
         return int(count.item())
 
-    def _grad(self, step, batch) -> torch.Tensor:
+    def _grad(self, step, batch, first: bool) -> torch.Tensor:
         comp = step.compile(batch)
         if not comp.parts:
             raise AccumulationError("the compiled program has no grad and apply graphs; a plan pipeline given "
                                     "as text must include grad_accumulation and split_grad_apply when "
                                     "microbatches > 1 or accumulate_target is set")
         step.step_state.values[ACCUMULATION_WEIGHT] = torch.tensor(float(batch_rows(batch)))
+        step.step_state.values[ACCUMULATION_FIRST] = torch.tensor(1.0 if first else 0.0)
         return step._run(comp.program["grad"], comp.runners["grad"], batch)
 
     def _apply(self, step, samples: int) -> None:
@@ -121,8 +122,8 @@ class AccumulationState:
             raise ValueError("accumulate() needs at least one microbatch")
         losses, rows = [], []
         try:
-            for batch in batches:
-                losses.append(self._grad(step, batch))
+            for i, batch in enumerate(batches):
+                losses.append(self._grad(step, batch, first=i == 0))
                 rows.append(batch_rows(batch))
         except BaseException:
             # Nothing is applied from a failed optimizer step: drop what its
@@ -150,7 +151,7 @@ class AccumulationState:
         self.pending_samples = self.pending_microbatches = 0
 
     def dynamic_step(self, step, batch) -> torch.Tensor:
-        loss = self._grad(step, batch)
+        loss = self._grad(step, batch, first=self.pending_microbatches == 0)
         self.pending_microbatches += 1
         self.pending_samples += self._global(step, batch_rows(batch))
         step.metrics["accumulated_samples"] = torch.tensor(self.pending_samples)

@@ -1,0 +1,63 @@
+"""One rank of ``test_batch_norm_ddp.py``: ``python batch_norm_worker.py OUT PLAN...``.
+
+Each PLAN (``dp``, ``zero1``, ``zero3``, ``mb2``) trains transformers' ResNet (BatchNorm) 4 steps
+on this rank's rows with ``compile_for_npu`` and the same model under torch DDP (its default
+``broadcast_buffers``: rank 0's buffers before every forward), and writes this rank's largest
+difference per state-dict entry to OUT/<plan>.rank<r>.pt.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from cann_passes import Plan, compile_for_npu  # noqa: E402
+from cann_passes.runtime.distributed import init_distributed, shard_batch  # noqa: E402
+from tests import zoo  # noqa: E402
+
+STEPS = 4
+
+
+def batch(i: int):
+    """8 distinct rows, so that each rank's batch statistics differ."""
+    a, b = zoo.image_batch(1000 + i), zoo.image_batch(2000 + i)
+    return {k: torch.cat([a[k], b[k]]) for k in a}
+
+
+def run(out: str, world, name: str) -> None:
+    fields = {"zero1": dict(zero_stage=1), "zero3": dict(zero_stage=3), "mb2": dict(microbatches=2)}.get(name, {})
+    plan = Plan(backend="eager", dp=2, verify="deep", **fields)
+    entry = zoo.build("resnet", layers=1, seed=0)
+    ref = copy.deepcopy(entry.model)
+    ddp = torch.nn.parallel.DistributedDataParallel(ref)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(entry.model.parameters(), lr=0.1, momentum=0.9)
+    step = compile_for_npu(entry.model, plan, optimizer=opt, loss_fn=entry.loss_fn)
+    chunks = fields.get("microbatches", 1)
+    for i in range(STEPS):
+        mine = shard_batch(batch(i), world.dp_rank, 2)
+        step(mine)
+        ref_opt.zero_grad()
+        for c in range(chunks):   # DDP's accumulation: no_sync until the last microbatch
+            part = shard_batch(mine, c, chunks)
+            with ddp.no_sync() if c < chunks - 1 else torch.enable_grad():
+                (entry.loss_fn(ddp, part) / chunks).backward()
+        ref_opt.step()
+    ours, theirs = entry.model.state_dict(), ref.state_dict()
+    diff = {k: (ours[k].double() - theirs[k].double()).abs().max().item() for k in theirs}
+    torch.save(diff, os.path.join(out, f"{name}.rank{world.rank}.pt"))
+
+
+def main(out: str, *names: str) -> None:
+    with init_distributed(Plan(backend="eager", dp=2)) as world:
+        for name in names:
+            run(out, world, name)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
