@@ -283,6 +283,12 @@ class CompiledStep:
         return "the step's specialisation changed"
 
     def _compile(self, batch: Any) -> Compilation:
+        # A lowering still compiling in the background must finish first: torch's tracing keeps
+        # its node-annotation state per process, not per thread, so a capture beside it would
+        # record another trace's region tags (a recompile after step 1: a guard that failed).
+        for comp in self._compiled.values():
+            if comp.background is not None:
+                comp.background.wait()
         t0 = time.perf_counter()
         # A process's first compile of a model and plan already compiled once: the captured step and
         # the program come from the compile cache (single process; cann_passes/compile_cache.py).

@@ -25,6 +25,12 @@ class BackendUnavailable(RuntimeError):
     pass
 
 
+class LoweringFailed(RuntimeError):
+    """A backend's compiler failed on a graph the passes produced and verified: the error names
+    the backend, the graph and the compiler's first line (the full error is the cause), and the
+    backend that runs every verified graph (eager)."""
+
+
 class Lowering(Protocol):
     name: str
     # Passes the backend needs at the end of every pipeline (named passes, so they show in the

@@ -45,7 +45,7 @@ from graph_ir import TrainGraph
 from . import cpp_kernel_batches
 from graph_ir.meta import GraphAttr
 
-from .base import GuardedRunner, cxx_compiler_available, writable_inputs
+from .base import GuardedRunner, LoweringFailed, cxx_compiler_available, writable_inputs
 
 aten = torch.ops.aten
 
@@ -108,8 +108,15 @@ class InductorLowering:
             return copy, gm, mutated
 
         copy, gm, mutated = lowered(True)
-        with _keep_gloo_order(graph), cpp_kernel_batches.batched():
-            run = compile_fx(gm, list(example_inputs))
+        try:
+            with _keep_gloo_order(graph), cpp_kernel_batches.batched():
+                run = compile_fx(gm, list(example_inputs))
+        except Exception as exc:
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            raise LoweringFailed(
+                f"inductor could not compile graph '{graph.name}' ({type(exc).__name__}: {first}); the "
+                "graph verified, and backend 'eager' runs it (or background_lowering: true, which "
+                "keeps the step on the eager lowering when the backend's fails)") from exc
         if not mutated:
             return run
         positions = {n: i for i, n in enumerate(copy.placeholders())}

@@ -87,6 +87,29 @@ def test_a_failed_background_lowering_warns_and_the_step_stays_on_eager(monkeypa
     assert "background lowering failed (RuntimeError); every step ran on the eager lowering" in step.summary()
 
 
+def test_a_recompile_waits_for_the_lowering_in_the_background(held_inductor, monkeypatch):
+    # torch's tracing keeps its node-annotation state per process: a capture beside a lowering
+    # in flight would take the other trace's region tags (transformers' image classifiers set
+    # config.problem_type in their first forward, so their second step recompiles)
+    import cann_passes.step as step_module
+    release, lowered = held_inductor
+    captures = []
+    real = step_module.capture_train_step
+
+    def capture(*args, **kwargs):
+        captures.append(len(lowered))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(step_module, "capture_train_step", capture)
+    tiny = mlp_step()
+    model, opt = tiny.fresh()
+    step = compile_for_npu(model, Plan(backend="inductor", background_lowering=True), optimizer=opt,
+                           loss_fn=tiny.loss_fn)
+    step(BATCHES[0])
+    threading.Timer(0.5, release.set).start()
+    step(mlp_batch(9, rows=4))             # another batch shape: a second capture
+    assert captures == [0, 1]               # the second began once the first lowering was done
+
+
 def test_the_field_is_a_boolean_and_applies_only_without_pipeline_stages():
     with pytest.raises(PlanError, match="background_lowering.*must be true or false"):
         Plan(background_lowering="yes")
@@ -109,3 +132,20 @@ def test_real_inductor_takes_over_and_matches_eager():
     assert got == pytest.approx(want, rel=1e-5)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
+
+
+def test_a_foreground_lowering_that_fails_is_named_with_the_backend_that_runs_the_graph(monkeypatch):
+    import torch._inductor.compile_fx as inductor
+
+    from cann_passes.lowering import LoweringFailed
+
+    def fail(*args, **kwargs):
+        raise KeyError("s36")
+    monkeypatch.setattr(inductor, "compile_fx", fail)
+    tiny = mlp_step()
+    model, opt = tiny.fresh()
+    step = compile_for_npu(model, Plan(backend="inductor"), optimizer=opt, loss_fn=tiny.loss_fn)
+    with pytest.raises(LoweringFailed, match=r"inductor could not compile graph 'step' \(KeyError: 's36'\).*"
+                                             r"backend 'eager' runs it") as info:
+        step(BATCHES[0])
+    assert isinstance(info.value.__cause__, KeyError)
