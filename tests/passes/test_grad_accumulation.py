@@ -47,7 +47,7 @@ class TestGradAccumulation:
         declared = accumulating.attrs[GraphAttr.STEP_STATE]
         assert declared[ACCUMULATION_WEIGHT] == {"value": 1.0, "dtype": "float32", "shape": []}
         assert declared[ACCUMULATOR_PREFIX + "fc2.weight"] == {"value": 0.0, "dtype": "float32", "shape": [32, 32]}
-        assert accumulating.attrs[GraphAttr.GRAD_ACCUMULATION] == {"microbatches": 2, "target": 0}
+        assert accumulating.attrs[GraphAttr.GRAD_ACCUMULATION] == {"microbatches": 2, "target": 0, "weight": "gradient"}
 
     def test_it_accumulates_in_backward_and_scales_at_the_start_of_the_optimizer(self, accumulating):
         added = Counter((str(n.target), str(n.meta[REGION])) for n in accumulating.compute_nodes()
