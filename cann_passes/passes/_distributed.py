@@ -192,6 +192,15 @@ def average_loss(tg: TrainGraph, group: MeshDim, origin: str) -> None:
     tg.set_outputs(values)
 
 
+def scalar_step_state(tg: TrainGraph, name: str, like: torch.Tensor) -> torch.fx.Node:
+    """A float32 0-dim step-state input ``name`` (declared with value 1.0), on ``like``'s device:
+    a scalar the runtime sets per call (accumulation's weight, scale, first-microbatch flag)."""
+    tg.attrs.setdefault(GraphAttr.STEP_STATE, {})[name] = {"value": 1.0, "dtype": "float32", "shape": []}
+    with tg.fake_mode():
+        value = torch.empty((), dtype=torch.float32, device=like.device)
+    return tg.add_input(Spec(InputKind.STEP_STATE, name), value)
+
+
 BUFFER_SYNC = ("broadcast", "local")
 
 
@@ -214,11 +223,8 @@ def broadcast_updated_buffers(tg: TrainGraph, group: MeshDim, origin: str, how: 
     build = NodeBuilder(tg, first_node_of(tg, Region.FORWARD), Region.FORWARD, origin)
     first = None
     if GraphAttr.GRAD_ACCUMULATION in tg.attrs:
-        tg.attrs.setdefault(GraphAttr.STEP_STATE, {})[ACCUMULATION_FIRST] = {"value": 1.0, "dtype": "float32",
-                                                                            "shape": []}
-        with tg.fake_mode():
-            flag = torch.empty((), dtype=torch.float32, device=tg.placeholders()[0].meta["val"].device)
-        first = build(aten.ne.Scalar, tg.add_input(Spec(InputKind.STEP_STATE, ACCUMULATION_FIRST), flag), 0)
+        flag = scalar_step_state(tg, ACCUMULATION_FIRST, buffers[0].meta["val"])
+        first = build(aten.ne.Scalar, flag, 0)
     for node in buffers:
         sent = build(c10d.broadcast.default, node, 0, group.group_name)
         taken = build(c10d.wait_tensor.default, sent)

@@ -32,23 +32,16 @@ import torch
 
 from graph_ir import TrainGraph
 from graph_ir.analysis.gradients import GradientNotFound, backward_seed
-from graph_ir.meta import (ACCUMULATION_PREFIX, ACCUMULATION_SCALE, ACCUMULATION_WEIGHT, ACCUMULATOR_PREFIX,
+from graph_ir.meta import (ACCUMULATION_SCALE, ACCUMULATION_WEIGHT, ACCUMULATOR_PREFIX,
                            GraphAttr, Region, region_of)
 from graph_ir.signature import InputKind, OutputKind, Spec
 
 from ..pass_manager import PassContext, register_pass
 from ._distributed import (GRADIENT_OF, DistributedRewriteError, NodeBuilder, after, aten, first_node_of,
-                           gradients, position_map, redirect)
+                           gradients, position_map, redirect, scalar_step_state)
 
 # The step-state names are graph_ir vocabulary: the runtime sets and carries them too.
-PREFIX, WEIGHT, SCALE, ACCUMULATOR = ACCUMULATION_PREFIX, ACCUMULATION_WEIGHT, ACCUMULATION_SCALE, ACCUMULATOR_PREFIX
-
-
-def _scalar_input(tg: TrainGraph, key: str, like: torch.Tensor) -> torch.fx.Node:
-    tg.attrs.setdefault(GraphAttr.STEP_STATE, {})[PREFIX + key] = {"value": 1.0, "dtype": "float32", "shape": []}
-    with tg.fake_mode():
-        value = torch.empty((), dtype=torch.float32, device=like.device)
-    return tg.add_input(Spec(InputKind.STEP_STATE, PREFIX + key), value)
+WEIGHT, SCALE, ACCUMULATOR = ACCUMULATION_WEIGHT, ACCUMULATION_SCALE, ACCUMULATOR_PREFIX
 
 
 def _accumulator(tg: TrainGraph, name: str, grad: torch.fx.Node) -> torch.fx.Node:
@@ -81,8 +74,8 @@ def grad_accumulation_pass(graph: TrainGraph, ctx: PassContext, *, microbatches:
     grads = gradients(graph)
     position = position_map(graph)
     loss = graph.output_value(OutputKind.LOSS, "loss")
-    weight_in = _scalar_input(graph, "weight", loss.meta["val"])
-    scale = _scalar_input(graph, "scale", loss.meta["val"])
+    weight_in = scalar_step_state(graph, WEIGHT, loss.meta["val"])
+    scale = scalar_step_state(graph, SCALE, loss.meta["val"])
     optimizer_start = first_node_of(graph, Region.OPTIMIZER)
     if weight == "seed":
         try:
