@@ -82,6 +82,25 @@ def mutate_inputs(gm: torch.fx.GraphModule, writable: dict[torch.fx.Node, int]) 
     return mutated
 
 
+def _static_example_inputs(example_inputs) -> list:
+    """The example inputs as fake tensors of static shape, in the tracing context's fake mode.
+
+    A real tensor handed to ``compile_fx`` under a fake mode with a ShapeEnv (the one
+    ``compile_cache.lowering_context`` sets up) is fakified with dynamic, duck-sized dimensions:
+    every size becomes a symbol, inductor then generates kernels over symbolic sizes, reasons about
+    them with sympy at every fusion decision, and on a ResNet fails outright (BatchNorm's
+    ``n / (n - 1)`` over symbolic convolution sizes becomes a SymFloat AOTAutograd cannot turn
+    back into a tensor). The step's shapes are fixed when it is compiled (a new shape recompiles),
+    so they are handed over already fake and static, as Dynamo hands its graphs to a backend."""
+    from torch._guards import TracingContext
+    context = TracingContext.try_get()
+    if context is None or context.fake_mode is None:
+        return list(example_inputs)
+    mode = context.fake_mode
+    return [mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x
+            for x in example_inputs]
+
+
 class InductorLowering:
     name = "inductor"
     required_passes = ("spell_out_alpha", "tanh_gelu_as_sigmoid")
@@ -108,9 +127,10 @@ class InductorLowering:
             return copy, gm, mutated
 
         copy, gm, mutated = lowered(True)
+        inputs = _static_example_inputs(example_inputs)
         try:
             with _keep_gloo_order(graph), cpp_kernel_batches.batched():
-                run = compile_fx(gm, list(example_inputs))
+                run = compile_fx(gm, inputs)
         except Exception as exc:
             first = str(exc).splitlines()[0] if str(exc) else ""
             raise LoweringFailed(
@@ -124,6 +144,6 @@ class InductorLowering:
         def functional():
             gm = lowered(False)[1]
             with _keep_gloo_order(graph), cpp_kernel_batches.batched():
-                return compile_fx(gm, list(example_inputs))
+                return compile_fx(gm, inputs)
 
         return GuardedRunner(run, copy, sorted(positions[n] for n in mutated), functional)

@@ -1,4 +1,4 @@
-"""cleanup: remove dead nodes and merge duplicate pure computations.
+"""cleanup: remove dead nodes, merge duplicate pure computations, drop concatenated empties.
 
 Capture leaves dead code (the unused half of a ``native_layer_norm`` triple,
 detached aliases) and duplicate work (``t(weight)`` traced separately for the
@@ -8,6 +8,12 @@ communications (``graph_ir.analysis.effects``); both are left alone. Duplicates 
 regions are left alone too: a forward value computed again in backward is a
 recompute decision (it trades FLOPs for saved memory), and merging the two
 would undo it.
+
+A ``cat`` that joins one tensor to legacy empty ``(0,)`` tensors (which ``cat`` skips: a
+key/value cache's first update, ``cat([empty, key])``) is a contiguous copy of that tensor and
+becomes ``clone(x, memory_format=contiguous_format)``. Besides the copy it saves, inductor's
+decomposition turns such a ``cat`` into ``clone(x)``, which keeps a strided operand's layout where
+``cat`` returns a contiguous tensor, and the ``view`` that follows no longer applies (BLOOM).
 """
 from __future__ import annotations
 
@@ -75,10 +81,38 @@ def eliminate_common_subexpressions(graph: torch.fx.Graph) -> int:
     return merged
 
 
+_CAT = torch.ops.aten.cat.default
+
+
+def _legacy_empty(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape[0] == 0
+
+
+def drop_empty_cat_operands(graph: torch.fx.Graph) -> int:
+    """Each ``cat`` of one tensor and legacy empties becomes a contiguous clone of the tensor."""
+    rewritten = 0
+    for node in graph.find_nodes(op="call_function", target=_CAT):
+        operands, out = node.args[0], node.meta.get("val")
+        if not isinstance(out, torch.Tensor) or not out.is_contiguous():
+            continue
+        kept = [a for a in operands if not (isinstance(a, torch.fx.Node) and _legacy_empty(a.meta.get("val")))]
+        if len(kept) != 1 or len(kept) == len(operands) or not isinstance(kept[0], torch.fx.Node):
+            continue
+        value = kept[0].meta.get("val")
+        if not isinstance(value, torch.Tensor) or value.shape != out.shape or value.dtype != out.dtype:
+            continue
+        node.target = torch.ops.aten.clone.default
+        node.args, node.kwargs = (kept[0],), {"memory_format": torch.contiguous_format}
+        rewritten += 1
+    return rewritten
+
+
 @register_pass("cleanup", preserves=())
 def cleanup_pass(graph: TrainGraph, ctx: PassContext, *, cse: bool = True) -> TrainGraph:
-    """Dead-code elimination, then (with ``cse``) merging of duplicate pure nodes."""
+    """Empty ``cat`` operands dropped, dead-code elimination, then (with ``cse``) merging of
+    duplicate pure nodes."""
     before = graph.num_nodes()
+    ctx.stat("cat_to_clone", drop_empty_cat_operands(graph.graph))
     merged = eliminate_common_subexpressions(graph.graph) if cse else 0
     eliminate_dead_code(graph.graph)
     ctx.stat("merged", merged)

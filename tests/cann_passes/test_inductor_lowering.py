@@ -115,3 +115,41 @@ def test_inductor_step_updates_parameters_and_state_in_place_like_torch_optim():
                                rtol=1e-5, atol=0)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
+
+
+def test_inductor_is_handed_fake_inputs_of_static_shape(monkeypatch):
+    # Real inputs under the compile cache's ShapeEnv would be fakified with a symbol per size:
+    # kernels over symbolic sizes, sympy at every fusion decision, and a SymFloat AOTAutograd cannot
+    # tensorify on a ResNet's BatchNorm.
+    import torch._inductor.compile_fx as inductor
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from cann_passes import compile_cache
+    from cann_passes.lowering import LoweringFailed
+    from tests.passes._tiny import mlp_step
+
+    seen = []
+
+    def look(gm, inputs, *args, **kwargs):
+        seen.extend(inputs)
+        raise RuntimeError("looked")
+    monkeypatch.setattr(inductor, "compile_fx", look)
+    step = mlp_step()
+    with compile_cache.lowering_context("inductor"), pytest.raises(LoweringFailed, match="looked"):
+        get_lowering("inductor").compile(step.captured, step.inputs(), None)
+    tensors = [x for x in seen if isinstance(x, torch.Tensor)]
+    assert len(tensors) == len(step.captured.placeholders())
+    assert all(isinstance(x, FakeTensor) for x in tensors)
+    assert all(isinstance(s, int) for x in tensors for s in x.shape)
+    assert [tuple(x.shape) for x in tensors] == [tuple(x.shape) for x in step.inputs()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["resnet", "bloom"])
+def test_inductor_trains_a_resnet_with_batch_norm_and_a_bloom_like_eager_pytorch(name):
+    # ResNet: BatchNorm's unbiased-variance factor over convolution sizes; BLOOM: the key/value
+    # cache's first ``cat`` of an empty and a strided key, viewed as contiguous after it.
+    from tests.zoo import compare
+    run = compare(name, Plan(backend="inductor"), steps=2, layers=1)
+    assert run.max_param_diff() < 1e-5
+    assert run.compiled_losses == pytest.approx(run.eager_losses, rel=1e-5)

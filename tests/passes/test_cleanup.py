@@ -75,7 +75,33 @@ class TestCleanup:
         dead.meta.update(weight.meta, **{REGION: "forward"})
         out, record = _clean(graph, "cleanup{cse=false}")
         assert ops(out)["aten.cos.default"] == 0
-        assert record.stats == {"merged": 0, "removed": 1}
+        assert record.stats == {"cat_to_clone": 0, "merged": 0, "removed": 1}
+
+    def test_a_cat_of_one_tensor_and_legacy_empties_becomes_a_contiguous_clone(self):
+        # A key/value cache's first update: ``cat`` skips the (0,)-shaped empty and returns a
+        # contiguous copy of the strided key, which the view after it relies on.
+        def cache_update(x):
+            key = x.view(2, 3, 4).transpose(0, 1)
+            return [torch.cat([x.new_zeros(0), key], dim=-2).view(6, 4).exp().sum()]
+
+        x = torch.randn(6, 4)
+        graph = fx_graph(cache_update, x)
+        out, record = _clean(graph)
+        assert record.stats["cat_to_clone"] == 1 and ops(out)["aten.cat.default"] == 0
+        clone = next(n for n in out.graph.nodes if n.target is aten.clone.default)
+        assert clone.kwargs == {"memory_format": torch.contiguous_format}
+        empties = [n for n in out.graph.nodes
+                   if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].shape == (0,)]
+        assert empties == []    # the empty went with its last use
+        assert torch.equal(out.gm(x)[0], cache_update(x)[0])
+
+    def test_a_cat_of_two_real_tensors_or_of_a_promoted_dtype_stays(self):
+        def joins(x):
+            return [torch.cat([x, x], dim=0).sum() +
+                    torch.cat([x.new_zeros(0, dtype=torch.float64), x], dim=0).sum()]
+
+        out, record = _clean(fx_graph(joins, torch.randn(3, 4)))
+        assert record.stats["cat_to_clone"] == 0 and ops(out)["aten.cat.default"] == 2
 
     def test_the_captured_step_loses_its_duplicate_lr_negations_and_keeps_every_output(self, step):
         before = ops(step.captured)
@@ -100,4 +126,4 @@ class TestCleanup:
         manager = PassManager("cleanup,cleanup", verify_level="deep")
         manager.run(step.captured.copy(), PassContext(mesh=MeshDesc.fake()))
         first, second = manager.records
-        assert first.changed and not second.changed and second.stats == {"merged": 0, "removed": 0}
+        assert first.changed and not second.changed and second.stats == {"cat_to_clone": 0, "merged": 0, "removed": 0}
