@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from graph_ir import TrainGraph
+from graph_ir.gc_pause import gc_paused
 from graph_ir.meta import GraphAttr, GraphKind, graph_kind
 from graph_ir.mesh import MeshDesc
 from graph_ir.program import Program
@@ -83,6 +84,7 @@ def check_mesh(plan: Plan, mesh: MeshDesc) -> None:
                               f"MeshDesc.fake(dp={plan.dp}, ep={plan.ep})", plan.ep)
 
 
+@gc_paused()
 def compile_program(captured: TrainGraph, plan: Plan, mesh: MeshDesc | None = None, *,
                     backend: str | None = None, dump_dir: str | None = None,
                     inputs: list[Any] | None = None) -> Program:

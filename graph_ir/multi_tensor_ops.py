@@ -78,6 +78,27 @@ def _(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, b
 FUSED_ADAM = torch.ops.cann.fused_adam.default
 
 
+@torch.library.custom_op("cann::fused_adam_", mutates_args=("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"))
+def fused_adam_(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+                max_exp_avg_sqs: list[Tensor], steps: list[Tensor], lr: Tensor, beta1: Tensor, beta2: Tensor,
+                eps: Tensor, weight_decay: Optional[Tensor], decoupled: bool, amsgrad: bool, maximize: bool
+                ) -> None:
+    """``cann::fused_adam`` writing into its parameter and state lists, for a compiler that keeps
+    input mutations (inductor: AOTAutograd functionalizes it, and inductor's reinplacing runs it
+    in place on the step's inputs instead of cloning all four lists first)."""
+    fused_adam_into_inputs(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2,
+                           eps, weight_decay, decoupled, amsgrad, maximize)
+
+
+@fused_adam_.register_fake
+def _(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1, beta2, eps, weight_decay,
+      decoupled, amsgrad, maximize):
+    return None
+
+
+FUSED_ADAM_IN_PLACE = torch.ops.cann.fused_adam_.default
+
+
 @dataclass(frozen=True)
 class InPlaceLists:
     """How a multi-tensor op runs in place: the function that writes into its argument lists (its

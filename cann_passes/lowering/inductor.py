@@ -11,7 +11,9 @@ returns the input itself. AOTAutograd keeps those mutations in the graph
 kernel that computes the value, which then stores straight into the input's
 buffer, after every read of the old value (its scheduler orders the write
 after them): no fresh parameter and state tensors per step and nothing for
-the runtime to store. The kernel order is inductor's, so unlike the eager
+the runtime to store. A ``cann::fused_adam`` call becomes the mutating
+``cann::fused_adam_`` on the inputs, which inductor reinplaces (the
+functional op would clone every parameter and moment first). The kernel order is inductor's, so unlike the eager
 backend nothing fences the writes after the last backward op; the kernels
 that can fail on bad data (index bounds of the embedding and the loss's
 gather) run in the forward, before any gradient exists. A call whose
@@ -36,6 +38,7 @@ matmuls on oneDNN instead of MKL) is opt-in, ``Plan(extra_passes=
 from __future__ import annotations
 
 import contextlib
+import operator
 
 import torch
 import torch.fx
@@ -44,6 +47,7 @@ from graph_ir import TrainGraph
 
 from . import cpp_kernel_batches
 from graph_ir.meta import GraphAttr
+from graph_ir.multi_tensor_ops import FUSED_ADAM, FUSED_ADAM_IN_PLACE, IN_PLACE
 
 from .base import GuardedRunner, LoweringFailed, cxx_compiler_available, writable_inputs
 
@@ -59,12 +63,53 @@ def _keep_gloo_order(graph: TrainGraph):
         if graph.attrs.get(GraphAttr.GLOO_ORDERED) else contextlib.nullcontext()
 
 
+def _multi_tensor_updates_in_place(gm: torch.fx.GraphModule, writable: dict[torch.fx.Node, int]) -> list:
+    """Each ``cann::fused_adam`` whose written lists are all step inputs, each updated to the
+    op's result and read by nothing after it, becomes ``cann::fused_adam_`` writing into them.
+
+    The functional op clones the parameters and both moments before the kernel (about 8 ms a step
+    on a 100M-parameter LLaMA on CPU) and the lowering's ``copy_`` writes each result back; the
+    mutating op is functionalized by AOTAutograd and reinplaced by inductor, which runs the kernel
+    on the inputs themselves. Returns the inputs so written."""
+    graph, written = gm.graph, []
+    values = list(graph.output_node().args[0])
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    lists_of = IN_PLACE[FUSED_ADAM].written             # argument index -> result index
+    for node in list(graph.find_nodes(op="call_function", target=FUSED_ADAM)):
+        results = {}                                    # (result index, i) -> getitem node
+        items = [item for user in node.users for item in user.users]
+        plain = all(u.target is operator.getitem for u in [*node.users, *items])
+        for item in items if plain else ():
+            results[(item.args[0].args[1], item.args[1])] = item
+        targets = [(k, i, a) for k, r in lists_of.items() for i, a in enumerate(node.args[k])]
+        if not plain or not all(isinstance(a, torch.fx.Node) and a in writable and
+                                values[writable[a]] is results.get((lists_of[k], i)) and
+                                all(position[u] < position[node] for u in a.users if u is not node)
+                                for k, i, a in targets) \
+                or len({a for _, _, a in targets}) != len(targets):
+            continue
+        with graph.inserting_before(node):
+            in_place = graph.call_function(FUSED_ADAM_IN_PLACE, node.args, node.kwargs)
+        in_place.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+        in_place.meta["val"] = None
+        for k, i, a in targets:
+            results[(lists_of[k], i)].replace_all_uses_with(a)
+        for item in results.values():
+            graph.erase_node(item)
+        for user in list(node.users):
+            graph.erase_node(user)
+        graph.erase_node(node)
+        written += [a for _, _, a in targets]
+    return written
+
+
 def mutate_inputs(gm: torch.fx.GraphModule, writable: dict[torch.fx.Node, int]) -> list[torch.fx.Node]:
     """End ``gm`` with ``copy_(input, new)`` for each writable input whose new value has its shape and
-    dtype, and return the input in that output position. Returns the inputs mutated."""
+    dtype, and return the input in that output position; multi-tensor updates write their inputs
+    themselves (``_multi_tensor_updates_in_place``). Returns the inputs mutated."""
+    mutated = _multi_tensor_updates_in_place(gm, writable)
     out = gm.graph.output_node()
     values = list(out.args[0])
-    mutated = []
     with gm.graph.inserting_before(out):
         for node, index in writable.items():
             new, old = values[index], node.meta.get("val")

@@ -174,6 +174,49 @@ class TestFuseOptimizer:
         for name in want:   # the single-tensor chain rounds its own way
             assert (got[name] - want[name]).abs().max() < 1e-6, name
 
+    @pytest.mark.parametrize("opt", ["adamw", "adam_decay_amsgrad"])
+    def test_inductor_lowers_the_fused_call_as_one_writing_into_the_inputs(self, opt):
+        # The functional op clones every parameter and moment first; the lowered copy runs the
+        # mutating op on the step's inputs (AOTAutograd functionalizes it, inductor reinplaces it).
+        from cann_passes.lowering.base import writable_inputs
+        from cann_passes.lowering.inductor import mutate_inputs
+        from graph_ir.multi_tensor_ops import FUSED_ADAM_IN_PLACE
+        step = mlp_step(OPTIMIZERS[opt])
+        fused, _ = _fuse(step.captured, options="{kernel=fused}")
+        want = run(fused, step)
+        lowered = fused.copy()
+        mutated = mutate_inputs(lowered.gm, writable_inputs(lowered))
+        targets = Counter(n.target for n in lowered.graph.nodes)
+        assert targets[FUSED_ADAM_IN_PLACE] == 1 and targets[FUSED_ADAM] == 0
+        names = {n: s.name for n, s in zip(lowered.placeholders(), lowered.signature.inputs)}
+        moments = 3 if opt == "adam_decay_amsgrad" else 2
+        written = {names[n] for n in mutated}
+        assert {name for name, _ in step.model.named_parameters()} <= written
+        assert sum(name.rsplit(":", 1)[-1] in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") for name in written) \
+            == PARAMS * moments
+        inputs = [t.clone() for t in step.inputs()]
+        outputs = lowered.gm(*inputs)
+        for spec, value in zip(lowered.signature.outputs, outputs):
+            if spec.kind != "loss":
+                assert torch.equal(value, want[spec.name]), spec.name
+        for node in mutated:    # the inputs themselves hold the new values
+            i = lowered.placeholders().index(node)
+            assert torch.equal(inputs[i], want[names[node]]), names[node]
+
+    def test_a_fused_call_whose_parameter_is_read_after_it_stays_functional(self):
+        from cann_passes.lowering.base import writable_inputs
+        from cann_passes.lowering.inductor import mutate_inputs
+        fused, _ = _fuse(mlp_step(OPTIMIZERS["adamw"]).captured, options="{kernel=fused}")
+        lowered = fused.copy()
+        call = next(n for n in lowered.graph.nodes if n.target is FUSED_ADAM)
+        param = call.args[0][0]
+        out = lowered.graph.output_node()
+        with lowered.graph.inserting_before(out):
+            late = lowered.graph.call_function(aten.clone.default, (param,))   # the old value, after the update
+        late.meta.update(param.meta, region="optimizer")
+        mutate_inputs(lowered.gm, writable_inputs(lowered))
+        assert any(n.target is FUSED_ADAM for n in lowered.graph.nodes)
+
     def test_an_unknown_kernel_is_refused_when_the_pipeline_is_parsed(self):
         with pytest.raises(PipelineError, match="must be one of 'foreach', 'fused'"):
             PassManager("fuse_optimizer{kernel=multi}")
