@@ -25,6 +25,14 @@ def make(name: str, opt: str):
     return entry, optimizer
 
 
+def verify_level(scenarios, scenario: str) -> str:
+    """``deep`` for a launch's first scenario, ``shallow`` for the others. Deep verification
+    re-propagates fake values through every graph after every pass: about half of a rank's compile
+    on a cp x pp mesh. Every launch's mesh and passes are still deep-checked once, and every
+    scenario's graphs are checked structurally after every pass."""
+    return "deep" if scenario == scenarios[0] else "shallow"
+
+
 def launch(worker: str, tmp_path, world: int, mesh: str, scenarios: list[str]) -> dict[str, dict]:
     """Run ``worker OUT MESH SCENARIO...`` on ``world`` local ranks; each scenario's saved result."""
     from cann_passes.runtime.distributed import launch_local, rank_failures

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from cann_passes.passes.tensor_parallel import count_collectives  # noqa: E402
-from tests.gloo_scenarios import make  # noqa: E402,F401  (the tests' import too)
+from tests.gloo_scenarios import make, verify_level  # noqa: E402,F401  (the tests' import too)
 
 STEPS = 10
 
@@ -49,7 +49,8 @@ def main(out: str, mesh: str, *scenarios: str):
         for scenario in scenarios:
             name, opt, *options = scenario.split(":")
             entry, optimizer = make(name, opt)
-            plan = Plan(backend="eager", verify="deep", grad_clip_norm=1.0 if "clip" in options else None,
+            plan = Plan(backend="eager", verify=verify_level(scenarios, scenario),
+                        grad_clip_norm=1.0 if "clip" in options else None,
                         microbatches=2 if "mb2" in options else staged,
                         recompute="full" if "full" in options else "none",
                         cp_attention="ring" if "ring" in options else "gather",

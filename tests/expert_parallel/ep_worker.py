@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from cann_passes.passes.tensor_parallel import count_collectives  # noqa: E402
-from tests.gloo_scenarios import make  # noqa: E402,F401  (the tests' import too)
+from tests.gloo_scenarios import make, verify_level  # noqa: E402,F401  (the tests' import too)
 
 STEPS = 10
 
@@ -90,7 +90,8 @@ def main(out: str, mesh: str, *scenarios: str):
                 continue
             name, opt, *options = scenario.split(":")
             entry, optimizer = make(name, opt)
-            plan = Plan(backend="eager", verify="deep", grad_clip_norm=1.0 if "clip" in options else None,
+            plan = Plan(backend="eager", verify=verify_level(scenarios, scenario),
+                        grad_clip_norm=1.0 if "clip" in options else None,
                         precision="bf16" if "bf16" in options else "fp32",
                         microbatches=2 if "mb2" in options else staged,
                         zero_stage=next((int(o[4:]) for o in options if o.startswith("zero")), 0),

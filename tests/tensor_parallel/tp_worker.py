@@ -31,6 +31,7 @@ from graph_ir.signature import InputKind, OutputKind, split_state_name  # noqa: 
 from cann_passes.pass_manager import PassContext, PassManager, Pipeline  # noqa: E402
 from cann_passes.passes.tensor_parallel import count_collectives  # noqa: E402
 from tests import zoo  # noqa: E402
+from tests.gloo_scenarios import verify_level  # noqa: E402
 
 STEPS = 10
 
@@ -118,7 +119,7 @@ def main(out: str, *scenarios: str):
             elif scenario.startswith("resume:"):
                 run_resume(out, scenario, world)
             else:
-                run(out, scenario)
+                run(out, scenario, verify_level(scenarios, scenario))
 
 
 def padded(dp: int, options) -> bool:
@@ -147,7 +148,7 @@ def run_compiled_step(out: str, scenario: str, world):
     tp, dp = world.info.size("tp"), world.info.size("dp")
     zero = next((int(o.removeprefix("zero")) for o in options if o.startswith("zero")), 0)
     sp = "sp" in options
-    plan = Plan(backend="eager", tp=tp, dp=dp, zero_stage=zero, verify="deep", microbatches=microbatches_of(options),
+    plan = Plan(backend="eager", tp=tp, dp=dp, zero_stage=zero, verify=verify, microbatches=microbatches_of(options),
                 sequence_parallel=sp, vocab_parallel_loss=sp)
     step = compile_for_npu(entry.model, plan, optimizer=optimizer, loss_fn=entry.loss_fn)
     data = batches(entry, pad=padded(dp, options), row="row" in options)
@@ -202,7 +203,7 @@ def run_resume(out: str, scenario: str, world):
         torch.save(result, os.path.join(out, f"{scenario}.tp{world.info.size('tp')}.pt"))
 
 
-def run(out: str, scenario: str):
+def run(out: str, scenario: str, verify: str = "deep"):
     name, opt, *flags = scenario.split(":")
     rank, world = dist.get_rank(), dist.get_world_size()
     entry, optimizer = make(name, opt)
