@@ -115,11 +115,11 @@ def main(out: str, *scenarios: str):
     with init_distributed(Plan(backend="eager", tp=tp, dp=world_size // tp)) as world:
         for scenario in scenarios:
             if scenario.startswith("step:"):
-                run_compiled_step(out, scenario, world)
+                run_compiled_step(out, scenario, world, verify_level(scenarios, scenario))
             elif scenario.startswith("resume:"):
                 run_resume(out, scenario, world)
             else:
-                run(out, scenario, verify_level(scenarios, scenario))
+                run(out, scenario)
 
 
 def padded(dp: int, options) -> bool:
@@ -133,7 +133,7 @@ def ckpt_path(out: str, name: str, opt: str) -> str:
     return os.path.join(out, f"ckpt.{name}.{opt}")
 
 
-def run_compiled_step(out: str, scenario: str, world):
+def run_compiled_step(out: str, scenario: str, world, verify: str = "deep"):
     """The user's path: compile_for_npu with Plan(tp=N); the runtime binds the shards by placement.
 
     Options: ``zeroN`` (ZeRO stage N over dp), ``ckpt`` (save a checkpoint after step 5 and go on),
@@ -203,7 +203,7 @@ def run_resume(out: str, scenario: str, world):
         torch.save(result, os.path.join(out, f"{scenario}.tp{world.info.size('tp')}.pt"))
 
 
-def run(out: str, scenario: str, verify: str = "deep"):
+def run(out: str, scenario: str):
     name, opt, *flags = scenario.split(":")
     rank, world = dist.get_rank(), dist.get_world_size()
     entry, optimizer = make(name, opt)
