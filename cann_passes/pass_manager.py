@@ -518,19 +518,39 @@ class Timing(Instrument):
 
 
 class Verify(Instrument):
-    """The verifier after every pass: each graph by its kind, and a program's flows."""
+    """The verifier after every pass: each graph by its kind, and a program's flows.
+
+    ``deep`` re-propagates fake values through a graph (seconds on a Swin step), once per graph
+    state: a graph a pass left as it was (the same fingerprint) had its values checked when it
+    was last changed (the fingerprint covers its structure, tags, shapes and dtypes), and is checked
+    structurally alone. The fingerprints go to ``run.scratch``,
+    where :class:`Statistics` reads them instead of computing them again."""
 
     def __init__(self, level: str = "shallow"):
         self.level = level
+        self._values_checked: set[tuple[int, str]] = set()     # (id(graph), fingerprint)
+
+    def before_pipeline(self, program: Program, ctx: PassContext) -> None:
+        self._values_checked = set()
+
+    def _check_values(self, graph: TrainGraph, run: PassRun) -> bool:
+        fingerprint = graph.fingerprint()
+        run.scratch.setdefault("fingerprints", {})[id(graph)] = fingerprint
+        key = (id(graph), fingerprint)
+        if key in self._values_checked:
+            return False
+        self._values_checked.add(key)
+        return True
 
     def after_pass(self, run: PassRun) -> None:
         if self.level == "off":
             return
         start = time.perf_counter()
+        deep = self.level == "deep"
         if isinstance(run.result, Program):
-            verify_program(run.result, deep=self.level == "deep")
+            verify_program(run.result, deep=lambda graph: deep and self._check_values(graph, run))
         else:
-            verify(run.result, deep=self.level == "deep")
+            verify(run.result, deep=deep and self._check_values(run.result, run))
         run.verify_seconds = time.perf_counter() - start
 
 
@@ -561,7 +581,9 @@ class Statistics(Instrument):
     def after_pass(self, run: PassRun) -> None:
         before_fp, before_ops, before_nodes = run.scratch["stats"]
         result, ctx = run.result, run.ctx
-        after_fp = _fingerprint(result)
+        known = run.scratch.get("fingerprints", {})
+        after_fp = "|".join(f"{k}:{known.get(id(g)) or g.fingerprint()}" for k, g in result.graphs.items()) \
+            if isinstance(result, Program) else known.get(id(result)) or result.fingerprint()
         changed = after_fp != before_fp
         if changed:
             for graph in _graphs_of(result):

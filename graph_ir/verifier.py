@@ -18,6 +18,7 @@ Rules (each failure names the node and the rule):
 from __future__ import annotations
 
 import copy
+from typing import Callable
 
 import torch
 import torch.fx
@@ -144,10 +145,11 @@ def verify(tg: TrainGraph, *, deep: bool = False) -> None:
         raise VerificationError(tg.name, problems)
 
 
-def verify_program(program, *, deep: bool = False) -> None:
-    """Every graph by its kind, then the program's flows and schedule."""
+def verify_program(program, *, deep: bool | Callable[[TrainGraph], bool] = False) -> None:
+    """Every graph by its kind, then the program's flows and schedule. ``deep``: for every graph,
+    or those for which it answers true."""
     for graph in program.graphs.values():
-        verify(graph, deep=deep)
+        verify(graph, deep=deep(graph) if callable(deep) else deep)
     problems = program.check_flows()
     if problems:
         raise VerificationError("program", problems)

@@ -112,6 +112,20 @@ def test_pass_producing_an_invalid_graph_fails_verification_by_name(tmp_path):
         PassManager("test_broken{mode=corrupt}", reproducer_dir=str(tmp_path)).run(_mlp_graph())
 
 
+def test_deep_verification_checks_values_once_per_graph_state(monkeypatch):
+    # Re-propagating fake values costs seconds on a large step; a pass that left the graph as it
+    # was verified is checked structurally alone, a pass that changed it deeply again.
+    import graph_ir.verifier as verifier
+    checked = []
+    real = verifier._check_values
+    monkeypatch.setattr(verifier, "_check_values", lambda tg: checked.append(tg.num_nodes()) or real(tg))
+    manager = PassManager("cleanup,cleanup,test_scale_loss,cleanup", verify_level="deep")
+    manager.run(_mlp_graph(), PassContext())
+    assert [r.changed for r in manager.records] == [True, False, True, False]
+    assert len(checked) == 2           # after the first cleanup and after the loss was scaled
+    assert all(r.verify_seconds > 0 for r in manager.records)     # each still verified structurally
+
+
 def test_analyses_are_cached_until_a_pass_changes_the_graph():
     graph, ctx = _mlp_graph(), PassContext()
     graph = PassManager("cleanup").run(graph, ctx)       # a captured step has duplicates to merge
