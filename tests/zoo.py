@@ -318,6 +318,8 @@ def _build_bart(layers, **kw):
                                                                              "model.decoder.layers")
 
 
+# Swin and ResNet come with ``problem_type`` set, as their first forward would set it: each step
+# then captures once (ViT's cells keep the recompile that the changed config triggers).
 def _build_swin(layers, **kw):
     # Swin: shifted-window attention (a roll of the feature map, window partitions, a relative
     # position bias table gathered by index), patch merging between stages
@@ -325,7 +327,8 @@ def _build_swin(layers, **kw):
     # (the second block of the first stage is the shifted one; one block after the merge)
     cfg = SwinConfig(image_size=IMAGE, patch_size=2, num_channels=CHANNELS, embed_dim=16, depths=[layers, 1],
                      num_heads=[2, 4], window_size=4, mlp_ratio=2.0, hidden_dropout_prob=0.0,
-                     attention_probs_dropout_prob=0.0, drop_path_rate=0.0, num_labels=CLASSES, **kw)
+                     attention_probs_dropout_prob=0.0, drop_path_rate=0.0, num_labels=CLASSES,
+                     **({"problem_type": "single_label_classification"} | kw))
     return SwinForImageClassification(cfg), hf_loss, image_batch, False, ("swin.encoder.layers",)
 
 
@@ -333,7 +336,7 @@ def _build_resnet(layers, **kw):
     # ResNet: convolutions with BatchNorm, whose running statistics the step updates (buffers)
     from transformers import ResNetConfig, ResNetForImageClassification
     cfg = ResNetConfig(num_channels=CHANNELS, embedding_size=8, hidden_sizes=[8, 16], depths=[layers, layers],
-                       layer_type="basic", num_labels=CLASSES, **kw)
+                       layer_type="basic", num_labels=CLASSES, **({"problem_type": "single_label_classification"} | kw))
     return ResNetForImageClassification(cfg), hf_loss, image_batch, False, ("resnet.encoder.stages",)
 
 
