@@ -455,10 +455,16 @@ def _op_counts(ir) -> Counter:
     return out
 
 
-def _fingerprint(ir) -> str:
+def _fingerprint(ir, known: dict[int, str] | None = None) -> str:
+    """The structural fingerprint of a graph or a program; ``known``: graphs' fingerprints already
+    computed for their present state, by ``id``."""
+    known = known or {}
+
+    def of(g: TrainGraph) -> str:
+        return known.get(id(g)) or g.fingerprint()
     if isinstance(ir, Program):
-        return "|".join(f"{k}:{g.fingerprint()}" for k, g in ir.graphs.items())
-    return ir.fingerprint()
+        return "|".join(f"{k}:{of(g)}" for k, g in ir.graphs.items())
+    return of(ir)
 
 
 def _num_nodes(ir) -> int:
@@ -523,8 +529,8 @@ class Verify(Instrument):
     ``deep`` re-propagates fake values through a graph (seconds on a Swin step), once per graph
     state: a graph a pass left as it was (the same fingerprint) had its values checked when it
     was last changed (the fingerprint covers its structure, tags, shapes and dtypes), and is checked
-    structurally alone. The fingerprints go to ``run.scratch``,
-    where :class:`Statistics` reads them instead of computing them again."""
+    structurally alone. The fingerprints go to ``run.scratch``, where :class:`Statistics` reads
+    them instead of computing them again."""
 
     def __init__(self, level: str = "shallow"):
         self.level = level
@@ -581,9 +587,7 @@ class Statistics(Instrument):
     def after_pass(self, run: PassRun) -> None:
         before_fp, before_ops, before_nodes = run.scratch["stats"]
         result, ctx = run.result, run.ctx
-        known = run.scratch.get("fingerprints", {})
-        after_fp = "|".join(f"{k}:{known.get(id(g)) or g.fingerprint()}" for k, g in result.graphs.items()) \
-            if isinstance(result, Program) else known.get(id(result)) or result.fingerprint()
+        after_fp = _fingerprint(result, run.scratch.get("fingerprints"))
         changed = after_fp != before_fp
         if changed:
             for graph in _graphs_of(result):

@@ -13,10 +13,11 @@ buffer, after every read of the old value (its scheduler orders the write
 after them): no fresh parameter and state tensors per step and nothing for
 the runtime to store. A ``cann::fused_adam`` call becomes the mutating
 ``cann::fused_adam_`` on the inputs, which inductor reinplaces (the
-functional op would clone every parameter and moment first). The kernel order is inductor's, so unlike the eager
-backend nothing fences the writes after the last backward op; the kernels
-that can fail on bad data (index bounds of the embedding and the loss's
-gather) run in the forward, before any gradient exists. A call whose
+functional op would clone every parameter and moment first). The kernel
+order is inductor's, so unlike the eager backend nothing fences the writes
+after the last backward op; the kernels that can fail on bad data (index
+bounds of the embedding and the loss's gather) run in the forward, before
+any gradient exists. A call whose
 written inputs share storage with another input runs a functional
 compilation instead (made on first need).
 
@@ -81,7 +82,7 @@ def _multi_tensor_updates_in_place(gm: torch.fx.GraphModule, writable: dict[torc
         plain = all(u.target is operator.getitem for u in [*node.users, *items])
         for item in items if plain else ():
             results[(item.args[0].args[1], item.args[1])] = item
-        targets = [(k, i, a) for k, r in lists_of.items() for i, a in enumerate(node.args[k])]
+        targets = [(k, i, a) for k in lists_of for i, a in enumerate(node.args[k])]
         if not plain or not all(isinstance(a, torch.fx.Node) and a in writable and
                                 values[writable[a]] is results.get((lists_of[k], i)) and
                                 all(position[u] < position[node] for u in a.users if u is not node)
@@ -90,8 +91,7 @@ def _multi_tensor_updates_in_place(gm: torch.fx.GraphModule, writable: dict[torc
             continue
         with graph.inserting_before(node):
             in_place = graph.call_function(FUSED_ADAM_IN_PLACE, node.args, node.kwargs)
-        in_place.meta.update({k: v for k, v in node.meta.items() if k != "val"})
-        in_place.meta["val"] = None
+        in_place.meta.update(node.meta, val=None)
         for k, i, a in targets:
             results[(lists_of[k], i)].replace_all_uses_with(a)
         for item in results.values():
