@@ -136,7 +136,7 @@ def build_pipeline(plan: Plan, backend: str, *, optimizer_fused: bool = False) -
         # over dp and cp at once, or by ZeRO after its reduce-scatter over dp (a 1/dp shard over
         # cp), rather than all-reduced whole over cp first.
         options = {"attention": plan.cp_attention} if plan.cp_attention != "gather" else {}
-        if plan.dp > 1 and plan.pp == 1:
+        if plan.dp > 1 and plan.pp == 1 and plan.ep == 1:
             options["gradients"] = "partial"
         steps.append(str(spec("context_parallel", **options)) if options else "context_parallel")
     if plan.ep > 1:

@@ -279,10 +279,6 @@ class Plan:
             raise PlanError("ep", f"the expert-parallel ranks are data-parallel ranks (dp = edp x ep, as "
                                   f"Megatron's expert-data-parallel groups): ep must divide dp = {self.dp}",
                             self.ep)
-        if self.cp > 1:
-            raise PlanError("ep", f"expert parallelism with cp = {self.cp} is not built yet (built: ep within "
-                                  "dp, with tp, ZeRO 1-3, pp, microbatches, accumulate_target, clipping, mixed "
-                                  "precision, recompute)", self.ep)
         if self.backend in ("inductor", "torchair"):
             raise PlanError("ep", f"expert parallelism runs on the eager backend only (backend = "
                                   f"{self.backend!r}): the rows a rank receives depend on the routing, and "

@@ -31,7 +31,9 @@ import math
 
 import torch
 
-from ..passes.expert_parallel import ALL_TO_ALL_ROWS, grouped_mm_ops
+from graph_ir.analysis.expert_dispatch import grouped_mm_ops
+
+from ..passes.expert_parallel import ALL_TO_ALL_ROWS
 
 _REGISTERED: set[str] = set()
 

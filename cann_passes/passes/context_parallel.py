@@ -73,6 +73,7 @@ import torch.fx.traceback as fx_traceback
 
 from graph_ir import TrainGraph
 from graph_ir.analysis.effects import random_op
+from graph_ir.analysis.expert_dispatch import EXITS, ROW_STATES, TOKENS, DispatchError, dispatch_regions
 from graph_ir.analysis.gradients import GradientNotFound, find_gradients
 from graph_ir.meta import MODULE_PATH, GraphAttr, region_of
 from graph_ir.signature import InputKind
@@ -96,6 +97,11 @@ _OTHER_ATTENTION = tuple(getattr(aten, name).default for name in (
 # Collectives of an earlier pass (tensor_parallel's, on its own group), run on each rank's tokens.
 _LOCAL_COLLECTIVES = (c10d.all_reduce.default, c10d.wait_tensor.default, c10d.all_gather_into_tensor.default,
                       c10d.reduce_scatter_tensor.default)
+
+
+# Values whose rows are all one row: an expand of a single row, a new constant buffer.
+_UNIFORM_ROWS = (aten.expand.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default,
+                 aten.new_empty.default)
 
 
 class ContextParallelError(ValueError):
@@ -340,6 +346,10 @@ class _Rewriter(Rewriter):
         self._gather_before, self._repeats, self._partial_grads, self._scatter_after = (
             (set(), {}, {}, set()) if ring else _kv_head_repeats(gm.graph))
         self._kv_shards: dict = {}   # first node of a head repeat -> the K or V chunk it read
+        try:
+            self._dispatch = dispatch_regions(gm.graph)
+        except DispatchError as exc:
+            raise ContextParallelError(f"context_parallel: {exc}") from None
 
     def _reduce_shared_partial(self, n, out):
         if self.partial and n in self.grad_places:
@@ -364,6 +374,8 @@ class _Rewriter(Rewriter):
     def call_function(self, target, args, kwargs):
         from torch.distributed.tensor import DTensor, Replicate
         node = self.current
+        if node in self._dispatch:
+            return self._on_own_rows(target, args, kwargs)
         if node in self._gather_before and isinstance(args[0], DTensor):
             # K or V gathered at their own head count, before GQA's repeat to the query's
             self._kv_shards[node] = args[0]
@@ -375,7 +387,8 @@ class _Rewriter(Rewriter):
 
     def _call_function(self, target, args, kwargs):
         for rule in (self._local_collective, self._strided_split, self._attention, self._attention_backward, self._loss,
-                     self._loss_backward, self._token_view, self._empty_cat):
+                     self._loss_backward, self._token_view, self._empty_cat, self._rows_summed_into,
+                     self._uniform_rows):
             out = rule(target, args, kwargs)
             if out is not None:
                 return out
@@ -400,6 +413,94 @@ class _Rewriter(Rewriter):
         from torch.distributed.tensor import DTensor
         return DTensor.from_local(local, self.mesh, [placement], run_check=False, shape=like.shape,
                                   stride=like.stride())
+
+    def _uniform_rows(self, target, args, kwargs):
+        """A value with the same row repeated as many times as there are token rows, read beside
+        token rows: a whole value expanded from one row (a gradient broadcast over the tokens), or
+        a new constant buffer. Each rank's share is as many of those rows as it holds tokens,
+        whatever their order; DTensor would make it whole and then have to cut it in position order."""
+        from torch.distributed.tensor import DTensor, Shard
+        if target not in _UNIFORM_ROWS or not isinstance(args[0], DTensor):
+            return None
+        x, size = args[0], list(args[1])
+        if size[0] % self.cp or size[0] < self.seq:
+            return None
+        if target is aten.expand.default:
+            lead = len(size) - x.ndim
+            if not x.placements[0].is_replicate() or lead < 0 or (lead == 0 and x.shape[0] != 1):
+                return None
+        node = self.current
+        beside = [self.env.get(a) for u in node.users for a in u.all_input_nodes if a is not node]
+        if not any(_sharded(t, 0) for t in beside):
+            return None
+        local = target(x.to_local(), [size[0] // self.cp, *size[1:]], *args[2:], **kwargs)
+        return self._placed(local, Shard(0), node.meta["val"])
+
+    def _rows_summed_into(self, target, args, kwargs):
+        """``scatter_add`` / ``index_add`` along dim 0 of token rows into a whole buffer (a count of
+        tokens per expert): each rank adds its rows into zeros, a partial sum over cp, and the
+        buffer's own value is added once. The order of the rows does not matter to a sum."""
+        from torch.distributed.tensor import DTensor, Partial, Replicate
+        if target not in (aten.scatter_add.default, aten.index_add.default):
+            return None
+        dest, dim, index, src = args[:4]
+        if dim % max(src.ndim, 1) != 0 or not (_sharded(index, 0) and _sharded(src, 0)) \
+                or (isinstance(dest, DTensor) and not dest.placements[0].is_replicate()):
+            return None
+        if target is aten.scatter_add.default and index.shape != src.shape:
+            return None
+        whole = dest.to_local() if isinstance(dest, DTensor) else dest
+        local = target(aten.zeros_like.default(whole), 0, index.to_local(), src.to_local(), *args[4:], **kwargs)
+        summed = self._placed(local, Partial(), self.current.meta["val"])
+        return aten.add.Tensor(dest if isinstance(dest, DTensor) else
+                               DTensor.from_local(dest, self.mesh, [Replicate()], run_check=False), summed)
+
+    # -- a mixture of experts' dispatch ------------------------------------------------------------
+    def _on_own_rows(self, target, args, kwargs):
+        """A node of an expert dispatch (``graph_ir.analysis.expert_dispatch``), run on this rank's
+        token rows alone: the region is row-equivariant, so its sort, counts and grouped matmuls
+        over the rank's rows give each of them the single-process value. Its values stay local
+        tensors; what leaves it in token order is this rank's token rows again (``Shard(0)``), a
+        weight gradient this rank's part of the sum over cp (``Partial``)."""
+        from torch.distributed.tensor import DTensor, Partial, Shard
+        from torch.utils._pytree import tree_map
+        node = self.current
+        state = self._dispatch[node]
+
+        def local(a):
+            if not isinstance(a, DTensor):
+                return a
+            place = a.placements[0]
+            if place == Shard(0) or (place.is_replicate() and not _row_valued(a, node)):
+                return a.to_local()
+            raise self._refuse(target, f"an expert dispatch reads a value placed {place} over cp whose dim 0 "
+                                       "is rows; it runs on this rank's token rows (Shard(0)) only")
+
+        args, kwargs = tree_map(local, (args, kwargs))
+        if state in ROW_STATES:
+            args, kwargs = self._local_sizes(node, args, kwargs)
+        out = target(*args, **kwargs)
+        if state == TOKENS:
+            return self._placed(out, Shard(0), node.meta["val"])
+        if state in EXITS:
+            return self._placed(out, Partial(), node.meta["val"])
+        return out
+
+    def _local_sizes(self, node, args, kwargs):
+        """A size the graph spells with the whole's row count (a view's, a new buffer's, an
+        ``arange``'s end), in this rank's rows."""
+        rows = node.meta["val"].shape[0]
+        if rows % self.cp:
+            raise self._refuse(node.target, f"an expert dispatch over {rows} rows, which cp={self.cp} does not divide")
+        mine = rows // self.cp
+        if node.target in (aten.arange.default, aten.arange.start, aten.arange.start_step):
+            at = 0 if node.target is aten.arange.default else 1
+            return (*args[:at], mine, *args[at + 1:]), kwargs
+        at = next((i for i, a in enumerate(args) if isinstance(a, (list, tuple)) and a and all(
+            isinstance(x, int) for x in a)), None)
+        if at is not None and args[at][0] == rows:
+            args = (*args[:at], [mine, *args[at][1:]], *args[at + 1:])
+        return args, kwargs
 
     # -- the tokens ---------------------------------------------------------------------------------
     def _token_view(self, target, args, kwargs):
@@ -824,6 +925,13 @@ def _cat_sequence(parts: list) -> torch.Tensor:
         return parts[0]
     joined = aten.cat.default([aten.transpose.int(p, 1, 2) for p in parts], 1)
     return aten.transpose.int(joined, 1, 2)
+
+
+def _row_valued(t, node) -> bool:
+    """Whether a value read by an expert dispatch's node has one element per row of it."""
+    val = node.meta.get("val")
+    rows = val.shape[0] if isinstance(val, torch.Tensor) and val.ndim else None
+    return rows is not None and t.ndim >= 1 and t.shape[0] == rows and rows > 1
 
 
 def _sharded(t, dim: int | None = None) -> bool:

@@ -42,6 +42,7 @@ import torch
 import torch.fx
 
 from graph_ir import TrainGraph
+from graph_ir.analysis.expert_dispatch import grouped_mm_ops
 from graph_ir.meta import GraphAttr, Region, region_of
 from graph_ir.placement import Placement, placement_of, set_placement
 from graph_ir.signature import InputKind, OutputKind, split_state_name
@@ -90,15 +91,6 @@ def _(rows, counts):
 
 ALL_TO_ALL_ROWS = torch.ops.cann.all_to_all_rows.default
 EXPERT_MAJOR_ORDER = torch.ops.cann.expert_major_order.default
-
-
-def grouped_mm_ops() -> tuple[object, object] | None:
-    """transformers' grouped matmul and its backward, once transformers' MoE code registered them."""
-    ns = getattr(torch.ops, "transformers", None)
-    try:
-        return ns.grouped_mm_fallback.default, ns.grouped_mm_fallback_backward.default
-    except (AttributeError, RuntimeError):
-        return None
 
 
 # Between a block's grouped matmuls, what keeps rows independent: pointwise ops and cuts or joins

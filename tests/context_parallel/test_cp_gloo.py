@@ -72,9 +72,12 @@ def test_cp2_on_more_transformers_models_matches_single_process(tmp_path):
     """The balanced chunks on models with other positional and attention code: GPT-NeoX (partial
     rotary, parallel residual), Phi-3 (fused qkv), Qwen2 (qkv bias), Gemma (one kv head), BERT
     (bidirectional, absolute positions), OPT (learned positions from the mask's cumulative sum),
-    Falcon (multi-query, parallel attention) and RoBERTa (positions counted past the padding), padded."""
+    Falcon (multi-query, parallel attention) and RoBERTa (positions counted past the padding), padded;
+    and mixtures of experts, Mixtral and Qwen2-MoE (its shared expert): each rank sorts, counts
+    and multiplies its own token rows by the experts, and the load-balancing loss's counts per
+    expert are summed over cp."""
     scenarios = ["gpt_neox:sgd:pad", "phi3:sgd:pad", "qwen2:adamw:pad", "gemma:sgd:pad", "bert:sgd:pad",
-                 "opt:sgd:pad", "falcon:sgd:pad", "roberta:adamw:pad"]
+                 "opt:sgd:pad", "falcon:sgd:pad", "roberta:adamw:pad", "mixtral:sgd:pad", "qwen2_moe:adamw:pad"]
     got = launch(tmp_path, 2, "cp=2", scenarios)
     for scenario in scenarios:
         assert_matches(scenario, got[scenario])

@@ -1,6 +1,6 @@
 """One rank of expert-parallel runs: ``python tests/expert_parallel/ep_worker.py OUT MESH SCENARIO...``.
 
-``MESH`` is ``dp=2,ep=2``, ``dp=4,ep=2`` or ``dp=2,ep=2,pp=2`` (dp counts every data-parallel rank;
+``MESH`` is ``dp=2,ep=2``, ``dp=4,ep=2``, ``dp=2,ep=2,pp=2`` or ``dp=2,ep=2,cp=2`` (dp counts every data-parallel rank;
 ep of them split the experts; with pp, two microbatches per step, as the 1F1B schedule needs). A
 scenario is ``model:optimizer[:option...]``: a ``tests.zoo`` mixture of experts trained 10 steps with ``compile_for_npu``, each data-parallel rank fed its rows of the global batch.
 Options: ``clip`` (gradient clipping at 1.0), ``bf16`` (bf16 autocast), ``selective`` / ``full``

@@ -146,6 +146,22 @@ def test_dp2_ep2_dynamic_accumulation_with_uneven_ranks_matches_single_process(t
                 assert err <= 1e-5, f"{scenario}: parameter {pname} differs from eager by {err:.2e}"
 
 
+def test_dp2_ep2_cp2_matches_single_process(tmp_path):
+    """dp=2 = ep=2 with cp=2 (4 ranks): each rank keeps half of its dp rank's sequence, dispatches
+    those token rows to the experts' ranks of its ep group (the dp ranks at its cp coordinate), and
+    the experts' gradients are summed over cp, then over edp; with ZeRO-1 and with clipping."""
+    scenarios = ["mixtral:sgd:zero1", "qwen2_moe:adamw:clip"]
+    got = launch(tmp_path, 4, "dp=2,ep=2,cp=2", scenarios)
+    for scenario in scenarios:
+        assert_matches(scenario, got[scenario], dp=2)
+    entry, _ = ep_worker.make("mixtral", "sgd")
+    run = got["mixtral:sgd:zero1"]
+    assert run["collectives"]["forward.all_to_all_rows"] == 2 * 2     # rows out and back, 2 layers
+    assert run["collectives"]["forward.all_gather_into_tensor"] >= 2 * 2   # K and V over cp, 2 layers
+    whole = sum(p.numel() * p.element_size() for n, p in entry.model.named_parameters() if n in run["attrs"]["experts"])
+    assert run["held_expert_bytes"] * 2 == whole
+
+
 def test_dp2_ep2_tp2_matches_single_process(tmp_path):
     """dp=2 = ep=2 with tp=2 (4 ranks): attention and the dense projections split over tp, the
     experts split over ep and whole on both tp ranks (transformers' grouped expert matmul has no

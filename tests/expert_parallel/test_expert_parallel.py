@@ -113,7 +113,6 @@ def test_expert_major_order_groups_each_experts_rows_in_rank_order():
 
 @pytest.mark.parametrize("fields, rule", [
     (dict(dp=4, ep=3), "ep must divide dp"),
-    (dict(dp=2, ep=2, cp=2), "with cp = 2 is not built"),
     (dict(dp=2, ep=2, backend="inductor"), "eager backend only"),
 ])
 def test_plan_refuses_what_is_not_built(fields, rule):
@@ -143,6 +142,26 @@ def test_a_moe_step_pipelines_with_its_load_balancing_loss_in_the_last_stage():
         groups = [n.args[2] for n in program.graphs[f"stage{s}.apply"].graph.nodes
                   if n.target is c10d.all_reduce.default]
         assert pp in groups and ep in groups, (s, groups)
+
+
+def test_with_cp_each_rank_dispatches_its_own_token_rows(mixtral):
+    # context_parallel runs the router's sort, the counts and the grouped matmuls on this rank's
+    # half of the tokens; expert_parallel then sends those rows to their experts' ranks of the ep
+    # group (the dp ranks at this cp coordinate), and the experts' gradients are all-reduced over cp
+    # where backward yields them, before data_parallel sums them over edp.
+    mesh = MeshDesc.fake(dp=2, ep=2, cp=2, rank=1)
+    out = _run(mixtral, pipeline="context_parallel,expert_parallel,data_parallel", dp=2, ep=2, cp=2, rank=1)
+    rows = [n for n in out.graph.nodes if n.target is ROWS]
+    tokens = mixtral.input_node(InputKind.BATCH, "batch['input_ids']").meta["val"].numel()
+    assert rows and {n.args[0].meta["val"].shape[0] for n in rows} == {tokens * zoo.TOP_K // 2}
+    assert {n.args[-1] for n in rows} == {mesh.group_name("ep")}
+    assert out.attrs["context_parallel"]["partial_gradients"] is False   # (ep: whole over cp, then edp)
+    cp = mesh.group_name("cp")
+    reduced = {n.args[0].name for n in out.graph.nodes
+               if n.target is c10d.all_reduce.default and n.args[2] == cp and str(n.meta["region"]) == "backward"}
+    assert len(reduced) == len(dict(mixtral.signature.inputs_of(InputKind.PARAM)))
+    assert Plan(dp=2, ep=2, cp=2).ep == 2
+    assert "gradients=partial" not in str(build_pipeline(Plan(dp=2, ep=2, cp=2), "eager"))
 
 
 def test_plan_puts_the_pass_after_the_sharding_passes():
