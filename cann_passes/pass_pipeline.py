@@ -40,14 +40,15 @@ ZeRO-1/2/3 (ZeRO-3: each stage gathers its parameters' shards where it reads the
 microbatch; the accumulated gradients are reduce-scattered once per step), tp (the stage
 graphs keep each rank's tp collectives), weights tied
 across stages (their parts all-reduced over the pp group, or over a group of
-just the pipeline ranks holding them), global grad-norm clipping (also with
+just the pipeline ranks holding them; two holders on one rank, as DualPipeV's
+first and last stage, update once there; under ZeRO-3 each holder gathers its
+own shard), global grad-norm clipping (also with
 ZeRO-1/2 and tp) and fp16 loss scaling (each stage checks its own gradients,
 the flags combined over the pp group; see ``pipeline_split``), and dynamic
 accumulation (``accumulate_target``: each call runs the plan's microbatches through
 the pipeline, the accumulators carry over calls, and the update runs once the
 samples of every data-parallel rank reach the target); clipping and loss scaling
-also with several stages per rank (each rank sums its stages' terms). Refused by
-``pipeline_split``: a tied weight two of whose stages share a rank (DualPipeV).
+also with several stages per rank (each rank sums its stages' terms).
 
 ``fuse_optimizer`` runs only at pp = 1: ``pipeline_split`` cuts the graph per stage after
 it, and a multi-tensor op over two stages' parameters would not split (the stage graphs'

@@ -350,8 +350,9 @@ class CompiledStep:
     def _inputs(self, graph: TrainGraph, batch: Any) -> list[torch.Tensor]:
         if pipeline_parallel.takes_stage_values(graph):
             return pipeline_parallel.example_inputs(self, graph, batch)
-        return bind_inputs(graph, self.model, self.optimizer, batch, self.step_state,
-                           pipeline_parallel.shards_for(self, graph), self._init_state)
+        store = pipeline_parallel.shards_for(self, graph)
+        return bind_inputs(graph, self.model, self.optimizer, batch, self.step_state, store, self._init_state,
+                           own=store is self.shards)
 
     def _run(self, graph: TrainGraph, runner, batch: Any) -> torch.Tensor | None:
         with autocast_off():

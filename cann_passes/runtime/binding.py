@@ -53,8 +53,9 @@ class ShardStore:
     the model's parameters keep the full tensors they had (see ``sync``).
     """
 
-    def __init__(self, mesh):
+    def __init__(self, mesh, beside: "ShardStore | None" = None):
         self.mesh = mesh                                   # graph_ir.mesh.MeshDesc of this rank
+        self.beside = beside                               # the rank's own store, whose pieces are pieces here too
         self.local: dict[str, torch.Tensor] = {}
         self.placements: dict[str, Placement] = {}
         self.sources: dict[str, Any] = {}
@@ -62,6 +63,8 @@ class ShardStore:
     def piece(self, key: str, placement: Placement, current: torch.Tensor, source: Any = None) -> torch.Tensor:
         """This rank's piece for ``key``: the stored one if ``current`` is it (or, for a parameter,
         if the model's tensor is unchanged since it was cut: same ``source`` token), else cut anew."""
+        if self.beside is not None and self.beside.holds(key, current):
+            return current   # (a tied weight's state, cut by the rank's own stage holding it too)
         held = self.local.get(key)
         if held is not None and (current is held or (source is not None and self.sources.get(key) == source)):
             return held
@@ -105,9 +108,12 @@ def _hparam(optimizer: torch.optim.Optimizer, name: str) -> float:
 
 def bind_inputs(graph: TrainGraph, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                 batch: Any, step_state: StepState, shards: ShardStore | None = None,
-                init_state: Callable[[str], None] | None = None) -> list[torch.Tensor]:
+                init_state: Callable[[str], None] | None = None, own: bool = True) -> list[torch.Tensor]:
     """The graph's flat inputs. ``init_state(param_name)`` re-creates a parameter's optimizer state
-    where it is missing (after ``optimizer.load_state_dict`` of an empty state, as eager does)."""
+    where it is missing (after ``optimizer.load_state_dict`` of an empty state, as eager does).
+    A sharded optimizer state's piece replaces the full value in ``optimizer.state`` (the store
+    then knows it as its own), unless ``own`` is false: inputs of a graph another rank runs,
+    bound to compile it, leave this rank's optimizer state as it is."""
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     leaves = {batch_path(path): leaf for path, leaf in pytree.tree_flatten_with_path(batch)[0]}
@@ -133,7 +139,9 @@ def bind_inputs(graph: TrainGraph, model: torch.nn.Module, optimizer: torch.opti
                                    "load a state dict saved from the same optimizer, or an empty one")
             value = state[state_key]
             if placement is not None:
-                value = state[state_key] = shards.piece(key, placement, value)
+                value = shards.piece(key, placement, value)
+                if own:
+                    state[state_key] = value
             flat.append(value)
         elif kind == InputKind.HPARAM:
             flat.append(torch.tensor(_hparam(optimizer, spec.name), dtype=torch.float64, device=device))

@@ -219,11 +219,12 @@ def run_local(step, program: Program, runners: dict[str, Any], microbatches: lis
 def shards_for(step, graph) -> ShardStore:
     """The store a graph's sharded inputs are cut into: the step's, or, for a stage of another
     pipeline rank (compiled here too), one of its own, dropped after compiling: those shards
-    (ZeRO-3's parameter pieces) are that rank's to keep."""
+    (ZeRO-3's parameter pieces) are that rank's to keep. It takes the step's own pieces as they
+    are (a tied weight's optimizer state, cut by a stage of this rank that holds it too)."""
     owner = graph.attrs.get(GraphAttr.STAGE, {}).get("rank")
     if step.world is None or owner is None or owner == step.mesh.local_rank("pp"):
         return step.shards
-    return ShardStore(step.mesh)
+    return ShardStore(step.mesh, beside=step.shards)
 
 
 def takes_stage_values(graph) -> bool:
@@ -234,8 +235,9 @@ def example_inputs(step, graph, batch: Any) -> list[torch.Tensor]:
     """Inputs to compile a stage graph with: the model's and batch's where they exist, zeros of the
     recorded shape for values another stage graph hands it."""
     standard = [s for s in graph.signature.inputs if s.kind not in StageValue.KINDS]
+    store = shards_for(step, graph)
     bound = iter(bind_inputs(_Inputs(graph, standard), step.model, step.optimizer, batch, step.step_state,
-                             shards_for(step, graph), step._init_state))
+                             store, step._init_state, own=store is step.shards))
     out = []
     for spec, node in zip(graph.signature.inputs, graph.placeholders()):
         if spec.kind in StageValue.KINDS:

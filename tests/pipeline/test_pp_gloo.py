@@ -181,9 +181,12 @@ def test_dp2_x_pp2_matches_single_process_training(tmp_path_factory, subtests):
     # scaling, the overflow flag combined over the stages and over dp.
     # ZeRO-3: each stage gathers its parameters' shards over dp where it reads them (every
     # microbatch), the accumulated gradients are reduce-scattered once per step, each shard updated.
-    # (A tied weight read by two stages under ZeRO-3 is refused by name: tests/pipeline/test_split.py.)
+    # GPT-2's embedding tied to its head under ZeRO-3: each stage holding it gathers its shard where
+    # it reads it, the holders' gradients summed over the pipeline ranks, each shard updated (also
+    # interleaved 1F1B, two stages per rank).
     configs = ["1f1b:sgd", "1f1b:adamw", "1f1b:sgd:clip=0.5:zero1", f"llama/1f1b:sgd:{FP16}", "1f1b:sgd:zero3",
-               "1f1b:adamw:zero3", "llama/1f1b:sgd:clip=0.5:zero3"]
+               "1f1b:adamw:zero3", "llama/1f1b:sgd:clip=0.5:zero3", "gpt2/1f1b:adamw:clip=0.5:zero3",
+               "gpt2/interleaved_1f1b:sgd:2:zero3"]
     ranks = _launch(tmp_path_factory, "dp2pp2", 4, "gpt4", 2, 2, configs)
     for config in configs:
         with subtests.test(config=config):

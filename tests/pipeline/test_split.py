@@ -374,19 +374,32 @@ class TestAllStagesInOneProcess:
         assert all(stage in stages_of.get(source, {stage}) for stage, source in copies)
 
 
-def test_zero3_stages_hold_layers_and_a_tied_weight_across_them_is_refused_by_name():
+def test_zero3_stages_hold_layers_and_each_stage_holding_a_tied_weight_gathers_it():
     # ZeRO-3 gathers every shard ahead of its use; those gathered values go with their reader, so
     # the stages are cut between layers (not after the loss), each stage gathering its own shards.
-    plan = Plan(dp=2, pp=2, microbatches=2, zero_stage=3, verify="off")
+    plan = Plan(dp=2, pp=2, microbatches=2, zero_stage=3, verify="deep")
     program = _program(_gpt(), plan)
     forward = [program.graphs[f"stage{s}.forward"] for s in (0, 1)]
     for graph in forward:
         assert sum(n.target is torch.ops.aten.mm.default for n in graph.graph.nodes) >= 4
+    # A weight tied across the stages (the embedding and the head) is gathered in both: each
+    # stage's forward gathers its shard over dp, and the whole weight crosses no cut, in forward
+    # (the head's matmul) or backward (the head's input gradient).
     torch.manual_seed(0)
     tied = GPT(gpt_tiny(n_layer=4, tie_weights=True, bias=False))
-    with pytest.raises(PlanError, match=r"parameter '.*wte.weight' is read by stages \[0, 1\] under ZeRO-3"):
-        _program(tied, plan)
-
+    program = _program(tied, plan)
+    name = next(n for n, _ in tied.named_parameters() if n.endswith("wte.weight"))
+    shape = tuple(dict(tied.named_parameters())[name].shape)
+    assert program.attrs[PP]["shared_params"] == {name: [0, 1]}
+    gather = torch.ops._c10d_functional.all_gather_into_tensor.default
+    for s in (0, 1):
+        graph = program.graphs[f"stage{s}.forward"]
+        held = [n for n, spec in zip(graph.placeholders(), graph.signature.inputs) if spec.name == name]
+        assert [n for n in graph.graph.nodes if n.target is gather and n.args[0] in held], s
+    for g, graph in program.graphs.items():
+        crossing = [spec.name for n, spec in zip(graph.placeholders(), graph.signature.inputs)
+                    if spec.kind in StageValue.KINDS and tuple(n.meta["val"].shape) == shape]
+        assert not crossing, (g, crossing)
 
 
 def test_the_split_names_two_ranks_whose_all_reduces_over_a_group_would_not_pair_up():

@@ -148,32 +148,80 @@ def _stage_seconds(unit_seconds: list[float], unit_of_stage: list[int], n_stages
     return stage_cost
 
 
-def _one_parameter_values_with_their_readers(graph: TrainGraph, fstage: dict[torch.fx.Node, int]) -> None:
+def _one_parameter_values_with_their_readers(nodes, fstage: dict[torch.fx.Node, int]) -> dict:
     """A forward value computed from one parameter alone (ZeRO-3's gather of its shard, the wait,
     the unpadding views) goes to the stage of its first reader: cut by position it could fall in
     an earlier stage (ZeRO-3 gathers ahead of use), make that stage the parameter's home and send
-    the whole parameter across the cut."""
+    the whole parameter across the cut. A tied weight read by several stages (an embedding tied
+    to the output head) is gathered in each of them: every later reading stage gets its own copy
+    of the chain, so each holder gathers its shard where it reads it and no whole weight crosses a
+    cut (the holders' gradients are then summed as any tied weight's). Returns the copies,
+    ``(original, stage) -> copy``."""
+    graph = nodes.graph
     params = {n for n, spec in zip(graph.placeholders(), graph.signature.inputs) if spec.kind == InputKind.PARAM}
     source = _one_parameter_values(fstage, params)
-    names = dict(zip(graph.placeholders(), (spec.name for spec in graph.signature.inputs)))
     read_in: dict[torch.fx.Node, set[int]] = {}
     for node in fstage:
         if node in source:
             read_in.setdefault(source[node], set()).update(
                 fstage[u] for u in node.users if u in fstage and u not in source)
+    copies: dict = {}
     for param, stages in read_in.items():
-        if len(stages) > 1:
-            raise PassOptionError(
-                "pipeline_split", "stages",
-                f"parameter '{names[param]}' is read by stages {sorted(stages)} under ZeRO-3 (a tied "
-                "weight, such as an embedding tied to the output head): gathering its shard in each "
-                "stage that reads it is not built (rule: under ZeRO-3 with pp each parameter is read by "
-                "one stage; untie it, or use zero_stage 1 or 2)", max(fstage.values()) + 1)
-    for node in reversed(list(fstage)):
+        for s in sorted(stages)[1:]:
+            copies.update({(n, s): c for n, c in _gather_again_in(nodes, fstage, source, param, s).items()})
+    if copies:
+        nodes.forward[:] = [n for n in graph.graph.nodes if n in fstage]
+        nodes.order.clear()
+        nodes.order.update({n: i for i, n in enumerate(graph.graph.nodes)})
+        source = _one_parameter_values(fstage, params)
+    for node in reversed(list(nodes.forward)):
         if node in source:
             readers = [fstage[u] for u in node.users if u in fstage]
             if readers:
                 fstage[node] = min(readers)
+    return copies
+
+
+def _read_own_copies(stage: dict, copies: dict) -> None:
+    """A node of stage ``s`` (backward's input gradient through a tied head) reading a tied
+    weight's gathered value reads the copy gathered in ``s``, not one sent from another stage."""
+    for (original, s), copy in copies.items():
+        for user in list(original.users):
+            if stage.get(user) == s:
+                user.replace_input_with(original, copy)
+
+
+def _gather_again_in(nodes, fstage: dict, source: dict, param: torch.fx.Node, stage: int) -> dict:
+    """Copies of ``param``'s one-parameter chain for the readers in ``stage``, placed before the
+    first of them and in that stage; the readers read the copies."""
+    chain = [n for n in nodes.forward if source.get(n) is param]
+    readers = [u for n in chain for u in n.users if u in fstage and u not in source and fstage[u] == stage]
+    needed: set = set()
+    stack = [a for u in readers for a in u.all_input_nodes if source.get(a) is param]
+    while stack:
+        n = stack.pop()
+        if n not in needed:
+            needed.add(n)
+            stack.extend(a for a in n.all_input_nodes if source.get(a) is param)
+    first = min(readers, key=lambda u: nodes.order[u])
+    copies: dict = {}
+    g = nodes.graph.graph
+    for n in chain:
+        if n not in needed:
+            continue
+        with g.inserting_before(first):
+            copy = g.node_copy(n, lambda a: copies.get(a, a))
+        copies[n] = copy
+        fstage[copy] = stage
+    for u in set(readers):
+        for n, copy in copies.items():
+            u.replace_input_with(n, copy)
+    for n in reversed(chain):   # (what only the readers moved to the copies read)
+        if not n.users:
+            del fstage[n]
+            copies.pop(n, None)
+            g.erase_node(n)
+    return copies
 
 
 @register_pass("pipeline_split", preserves=(), on="program")
@@ -210,9 +258,11 @@ def pipeline_split_pass(program: Program, ctx: PassContext, *, stages: int = 2, 
     cuts = _choose_cuts(nodes, units, device, stages=stages, pp=pp, schedule=schedule, layers=layers,
                         in_flight=in_flight, cut_slack=cut_slack)
     fstage = _forward_stages(nodes, [cuts.units[u] for u in cuts.unit_of_stage])
+    copies = {}
     if graph.attrs.get(GraphAttr.ZERO, {}).get("stage") == 3:
-        _one_parameter_values_with_their_readers(graph, fstage)
+        copies = _one_parameter_values_with_their_readers(nodes, fstage)
     stage, homes, shared, mixed = _assign(nodes, fstage, stages)
+    _read_own_copies(stage, copies)
     ranks = _default_ranks(stages, pp, schedule)
     tied, reduced, subgroups, extra_cuts, apply_order = _share_across_stages(
         nodes, stage, homes, shared, mixed, ranks, stages, pp, schedule, ctx, program)

@@ -8,12 +8,12 @@ import torch
 import torch.fx
 
 from graph_ir.analysis.memory import aliases_input
-from graph_ir.meta import ACCUMULATOR_PREFIX
+from graph_ir.meta import ACCUMULATOR_PREFIX, GraphAttr
 from graph_ir.signature import InputKind, OutputKind, split_state_name
 
 from ...pass_manager import PassOptionError
 from .errors import PipelineSplitError
-from .nodes import _Nodes
+from .nodes import _Nodes, _one_parameter_values
 
 
 def _forward_stages(nodes: _Nodes, starts: list[int]) -> dict[torch.fx.Node, int]:
@@ -160,6 +160,9 @@ def _assign(nodes: _Nodes, fstage: dict[torch.fx.Node, int], n_stages: int,
     # stage holding it reads its own copy.
     tied = {node for node, name in nodes.owner.items()
             if name in shared and nodes.spec_of[node].kind == InputKind.PARAM}
+    if nodes.graph.attrs.get(GraphAttr.ZERO, {}).get("stage") == 3:
+        # (nor does its gathered value: each holding stage gathers its own, pipeline_split's copies)
+        tied |= set(_one_parameter_values(nodes.forward, tied))
     stage = dict(fstage)
     out_home = _output_homes(nodes, homes)
     mixed = _place_optimizer(nodes, homes, out_home, stage, n_stages)

@@ -140,7 +140,7 @@ def _gathered_values(nodes: _Nodes) -> tuple[set, set]:
     unpadding views, issued ahead of use), as (those of a parameter one node reads, the rest).
     The split puts the first in that reader's stage (``_one_parameter_values_with_their_readers``),
     so they cross no cut; the second (a tied weight read by several nodes) bar no cut either:
-    the split refuses a tied weight read in several stages under ZeRO-3 by name."""
+    each later stage reading a tied weight gets its own copy of the chain."""
     if nodes.graph.attrs.get(GraphAttr.ZERO, {}).get("stage") != 3:
         return set(), set()
     params = {n for n, spec in nodes.spec_of.items() if spec.kind == InputKind.PARAM}
