@@ -153,15 +153,11 @@ def build_pipeline(plan: Plan, backend: str, *, optimizer_fused: bool = False) -
             steps.append(loss_scale)
     bucket_mb = ONE_BUCKET_PER_GRADIENT_MB if plan.pp > 1 else plan.bucket_mb
     reduce_dtype = f",reduce_dtype={plan.grad_reduce_dtype}" if plan.grad_reduce_dtype != "fp32" else ""
-    # DDP's broadcast of updated buffers (BatchNorm's statistics) from dp rank 0; under pp each
-    # stage's ranks keep their own (the broadcast is not placed per stage)
-    buffers = ",buffers=local" if plan.pp > 1 else ""
     if plan.dp > 1 and plan.zero_stage == 0:
-        steps.append(f"data_parallel{{bucket_mb={bucket_mb},algo={plan.allreduce_algo}{reduce_dtype}{buffers}}}")
+        steps.append(f"data_parallel{{bucket_mb={bucket_mb},algo={plan.allreduce_algo}{reduce_dtype}}}")
     if plan.zero_stage:
         master = ",master=sharded" if getattr(plan, "zero_master", "whole") == "sharded" else ""
-        steps.append(f"optimizer_shard{{stage={plan.zero_stage},bucket_mb={bucket_mb}{master}{reduce_dtype}"
-                     f"{buffers}}}")
+        steps.append(f"optimizer_shard{{stage={plan.zero_stage},bucket_mb={bucket_mb}{master}{reduce_dtype}}}")
     if plan.grad_clip_norm is not None:
         steps.append(f"grad_clip{{max_norm={float(plan.grad_clip_norm)!r}}}")
     kernel = optimizer_kernel(plan, backend, optimizer_fused=optimizer_fused)

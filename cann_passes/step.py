@@ -426,8 +426,8 @@ class CompiledStep:
 
     def sync_model(self) -> None:
         """The model's parameters become the trained ones (every rank must call: collectives): ZeRO-3
-        and tensor-parallel shards all-gathered; under pp every stage's parameters broadcast from
-        the pipeline rank that trains them."""
+        and tensor-parallel shards all-gathered; under pp every stage's parameters and updated
+        buffers broadcast from the pipeline rank that trains them."""
         params = dict(self.model.named_parameters())
         with torch.no_grad():
             for name, shard in self.param_shards.items():
@@ -437,7 +437,8 @@ class CompiledStep:
                 # The model now holds exactly what the shard holds: no need to cut it again.
                 self.shards.sources[key] = source_token(params[name])
             if self.world is not None and self._compiled and pipeline_parallel.is_pipelined(self.last.program):
-                pipeline_parallel.share_trained_parameters(self, params)
+                # (and the buffers the step updates, BatchNorm's statistics: their stage's too)
+                pipeline_parallel.share_trained_parameters(self, {**dict(self.model.named_buffers()), **params})
         self.model_stale = False
 
     def optimizer_state_bytes(self) -> int:

@@ -211,8 +211,9 @@ def broadcast_updated_buffers(tg: TrainGraph, group: MeshDim, origin: str, how: 
     in train mode the normalisation reads the batch's statistics, so gradients are the same either
     way: only the buffers of ranks other than 0 differ). Accumulating, only the first microbatch
     of an optimizer step takes rank 0's (step state ``grad_accumulation:first``), as DDP, whose
-    forwards under ``no_sync`` leave the next forward unsynchronised. ``local``: each rank's
-    follow its own batches. Returns the number broadcast."""
+    forwards under ``no_sync`` leave the next forward unsynchronised. Each broadcast sits right
+    before its buffer's first reader, so that a pipeline stage's ranks broadcast the buffers of
+    that stage. ``local``: each rank's follow its own batches. Returns the number broadcast."""
     if how not in BUFFER_SYNC:
         raise DistributedRewriteError(f"{origin} option buffers={how!r}: must be one of {', '.join(BUFFER_SYNC)}")
     updated = {spec.name for spec in tg.signature.outputs if spec.kind == OutputKind.BUFFER}
@@ -220,12 +221,15 @@ def broadcast_updated_buffers(tg: TrainGraph, group: MeshDim, origin: str, how: 
                if spec.kind == InputKind.BUFFER and spec.name in updated and node.users]
     if how == "local" or group.size == 1 or not buffers:
         return 0
-    build = NodeBuilder(tg, first_node_of(tg, Region.FORWARD), Region.FORWARD, origin)
-    first = None
+    flag = None
     if GraphAttr.GRAD_ACCUMULATION in tg.attrs:
         flag = scalar_step_state(tg, ACCUMULATION_FIRST, buffers[0].meta["val"])
-        first = build(aten.ne.Scalar, flag, 0)
+    order = {n: i for i, n in enumerate(tg.graph.nodes)}
     for node in buffers:
+        # (right before the buffer's first reader: under pp that is in the stage holding the buffer,
+        # whose data-parallel ranks broadcast it)
+        build = NodeBuilder(tg, min(node.users, key=order.__getitem__), Region.FORWARD, origin)
+        first = build(aten.ne.Scalar, flag, 0) if flag is not None else None
         sent = build(c10d.broadcast.default, node, 0, group.group_name)
         taken = build(c10d.wait_tensor.default, sent)
         if first is not None:

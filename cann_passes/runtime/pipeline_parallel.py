@@ -40,7 +40,8 @@ from typing import Any
 
 import torch
 
-from graph_ir.meta import ACCUMULATION_SCALE, ACCUMULATION_WEIGHT, ACCUMULATOR_PREFIX, GraphAttr, StageValue
+from graph_ir.meta import (ACCUMULATION_FIRST, ACCUMULATION_SCALE, ACCUMULATION_WEIGHT, ACCUMULATOR_PREFIX,
+                           GraphAttr, StageValue)
 from graph_ir.pipeline_info import pipeline_split_of
 from graph_ir.program import Program
 from graph_ir.signature import OutputKind, StepSignature
@@ -70,6 +71,7 @@ class StageExecutor:
     step: Any                       # the CompiledStep (model, optimizer, step state, shards)
     values: dict[int, dict] = field(default_factory=dict)   # microbatch -> spec -> tensor
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
+    first_call: bool = True         # this call's microbatch 0 starts an optimizer step
 
     def _run(self, part: str, mb: int, batch: Any) -> dict:
         graph = self.graphs[part]
@@ -106,6 +108,9 @@ class StageExecutor:
         held = self.values.setdefault(mb, {})
         for spec, value in zip([s for s in graph.signature.inputs if s.kind == StageValue.ACTIVATION], acts):
             held[spec] = value
+        # The first microbatch of an optimizer step takes data-parallel rank 0's buffers (DDP's
+        # broadcast_buffers, which no_sync skips for the others).
+        self.step.step_state.values[ACCUMULATION_FIRST] = torch.tensor(1.0 if mb == 0 and self.first_call else 0.0)
         produced = self._run("forward", mb, batch)
         held.update((s, v) for s, v in produced.items() if s.kind == StageValue.SAVED)
         return [produced[s] for s in graph.signature.outputs if s.kind == StageValue.ACTIVATION]
@@ -278,9 +283,10 @@ def step(step, batch: Any) -> torch.Tensor:
 
 
 def share_trained_parameters(step, params: dict[str, torch.Tensor]) -> None:
-    """Every rank's copy of every parameter becomes the trained value, sent by the pipeline rank
-    that updates it (its home stage's rank): one broadcast per pipeline rank and dtype over this
-    rank's pp group, a collective every rank of the group calls (like ZeRO-3's gather)."""
+    """Every rank's copy of every parameter (and buffer the step updates) becomes the trained
+    value, sent by the pipeline rank that updates it (its home stage's rank): one broadcast per
+    pipeline rank and dtype over this rank's pp group, a collective every rank of the group calls
+    (like ZeRO-3's gather). ``params``: name -> the model's tensor; names no stage holds are left."""
     import torch.distributed as dist
     info = pipeline_split_of(step.last.program)
     group = step.world.group("pp")
@@ -463,6 +469,8 @@ class PipelineRuntime:
             st.clear_runtime_states()
         self.step.metrics = {}
         dynamic = self.step.accumulation if self.step.plan.accumulate_target is not None else None
+        for executor in self.executors.values():
+            executor.first_call = dynamic is None or dynamic.pending_microbatches == 0
         keep = False
         try:
             self.schedule._step_microbatches([(_slot_filler(),)] * m, [{}] * m, None, None)

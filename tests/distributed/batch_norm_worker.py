@@ -1,9 +1,11 @@
 """One rank of ``test_batch_norm_ddp.py``: ``python batch_norm_worker.py OUT PLAN...``.
 
-Each PLAN (``dp``, ``zero1``, ``zero3``, ``mb2``) trains transformers' ResNet (BatchNorm) 4 steps
-on this rank's rows with ``compile_for_npu`` and the same model under torch DDP (its default
-``broadcast_buffers``: rank 0's buffers before every forward), and writes this rank's largest
-difference per state-dict entry to OUT/<plan>.rank<r>.pt.
+Each PLAN (``dp``, ``zero1``, ``zero3``, ``mb2`` on 2 ranks; ``pp``, ``pp_zero1`` on 4 ranks: dp=2
+x pp=2, 1F1B over two microbatches) trains transformers' ResNet (BatchNorm) 4 steps on this rank's
+rows with ``compile_for_npu`` and the same model under torch DDP over this rank's data-parallel
+group (its default ``broadcast_buffers``: rank 0's buffers before every forward), and writes this
+rank's largest difference per state-dict entry to OUT/<plan>.rank<r>.pt. Plans on 4 ranks and on
+2 are not mixed in one launch.
 """
 from __future__ import annotations
 
@@ -30,11 +32,11 @@ def batch(i: int):
 
 
 def run(out: str, world, name: str) -> None:
-    fields = {"zero1": dict(zero_stage=1), "zero3": dict(zero_stage=3), "mb2": dict(microbatches=2)}.get(name, {})
+    fields = FIELDS[name]
     plan = Plan(backend="eager", dp=2, verify="deep", **fields)
     entry = zoo.build("resnet", layers=1, seed=0)
     ref = copy.deepcopy(entry.model)
-    ddp = torch.nn.parallel.DistributedDataParallel(ref)
+    ddp = torch.nn.parallel.DistributedDataParallel(ref, process_group=world.group("dp"))
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     opt = torch.optim.SGD(entry.model.parameters(), lr=0.1, momentum=0.9)
     step = compile_for_npu(entry.model, plan, optimizer=opt, loss_fn=entry.loss_fn)
@@ -53,8 +55,13 @@ def run(out: str, world, name: str) -> None:
     torch.save(diff, os.path.join(out, f"{name}.rank{world.rank}.pt"))
 
 
+FIELDS = {"dp": {}, "zero1": dict(zero_stage=1), "zero3": dict(zero_stage=3), "mb2": dict(microbatches=2),
+          "pp": dict(pp=2, microbatches=2), "pp_zero1": dict(pp=2, microbatches=2, zero_stage=1)}
+
+
 def main(out: str, *names: str) -> None:
-    with init_distributed(Plan(backend="eager", dp=2)) as world:
+    pp = 2 if names[0].startswith("pp") else 1
+    with init_distributed(Plan(backend="eager", dp=2, pp=pp, microbatches=pp)) as world:
         for name in names:
             run(out, world, name)
 

@@ -182,6 +182,25 @@ def _one_parameter_values_with_their_readers(nodes, fstage: dict[torch.fx.Node, 
     return copies
 
 
+def _buffer_values_with_their_readers(nodes, fstage: dict[torch.fx.Node, int]) -> None:
+    """A forward value computed from one buffer the step updates (data_parallel's broadcast of
+    BatchNorm's statistics from dp rank 0, taken at the first microbatch) goes to the stage of its
+    readers: a cut by position may fall between the broadcast and the normalisation reading it,
+    which would make the earlier stage the buffer's home."""
+    updated = {n for n, spec in nodes.spec_of.items() if spec.kind == InputKind.BUFFER and n in nodes.owner}
+    source: dict = {}
+    for node in nodes.forward:
+        read = {a if a in updated else source.get(a) for a in node.all_input_nodes if a not in nodes.free
+                and not (a.op == "placeholder" and a not in nodes.owner)}
+        if len(read) == 1 and None not in read:
+            source[node] = read.pop()
+    for node in reversed(nodes.forward):
+        if node in source:
+            readers = [fstage[u] for u in node.users if u in fstage]
+            if readers:
+                fstage[node] = min(readers)
+
+
 def _read_own_copies(stage: dict, copies: dict) -> None:
     """A node of stage ``s`` (backward's input gradient through a tied head) reading a tied
     weight's gathered value reads the copy gathered in ``s``, not one sent from another stage."""
@@ -258,6 +277,7 @@ def pipeline_split_pass(program: Program, ctx: PassContext, *, stages: int = 2, 
     cuts = _choose_cuts(nodes, units, device, stages=stages, pp=pp, schedule=schedule, layers=layers,
                         in_flight=in_flight, cut_slack=cut_slack)
     fstage = _forward_stages(nodes, [cuts.units[u] for u in cuts.unit_of_stage])
+    _buffer_values_with_their_readers(nodes, fstage)
     copies = {}
     if graph.attrs.get(GraphAttr.ZERO, {}).get("stage") == 3:
         copies = _one_parameter_values_with_their_readers(nodes, fstage)
