@@ -18,6 +18,12 @@ from tests.eager_reference import eager_losses, eager_steps  # noqa: F401
 # own tests name their directory in the plan. Processes a test spawns inherit this.
 os.environ.setdefault("CANN_PASSES_COMPILE_CACHE", "off")
 
+# The suite runs one pytest worker per core (``-n 2``) beside the ranks the gloo tests spawn: a
+# second intra-op thread per worker buys tiny models no speed, and its OpenMP spin-waits take the
+# other worker's core.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) >= torch.get_num_threads():
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="module")
 def one_intra_op_thread():
