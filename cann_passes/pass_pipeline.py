@@ -10,6 +10,8 @@
                                                               it re-traces tp's per-rank graph)
     expert_parallel              experts split over ep       (plan.ep > 1; rows sent to their experts'
                                                               ranks and back by all-to-alls)
+    sync_batch_norm              BatchNorm over the dp batch (plan.sync_batch_norm; statistics and their
+                                                              gradients' sums all-reduced over dp)
     recompute{policy,budget}     activation recompute        (plan.recompute != none)
     grad_accumulation{...}       accumulate over microbatches (plan.microbatches > 1 or accumulate_target)
     data_parallel{...}           gradient all-reduce         (plan.dp > 1; in bf16 with
@@ -142,6 +144,8 @@ def build_pipeline(plan: Plan, backend: str, *, optimizer_fused: bool = False) -
         steps.append(str(spec("context_parallel", **options)) if options else "context_parallel")
     if plan.ep > 1:
         steps.append("expert_parallel")
+    if plan.sync_batch_norm:
+        steps.append("sync_batch_norm")
     if plan.recompute != "none":
         steps.append(recompute_spec(plan))
     if accumulating:

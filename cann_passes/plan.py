@@ -81,6 +81,7 @@ class Plan:
     loss_scale_growth_interval: int = 2000
     autocast_overrides: dict = field(default_factory=dict)  # op name or module path -> fp32/bf16/fp16
     grad_reduce_dtype: str = "fp32"            # dtype gradients are reduced in across ranks
+    sync_batch_norm: bool = False              # BatchNorm's batch statistics over the dp group (SyncBatchNorm)
     recompute: str = "none"
     recompute_budget: float | None = None      # fraction (<= 1.0) or bytes (> 1) of saved activations
     recompute_every_n: int = 1
@@ -254,6 +255,7 @@ class Plan:
         needs = [("precision", self.precision != "fp32", "autocast", "mixed precision"),
                  ("recompute", self.recompute != "none", "recompute", "recompute selection"),
                  ("dp", self.dp > 1, "data_parallel", "data parallelism"),
+                 ("sync_batch_norm", self.sync_batch_norm, "sync_batch_norm", "synchronised batch norm"),
                  ("zero_stage", self.zero_stage > 0, "optimizer_shard", "ZeRO optimizer sharding"),
                  ("microbatches", self.microbatches > 1, "grad_accumulation", "gradient accumulation"),
                  ("accumulate_target", self.accumulate_target is not None, "grad_accumulation",
@@ -349,6 +351,11 @@ class Plan:
             if self._changed(name) and self.dp == 1:
                 raise PlanError(name, "applies only to gradient reduction across data-parallel ranks "
                                 "(dp = 1)", getattr(self, name))
+        if not isinstance(self.sync_batch_norm, bool):
+            raise PlanError("sync_batch_norm", "must be true or false", self.sync_batch_norm)
+        if self.sync_batch_norm and self.dp == 1:
+            raise PlanError("sync_batch_norm", "takes BatchNorm's statistics over the data-parallel ranks "
+                            "and needs dp > 1 (dp = 1)", True)
         if not isinstance(self.background_lowering, bool):
             raise PlanError("background_lowering", "must be true or false", self.background_lowering)
         if self.background_lowering and self.pp > 1:

@@ -57,6 +57,7 @@ class GraphAttr:
     TENSOR_PARALLEL = "tensor_parallel"  # {tp, rank, family, rules, params}: tensor_parallel's split
     CONTEXT_PARALLEL = "context_parallel"  # {cp, rank, seq}: the sequence split over cp (context_parallel)
     EXPERT_PARALLEL = "expert_parallel"  # {ep, experts, ...}: experts split over ep (expert_parallel)
+    SYNC_BATCH_NORM = "sync_batch_norm"  # {dp, batch_norms, buffers}: statistics over dp (sync_batch_norm)
     GRAD_ACCUMULATION = "grad_accumulation"  # {microbatches, target, weight}: accumulating step
     OPTIMIZER_FUSED = "optimizer_fused"  # capture: the optimizer asked for torch's fused kernel (fused=True)
     MESH = "mesh"                      # the mesh description the graph was compiled for (JSON)

@@ -217,8 +217,9 @@ def broadcast_updated_buffers(tg: TrainGraph, group: MeshDim, origin: str, how: 
     if how not in BUFFER_SYNC:
         raise DistributedRewriteError(f"{origin} option buffers={how!r}: must be one of {', '.join(BUFFER_SYNC)}")
     updated = {spec.name for spec in tg.signature.outputs if spec.kind == OutputKind.BUFFER}
+    synced = set(tg.attrs.get(GraphAttr.SYNC_BATCH_NORM, {}).get("buffers", ()))   # (the same on every rank)
     buffers = [node for spec, node in zip(tg.signature.inputs, tg.placeholders())
-               if spec.kind == InputKind.BUFFER and spec.name in updated and node.users]
+               if spec.kind == InputKind.BUFFER and spec.name in updated and node.users and spec.name not in synced]
     if how == "local" or group.size == 1 or not buffers:
         return 0
     flag = None

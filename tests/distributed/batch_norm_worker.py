@@ -1,6 +1,6 @@
 """One rank of ``test_batch_norm_ddp.py``: ``python batch_norm_worker.py OUT PLAN...``.
 
-Each PLAN (``dp``, ``zero1``, ``zero3``, ``mb2`` on 2 ranks; ``pp``, ``pp_zero1`` on 4 ranks: dp=2
+Each PLAN (``dp``, ``zero1``, ``zero3``, ``mb2``, ``sync``, ``sync_zero3`` on 2 ranks; ``pp``, ``pp_zero1`` on 4 ranks: dp=2
 x pp=2, 1F1B over two microbatches) trains transformers' ResNet (BatchNorm) 4 steps on this rank's
 rows with ``compile_for_npu`` and the same model under torch DDP over this rank's data-parallel
 group (its default ``broadcast_buffers``: rank 0's buffers before every forward), and writes this
@@ -36,6 +36,8 @@ def run(out: str, world, name: str) -> None:
     plan = Plan(backend="eager", dp=2, verify="deep", **fields)
     entry = zoo.build("resnet", layers=1, seed=0)
     ref = copy.deepcopy(entry.model)
+    if name.startswith("sync"):
+        return run_synchronised(out, world, name, plan, entry, ref)
     ddp = torch.nn.parallel.DistributedDataParallel(ref, process_group=world.group("dp"))
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     opt = torch.optim.SGD(entry.model.parameters(), lr=0.1, momentum=0.9)
@@ -55,7 +57,25 @@ def run(out: str, world, name: str) -> None:
     torch.save(diff, os.path.join(out, f"{name}.rank{world.rank}.pt"))
 
 
-FIELDS = {"dp": {}, "zero1": dict(zero_stage=1), "zero3": dict(zero_stage=3), "mb2": dict(microbatches=2),
+def run_synchronised(out: str, world, name: str, plan, entry, ref) -> None:
+    """sync_batch_norm: the statistics over both ranks' rows, so training is the single-process
+    step on the global batch (torch's SyncBatchNorm runs on accelerators only: the reference is
+    the plain model on all 8 rows in one process)."""
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(entry.model.parameters(), lr=0.1, momentum=0.9)
+    step = compile_for_npu(entry.model, plan, optimizer=opt, loss_fn=entry.loss_fn)
+    for i in range(STEPS):
+        step(shard_batch(batch(i), world.dp_rank, 2))
+        ref_opt.zero_grad()
+        entry.loss_fn(ref, batch(i)).backward()
+        ref_opt.step()
+    ours, theirs = entry.model.state_dict(), ref.state_dict()
+    diff = {k: (ours[k].double() - theirs[k].double()).abs().max().item() for k in theirs}
+    torch.save(diff, os.path.join(out, f"{name}.rank{world.rank}.pt"))
+
+
+FIELDS = {"sync": dict(sync_batch_norm=True), "sync_zero3": dict(sync_batch_norm=True, zero_stage=3),
+          "dp": {}, "zero1": dict(zero_stage=1), "zero3": dict(zero_stage=3), "mb2": dict(microbatches=2),
           "pp": dict(pp=2, microbatches=2), "pp_zero1": dict(pp=2, microbatches=2, zero_stage=1)}
 
 
