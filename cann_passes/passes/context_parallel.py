@@ -104,6 +104,10 @@ _UNIFORM_ROWS = (aten.expand.default, aten.new_zeros.default, aten.new_ones.defa
                  aten.new_empty.default)
 
 
+# Ops that hand on their one input's value (a cast, a copy).
+_SAME_VALUE = (aten._to_copy.default, aten.clone.default, aten.alias.default, aten.contiguous.default)
+
+
 class ContextParallelError(ValueError):
     pass
 
@@ -399,6 +403,7 @@ class _Rewriter(Rewriter):
             raise self._refuse(target, f"a random draw ({target}) on a value split over the sequence: each "
                                        "rank would draw other numbers than the single-process step (a dropout "
                                        "mask); train with dropout 0")
+        args = self._uniform_operands(target, args)
         try:
             return super().call_function(target, args, kwargs)
         except TensorParallelError as exc:   # (the shared interpreter's refusal, in this pass' name)
@@ -419,7 +424,7 @@ class _Rewriter(Rewriter):
         token rows: a whole value expanded from one row (a gradient broadcast over the tokens), or
         a new constant buffer. Each rank's share is as many of those rows as it holds tokens,
         whatever their order; DTensor would make it whole and then have to cut it in position order."""
-        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor import DTensor, Replicate, Shard
         if target not in _UNIFORM_ROWS or not isinstance(args[0], DTensor):
             return None
         x, size = args[0], list(args[1])
@@ -427,14 +432,45 @@ class _Rewriter(Rewriter):
             return None
         if target is aten.expand.default:
             lead = len(size) - x.ndim
-            if not x.placements[0].is_replicate() or lead < 0 or (lead == 0 and x.shape[0] != 1):
+            if x.placements[0].is_shard() or lead < 0 or (lead == 0 and x.shape[0] != 1):
                 return None
         node = self.current
-        beside = [self.env.get(a) for u in node.users for a in u.all_input_nodes if a is not node]
-        if not any(_sharded(t, 0) for t in beside):
+        if not self._read_beside_token_rows(node):
             return None
+        if target is aten.expand.default and x.placements[0].is_partial():
+            x = x.redistribute(self.mesh, [Replicate()])   # (a per-expert sum: each row needs the whole)
         local = target(x.to_local(), [size[0] // self.cp, *size[1:]], *args[2:], **kwargs)
         return self._placed(local, Shard(0), node.meta["val"])
+
+    def _uniform_operands(self, target, args):
+        """A pointwise op's whole operand whose rows are all one row (``_uniform_rows``: an expand
+        of a single row, through casts), beside token rows: cut to as many of its rows as the
+        rank holds tokens. (``_uniform_rows`` places it so where its reader comes later in the
+        graph than a token-row operand; here the token rows came later.)"""
+        from torch.distributed.tensor import DTensor, Shard
+        if not (isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags):
+            return args
+        rows = next((a.shape[0] for a in args if _sharded(a, 0)), None)
+        if rows is None:
+            return args
+        out = list(args)
+        for i, (a, source) in enumerate(zip(args, self.current.args)):
+            if isinstance(a, DTensor) and a.placements[0].is_replicate() and a.ndim and a.shape[0] == rows \
+                    and rows % self.cp == 0 and _one_row_expanded(source):
+                local = aten.slice.Tensor(a.to_local(), 0, 0, rows // self.cp)
+                out[i] = self._placed(local, Shard(0), source.meta["val"])
+        return tuple(out)
+
+    def _read_beside_token_rows(self, node, depth: int = 3) -> bool:
+        """Whether a reader of ``node`` (or of a cast or copy of it: autocast's) also reads a value
+        already placed as token rows."""
+        frontier = [node]
+        for _ in range(depth):
+            readers = [u for n in frontier for u in n.users]
+            if any(_sharded(self.env.get(a), 0) for u in readers for a in u.all_input_nodes if a not in frontier):
+                return True
+            frontier = [u for u in readers if len(u.all_input_nodes) == 1 and u.target in _SAME_VALUE]
+        return False
 
     def _rows_summed_into(self, target, args, kwargs):
         """``scatter_add`` / ``index_add`` along dim 0 of token rows into a whole buffer (a count of
@@ -925,6 +961,16 @@ def _cat_sequence(parts: list) -> torch.Tensor:
         return parts[0]
     joined = aten.cat.default([aten.transpose.int(p, 1, 2) for p in parts], 1)
     return aten.transpose.int(joined, 1, 2)
+
+
+def _one_row_expanded(node) -> bool:
+    """Whether ``node`` is an expand of a single row (through casts and copies of it)."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _SAME_VALUE:
+        node = node.args[0]
+    if not (isinstance(node, torch.fx.Node) and node.target is aten.expand.default):
+        return False
+    source, size = node.args[0].meta.get("val"), list(node.args[1])
+    return isinstance(source, torch.Tensor) and (source.ndim < len(size) or source.shape[0] == 1)
 
 
 def _row_valued(t, node) -> bool:

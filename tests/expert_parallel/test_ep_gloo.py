@@ -149,8 +149,10 @@ def test_dp2_ep2_dynamic_accumulation_with_uneven_ranks_matches_single_process(t
 def test_dp2_ep2_cp2_matches_single_process(tmp_path):
     """dp=2 = ep=2 with cp=2 (4 ranks): each rank keeps half of its dp rank's sequence, dispatches
     those token rows to the experts' ranks of its ep group (the dp ranks at its cp coordinate), and
-    the experts' gradients are summed over cp, then over edp; with ZeRO-1 and with clipping."""
-    scenarios = ["mixtral:sgd:zero1", "qwen2_moe:adamw:clip"]
+    the experts' gradients are summed over cp, then over edp; with ZeRO-1, with clipping, and in
+    bf16 with full recompute (autocast's casts between the load-balancing loss's per-expert sums
+    and the token rows they scale)."""
+    scenarios = ["mixtral:sgd:zero1", "qwen2_moe:adamw:clip", "mixtral:sgd:bf16:full"]
     got = launch(tmp_path, 4, "dp=2,ep=2,cp=2", scenarios)
     for scenario in scenarios:
         assert_matches(scenario, got[scenario], dp=2)
