@@ -16,20 +16,26 @@ WORKER = str(Path(__file__).parent / "batch_norm_worker.py")
 PLANS = ["dp", "zero1", "zero3", "mb2", "sync", "sync_zero3"]
 
 
-@pytest.mark.slow
-def test_resnet_batch_norm_under_dp_zero_and_accumulation_equals_ddp_on_every_rank(tmp_path):
-    """And with ``sync_batch_norm`` (plain and under ZeRO-3) the single-process step on the global
-    batch (SyncBatchNorm's statistics over both ranks' rows)."""
+def _launch_and_compare(tmp_path, plans: list[str], world: int) -> None:
+    """Run the worker's plans on ``world`` ranks; every rank's state_dict within 1e-5 of its
+    reference (DDP, or for a ``sync`` plan one process on the global batch)."""
     from cann_passes.runtime.distributed import launch_local
-    assert_all_ok(launch_local([WORKER, str(tmp_path), *PLANS], 2, env=RANK_ENV, timeout_s=600, cwd=str(REPO)))
-    for name in PLANS:
-        for rank in (0, 1):
+    assert_all_ok(launch_local([WORKER, str(tmp_path), *plans], world, env=RANK_ENV, timeout_s=600, cwd=str(REPO)))
+    for name in plans:
+        for rank in range(world):
             diff = torch.load(tmp_path / f"{name}.rank{rank}.pt")
             assert any("running_mean" in k for k in diff)
             bad = {k: v for k, v in diff.items() if v > 1e-5}
             reference = "one process on the global batch" if "sync" in name else "DDP"
             assert not bad, (f"{name} rank {rank}: differs from {reference} in "
                              f"{sorted(bad.items(), key=lambda kv: -kv[1])[:3]}")
+
+
+@pytest.mark.slow
+def test_resnet_batch_norm_under_dp_zero_and_accumulation_equals_ddp_on_every_rank(tmp_path):
+    """And with ``sync_batch_norm`` (plain and under ZeRO-3) the single-process step on the global
+    batch (SyncBatchNorm's statistics over both ranks' rows)."""
+    _launch_and_compare(tmp_path, PLANS, 2)
 
 
 @pytest.mark.slow
@@ -37,17 +43,7 @@ def test_resnet_batch_norm_under_dp_x_pp_equals_ddp_on_every_rank(tmp_path):
     """dp=2 x pp=2: each stage's data-parallel ranks take their dp rank 0's buffers of that stage,
     at the first microbatch of the step; every rank's state_dict (both stages') equals DDP's; with
     sync_batch_norm, one process's on each microbatch of the global batch."""
-    from cann_passes.runtime.distributed import launch_local
-    plans = ["pp", "pp_zero1", "pp_sync"]
-    assert_all_ok(launch_local([WORKER, str(tmp_path), *plans], 4, env=RANK_ENV, timeout_s=600, cwd=str(REPO)))
-    for name in plans:
-        for rank in range(4):
-            diff = torch.load(tmp_path / f"{name}.rank{rank}.pt")
-            assert any("running_mean" in k for k in diff)
-            bad = {k: v for k, v in diff.items() if v > 1e-5}
-            reference = "one process on the global batch" if "sync" in name else "DDP"
-            assert not bad, (f"{name} rank {rank}: differs from {reference} in "
-                             f"{sorted(bad.items(), key=lambda kv: -kv[1])[:3]}")
+    _launch_and_compare(tmp_path, ["pp", "pp_zero1", "pp_sync"], 4)
 
 
 def test_the_plan_broadcasts_updated_buffers_under_dp_zero_and_pp():
