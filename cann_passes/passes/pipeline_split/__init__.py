@@ -174,12 +174,17 @@ def _one_parameter_values_with_their_readers(nodes, fstage: dict[torch.fx.Node, 
         nodes.order.clear()
         nodes.order.update({n: i for i, n in enumerate(graph.graph.nodes)})
         source = _one_parameter_values(fstage, params)
-    for node in reversed(list(nodes.forward)):
+    _to_their_readers(nodes.forward, source, fstage)
+    return copies
+
+
+def _to_their_readers(forward: list, source: dict, fstage: dict[torch.fx.Node, int]) -> None:
+    """Each value of ``source`` to the earliest stage reading it (latest first, so a chain follows)."""
+    for node in reversed(forward):
         if node in source:
             readers = [fstage[u] for u in node.users if u in fstage]
             if readers:
                 fstage[node] = min(readers)
-    return copies
 
 
 def _buffer_values_with_their_readers(nodes, fstage: dict[torch.fx.Node, int]) -> None:
@@ -188,17 +193,8 @@ def _buffer_values_with_their_readers(nodes, fstage: dict[torch.fx.Node, int]) -
     readers: a cut by position may fall between the broadcast and the normalisation reading it,
     which would make the earlier stage the buffer's home."""
     updated = {n for n, spec in nodes.spec_of.items() if spec.kind == InputKind.BUFFER and n in nodes.owner}
-    source: dict = {}
-    for node in nodes.forward:
-        read = {a if a in updated else source.get(a) for a in node.all_input_nodes if a not in nodes.free
-                and not (a.op == "placeholder" and a not in nodes.owner)}
-        if len(read) == 1 and None not in read:
-            source[node] = read.pop()
-    for node in reversed(nodes.forward):
-        if node in source:
-            readers = [fstage[u] for u in node.users if u in fstage]
-            if readers:
-                fstage[node] = min(readers)
+    copied = nodes.free | {n for n in nodes.spec_of if n not in nodes.owner}
+    _to_their_readers(nodes.forward, _one_parameter_values(nodes.forward, updated, copied), fstage)
 
 
 def _read_own_copies(stage: dict, copies: dict) -> None:

@@ -41,12 +41,13 @@ def _owners(spec_of: dict[torch.fx.Node, Spec], graph: TrainGraph) -> dict[torch
     return owner
 
 
-def _one_parameter_values(forward, params: set) -> dict[torch.fx.Node, torch.fx.Node]:
+def _one_parameter_values(forward, params: set, ignored=frozenset()) -> dict[torch.fx.Node, torch.fx.Node]:
     """Forward values computed from one parameter alone (a cast; ZeRO-3's gather of its shard, the
-    wait, the unpadding views) -> that parameter; ``forward`` in node order."""
+    wait, the unpadding views) -> that parameter; ``forward`` in node order. Inputs in ``ignored``
+    (values copied into every stage, such as a step-state flag) do not count."""
     source: dict[torch.fx.Node, torch.fx.Node] = {}
     for node in forward:
-        read = {a if a in params else source.get(a) for a in node.all_input_nodes}
+        read = {a if a in params else source.get(a) for a in node.all_input_nodes if a not in ignored}
         if len(read) == 1 and None not in read:
             source[node] = read.pop()
     return source
