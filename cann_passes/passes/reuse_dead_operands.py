@@ -78,7 +78,7 @@ import torch.fx
 from torch.fx.passes.reinplace import _maybe_get_inplace_op
 
 from graph_ir import TrainGraph
-from graph_ir.analysis.collectives import is_communication_op
+from graph_ir.analysis.collectives import is_collective, is_communication_op, waits_of
 from graph_ir.analysis.effects import random_op
 from graph_ir.analysis.memory import storage_roots
 from graph_ir.analysis.updates import distributes_update, updated_inputs
@@ -99,6 +99,12 @@ class ReusePlan:
     rewrites: dict[torch.fx.Node, object] = field(default_factory=dict)   # node -> its in-place op
     copies: dict[torch.fx.Node, tuple] = field(default_factory=dict)       # multi-tensor op -> entries copied
     written: set[torch.fx.Node] = field(default_factory=set)   # graph inputs written in place
+
+
+def _waits(collective: torch.fx.Node) -> list[torch.fx.Node]:
+    """The waits completing ``collective``, through the ``getitem`` of a coalesced one's list."""
+    items = [u for u in collective.users if u.target is operator.getitem]
+    return waits_of(collective) + [w for item in items for w in waits_of(item)]
 
 
 def _plan(graph: torch.fx.Graph, writable: dict[torch.fx.Node, int]) -> ReusePlan:
@@ -125,6 +131,13 @@ def _plan(graph: torch.fx.Graph, writable: dict[torch.fx.Node, int]) -> ReusePla
         if n.op == "call_function" and (region_of(n) != Region.OPTIMIZER
                                         or (is_communication_op(n) and not distributes_update(n))):
             fence = position[n]
+        if is_collective(n):
+            # The peers read (gloo: a worker thread copies) a collective's inputs until its wait,
+            # not just at its issue: an op between the two must not write over them.
+            done = max((position[w] for w in _waits(n)), default=position[n])
+            for a in n.all_input_nodes:
+                r = roots[a]
+                last_use[r] = max(last_use[r], done)
     plan = ReusePlan()
     for n in nodes:
         if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload) or not n.args:

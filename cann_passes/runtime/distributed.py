@@ -302,14 +302,16 @@ def launch_local(argv: Sequence[str], nprocs: int, *, env: dict[str, str] | None
 
     Each rank is a plain process (no agent restarting or killing anything), so
     what a rank does on a fault is its own behaviour. Processes still running
-    after ``timeout_s`` are killed and reported with return code None.
+    after ``timeout_s`` are killed and reported with return code None. A rank
+    that crashes in native code reports its Python stack (``PYTHONFAULTHANDLER``).
     """
     port = str(free_port())
     procs = []
     for rank in range(nprocs):
-        rank_env = dict(os.environ, **(env or {}), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs),
-                        LOCAL_WORLD_SIZE=str(nprocs), GROUP_RANK="0")
+        # A rank killed by a signal (a crash in a native library) prints its Python stack.
+        rank_env = {"PYTHONFAULTHANDLER": "1", **os.environ, **(env or {}), "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": port, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs),
+                    "LOCAL_WORLD_SIZE": str(nprocs), "GROUP_RANK": "0"}
         procs.append(subprocess.Popen([sys.executable, *argv], env=rank_env, cwd=cwd, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     deadline = None if timeout_s is None else time.monotonic() + timeout_s

@@ -81,3 +81,33 @@ class TestReuseDeadOperands:
         _, graph, _ = _marked("cleanup,fuse_optimizer{kernel=fused},reuse_dead_operands{inputs=false}")
         fused = next(n for n in graph.graph.nodes if n.target is FUSED_ADAM)
         assert not fused.meta.get(REUSES_OPERAND) and graph.attrs[GraphAttr.WRITTEN_INPUTS] == []
+
+
+def test_an_input_of_a_collective_in_flight_is_not_written_before_its_wait():
+    """The peers read an all-gather's input until its wait (gloo copies it on a worker thread): a
+    pointwise op between the issue and the wait must not run in place over it; after the wait it may."""
+    from cann_passes.passes.reuse_dead_operands import mark_reuse
+    c10d = torch.ops._c10d_functional
+
+    def graph(read_before_wait: bool) -> torch.fx.Graph:
+        g = torch.fx.Graph()
+        x = g.placeholder("x")
+        y = g.call_function(torch.ops.aten.mul.Tensor, (x, 2.0))
+        gathered = g.call_function(c10d.all_gather_into_tensor.default, (y, 2, "0"))
+        if read_before_wait:
+            z = g.call_function(torch.ops.aten.add.Tensor, (y, 1.0))
+            done = g.call_function(c10d.wait_tensor.default, (gathered,))
+        else:
+            done = g.call_function(c10d.wait_tensor.default, (gathered,))
+            z = g.call_function(torch.ops.aten.add.Tensor, (y, 1.0))
+        g.output((z, done))
+        for n in g.nodes:
+            if n.op != "output":
+                rows = 8 if n.target in (c10d.all_gather_into_tensor.default, c10d.wait_tensor.default) else 4
+                n.meta["val"] = torch.empty(rows, 3)
+        return g
+
+    for read_before_wait in (True, False):
+        g = graph(read_before_wait)
+        add = next(n for n in g.nodes if n.target is torch.ops.aten.add.Tensor)
+        assert (add in mark_reuse(g).rewrites) is not read_before_wait
