@@ -48,18 +48,18 @@ kernel's aten form that the captured step uses (``_scaled_dot_product_
 flash_attention_for_cpu``: the capture decomposes SDPA into it on every
 backend; an efficient/cudnn kernel would be refused by name).
 
-With ``attention=ring`` an attention without an explicit mask passes K and
-V round the cp ranks instead (``_ring_attention``): each rank computes the
-blocks its chunks need of the K and V it holds, passes them on with a
-functional ``all_to_all_single``, and merges each chunk's blocks by their
-log-sum-exps; backward passes them round again with dK and dV travelling
-beside them, and one more step hands those home. No rank holds the whole K
-and V.
+With ``attention=ring`` a self-attention passes K and V round the cp ranks
+instead (``_ring_attention``): each rank computes the blocks its chunks need
+of the K and V it holds, passes them on with a functional
+``all_to_all_single``, and merges each chunk's blocks by their log-sum-exps;
+backward passes them round again with dK and dV travelling beside them, and
+one more step hands those home. No rank holds the whole K and V. Under an
+explicit mask each block reads the mask's columns of its keys, and a block's
+row the mask hides entirely is weighed out of the merge.
 
 What is not built: overlapping the ring's exchange with the blocks' compute
 (the graph runs them in order). Masked blocks are skipped for ``is_causal``
-only: an explicit mask is data, so a rank computes its query rows against
-every key under it.
+only: an explicit mask is data, so a rank computes every block under it.
 """
 from __future__ import annotations
 
@@ -595,14 +595,15 @@ class _Rewriter(Rewriter):
         self._no_dropout(target, dropout)
         whole = _global_meta(target, args, kwargs)
         if self._on_ring(causal, kwargs, k):
-            out, lse = self._ring_attention(target, q, k, v, causal, kwargs.get("scale"))
+            mask = self._mask_rows(kwargs.get("attn_mask"), False, q, k)
+            out, lse = self._ring_attention(target, q, k, v, causal, kwargs.get("scale"), mask)
         elif self._prefix_only(causal, kwargs, k):
             q, k, v = q.to_local(), self._gathered(k), self._gathered(v)
             outs, lses = [], []
             for part in self._causal_parts():
                 blocks = [target(part.rows(q), block.of(k), block.of(v), 0.0, block.causal, scale=kwargs.get("scale"))
                           for block in part.blocks]
-                o, lse = blocks[0] if len(blocks) == 1 else _merged(blocks)
+                o, lse = _merged(blocks)
                 outs.append(o)
                 lses.append(lse)
             out, lse = _cat_sequence(outs), (lses[0] if len(lses) == 1 else aten.cat.default(lses, 2))
@@ -614,9 +615,19 @@ class _Rewriter(Rewriter):
 
     # -- ring attention -----------------------------------------------------------------------------
     def _on_ring(self, causal: bool, kwargs, k) -> bool:
-        """Ring attention: self-attention without an explicit mask (the blocks a rank computes,
-        and the ones it skips under ``is_causal``, are known from the positions alone)."""
-        return self.ring and kwargs.get("attn_mask") is None and k.shape[2] == self.seq
+        """Ring attention: self-attention over the whole sequence (the blocks a rank skips under
+        ``is_causal`` are known from the positions alone; under an explicit mask it computes every
+        block, each with the mask's columns of the keys it holds)."""
+        return self.ring and k.shape[2] == self.seq and not (causal and kwargs.get("attn_mask") is not None)
+
+    def _block_mask(self, mask, i: int, source: int, j: int):
+        """The mask of query chunk ``i`` (of this rank's rows) against key chunk ``j`` of ``source``'s."""
+        if mask is None:
+            return None
+        if mask.shape[-2] != 1:
+            mask = self._chunk(mask, i, mask.ndim - 2)
+        start, end = self.layout.spans(source)[j]
+        return aten.slice.Tensor(mask, mask.ndim - 1, start, end)
 
     def _ring_blocks(self, source: int, causal: bool):
         """(query chunk, key chunk, diagonal) of the blocks to compute while holding ``source``'s
@@ -629,8 +640,8 @@ class _Rewriter(Rewriter):
                 elif b == a:
                     yield i, j, True
 
-    def _chunk(self, t, i: int):
-        return aten.slice.Tensor(t, 2, i * self.layout.chunk, (i + 1) * self.layout.chunk)
+    def _chunk(self, t, i: int, dim: int = 2):
+        return aten.slice.Tensor(t, dim, i * self.layout.chunk, (i + 1) * self.layout.chunk)
 
     def _ring_pass(self, t):
         """``t`` sent to the next cp rank; the previous rank's, received (one step round the ring)."""
@@ -642,23 +653,27 @@ class _Rewriter(Rewriter):
                                                                         self.mesh.get_group(0).group_name))
         return aten.view.default(moved, list(t.shape))
 
-    def _ring_attention(self, target, q, k, v, causal: bool, scale):
+    def _ring_attention(self, target, q, k, v, causal: bool, scale, mask=None):
         """This rank's query chunks against every rank's K and V, passed round the ring: at step t
         the rank holds rank ``r - t``'s, computes the blocks it needs and passes them on; each
-        chunk's blocks are merged by their log-sum-exps. No rank holds more than two ranks' K and V."""
+        chunk's blocks are merged by their log-sum-exps. No rank holds more than two ranks' K and V.
+        ``mask``: this rank's rows of an explicit mask over every key, cut per block."""
         q, k, v = q.to_local(), self._local(k, 2), self._local(v, 2)
         blocks: list[list] = [[] for _ in self.layout.chunks_of(self.layout.rank)]
         for step in range(self.cp):
-            for i, j, diagonal in self._ring_blocks((self.layout.rank - step) % self.cp, causal):
-                blocks[i].append(target(self._chunk(q, i), self._chunk(k, j), self._chunk(v, j), 0.0, diagonal,
-                                        scale=scale))
+            source = (self.layout.rank - step) % self.cp
+            for i, j, diagonal in self._ring_blocks(source, causal):
+                block_mask = self._block_mask(mask, i, source, j)
+                o, lse = target(self._chunk(q, i), self._chunk(k, j), self._chunk(v, j), 0.0, diagonal,
+                                attn_mask=block_mask, scale=scale)
+                blocks[i].append((o, _without_masked_rows(lse, block_mask)))
             if step < self.cp - 1:
                 k, v = self._ring_pass(k), self._ring_pass(v)
-        parts = [b[0] if len(b) == 1 else _merged(b) for b in blocks]
+        parts = [_merged(b, hidden_rows=mask is not None) for b in blocks]
         lses = [lse for _, lse in parts]
         return _cat_sequence([o for o, _ in parts]), (lses[0] if len(lses) == 1 else aten.cat.default(lses, 2))
 
-    def _ring_attention_backward(self, target, grad, q, k, v, out, lse, causal: bool, scale):
+    def _ring_attention_backward(self, target, grad, q, k, v, out, lse, causal: bool, scale, mask=None):
         """The blocks again, round the ring: dQ summed on the rank; each rank's dK and dV travel
         with its K and V, every holder adding its queries' share, and a last step hands them home."""
         grad, q, out, lse = self._local(grad, 2), q.to_local(), self._local(out, 2), self._local(lse, 2)
@@ -667,10 +682,12 @@ class _Rewriter(Rewriter):
         dq: list = [None] * chunks
         dk = dv = None   # laid out [b, s_local, h, d], as they travel
         for step in range(self.cp):
-            for i, j, diagonal in self._ring_blocks((self.layout.rank - step) % self.cp, causal):
+            source = (self.layout.rank - step) % self.cp
+            for i, j, diagonal in self._ring_blocks(source, causal):
                 dq_block, dk_block, dv_block = target(
                     self._chunk(grad, i), self._chunk(q, i), self._chunk(k, j), self._chunk(v, j),
-                    self._chunk(out, i), self._chunk(lse, i), 0.0, diagonal, scale=scale)
+                    self._chunk(out, i), self._chunk(lse, i), 0.0, diagonal,
+                    attn_mask=self._block_mask(mask, i, source, j), scale=scale)
                 dq[i] = dq_block if dq[i] is None else aten.add.Tensor(dq[i], dq_block)
                 dk_block, dv_block = (self._in_chunk(t, j, chunks) for t in (dk_block, dv_block))
                 dk = dk_block if dk is None else aten.add.Tensor(dk, dk_block)
@@ -701,7 +718,9 @@ class _Rewriter(Rewriter):
         self._no_dropout(target, dropout)
         k, v = (self._repeated_again(self._repeats.get((self.current, i)), t) for i, t in ((2, k), (3, v)))
         if self._on_ring(causal, kwargs, k):
-            dq, dk, dv = self._ring_attention_backward(target, grad, q, k, v, out, lse, causal, kwargs.get("scale"))
+            mask = self._mask_rows(kwargs.get("attn_mask"), False, q, k)
+            dq, dk, dv = self._ring_attention_backward(target, grad, q, k, v, out, lse, causal, kwargs.get("scale"),
+                                                       mask)
             whole = _global_meta(target, args, kwargs)
             return tuple(self._placed(t, Shard(2), w) for t, w in zip((dq, dk, dv), whole))
         if self._prefix_only(causal, kwargs, k):
@@ -937,13 +956,35 @@ class _CausalPart:
         return aten.slice.Tensor(t, 2, self.offset, self.offset + self.count)
 
 
-def _merged(blocks: list) -> tuple:
+def _without_masked_rows(lse, mask):
+    """A block's log-sum-exp, ``-inf`` on the query rows its mask hides every key from: the CPU
+    kernel gives such a row an output of 0 and a log-sum-exp of 0, which merged would weigh as
+    ``exp(0)`` of real attention."""
+    if mask is None:
+        return lse
+    hidden = aten.eq.Scalar(aten.amax.default(mask, [-1], True), float("-inf"))      # [b, h|1, s, 1]
+    hidden = aten.expand.default(aten.squeeze.dim(hidden, -1), list(lse.shape))
+    return aten.where.self(hidden, aten.full_like.default(lse, float("-inf")), lse)
+
+
+def _finite(lse):
+    """A merged log-sum-exp with the rows every block hid (``-inf``) at 0, the whole kernel's value."""
+    return aten.where.self(aten.isinf.default(lse), aten.zeros_like.default(lse), lse)
+
+
+def _merged(blocks: list, hidden_rows: bool = False) -> tuple:
     """One attention from its key blocks' (output, log-sum-exp) pairs: the outputs weighed by
     ``exp(lse_block - lse)``, ``lse`` the log-sum-exp of the blocks' (in fp32, the kernel's lse dtype;
-    the output back in the kernel's dtype and ``[b, s, h, d]`` layout)."""
+    the output back in the kernel's dtype and ``[b, s, h, d]`` layout). ``hidden_rows``: a block's
+    log-sum-exp may be ``-inf`` (a masked row), every block's on a row no key is visible to, whose
+    merged log-sum-exp is then 0 and its output 0, as the whole kernel gives them."""
+    if len(blocks) == 1 and not hidden_rows:
+        return blocks[0]
     lse = blocks[0][1]
     for _, other in blocks[1:]:
         lse = aten.logaddexp.default(lse, other)
+    if hidden_rows:
+        lse = _finite(lse)
     out = None
     for o, block_lse in blocks:
         weight = aten.unsqueeze.default(aten.transpose.int(aten.exp.default(aten.sub.Tensor(block_lse, lse)), 1, 2), -1)

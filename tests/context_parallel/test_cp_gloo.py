@@ -51,7 +51,7 @@ def test_cp2_matches_single_process(tmp_path):
     gradient all-reduced over cp in backward."""
     scenarios = ["llama:sgd:pad", "llama:adamw:pad", "llama:sgd:pad:clip", "llama:sgd:mb2", "llama:sgd:pad:full",
                  "gpt+attention=sdpa:adamw:clip", "gpt+attention=sdpa:adamw:clip:ring",
-                 "gpt+attention=sdpa:sgd:full:ring"]
+                 "gpt+attention=sdpa:sgd:full:ring", "llama:adamw:pad:clip:ring"]
     got = launch(tmp_path, 2, "cp=2", scenarios)
     for scenario in scenarios:
         assert_matches(scenario, got[scenario])
@@ -86,15 +86,19 @@ def test_cp2_on_more_transformers_models_matches_single_process(tmp_path):
 def test_cp3_balanced_chunks_match_single_process(tmp_path):
     """cp=3 on a 12-token sequence: six chunks of two, rank r holding chunks r and 5 - r; the
     recipe GPT's is_causal attention computes each chunk against the keys up to its own end,
-    with K and V gathered or passed round the ring."""
-    scenarios = ["gpt+attention=sdpa:sgd", "llama:sgd:pad", "gpt+attention=sdpa:sgd:ring"]
+    with K and V gathered or passed round the ring. The ring under an explicit mask (padded
+    LLaMA, causal, and BERT, bidirectional): every block computed with the mask's columns of the
+    keys held, a query row that block hides every key from weighed out of the merge."""
+    scenarios = ["gpt+attention=sdpa:sgd", "gpt+attention=sdpa:sgd:ring", "llama:sgd:pad:ring", "bert:sgd:pad:ring"]
     got = launch(tmp_path, 3, "cp=3", scenarios)
     for scenario in scenarios:
         assert_matches(scenario, got[scenario])
         assert got[scenario]["attrs"]["chunks"] == [[0, 2], [10, 12]]
-    # ring: K and V passed round the three ranks, never gathered
-    ring = got["gpt+attention=sdpa:sgd:ring"]["collectives"]
-    assert ring["forward.all_to_all_single"] == 2 * 2 * 2 and "forward.all_gather_into_tensor" not in ring
+    # ring: K and V of both layers passed round the three ranks (two steps), never gathered
+    for scenario in scenarios[1:]:
+        ring = got[scenario]["collectives"]
+        assert ring["forward.all_to_all_single"] == 2 * 2 * 2, scenario
+    assert "forward.all_gather_into_tensor" not in got["gpt+attention=sdpa:sgd:ring"]["collectives"]
 
 
 def test_dp2_cp2_matches_single_process(tmp_path):
