@@ -84,15 +84,16 @@ def assert_every_rank_matches(out: Path, scenario: str, world_size: int, strateg
                            f"{what} {strategy} on {world_size} ranks (rank {rank})", param_tol)
 
 
-def test_inductor_dp_zero1_and_zero3_on_gloo_match_single_process_adamw(tmp_path, reference):
+def test_inductor_dp_and_zero1_on_gloo_match_single_process_adamw(tmp_path, reference):
     # The inductor lowering of data-parallel and ZeRO steps (functional collectives compiled by
-    # inductor, the gloo all-gathers run alone), 2 ranks, against eager PyTorch in one process.
+    # inductor, the gloo all-gathers run alone), 2 ranks, against eager PyTorch in one process;
+    # ZeRO-2 and ZeRO-3 on inductor: the transformers LLaMA test below.
     _skip_without_cxx()
-    assert_all_ok(run_ranks(2, "parity", str(tmp_path), "dp,zero1,zero3", "shallow", "inductor"))
+    assert_all_ok(run_ranks(2, "parity", str(tmp_path), "dp,zero1", "shallow", "inductor"))
     # Inductor's vectorized kernels round fp32 sums in the CPU's own order, and AdamW divides each
     # gradient by its own running size, so a rounding-level gradient difference on a near-zero
     # gradient becomes a parameter difference of lr's order: losses at 1e-5, parameters at 2e-5.
-    assert_every_rank_matches(tmp_path, "parity", 2, "dp,zero1,zero3", reference, "inductor", param_tol=2e-5)
+    assert_every_rank_matches(tmp_path, "parity", 2, "dp,zero1", reference, "inductor", param_tol=2e-5)
 
 
 def test_bf16_gradient_reduction_is_torch_ddps_bf16_compress_hook(tmp_path):
@@ -129,12 +130,12 @@ def zoo_reference(name: str, world_size: int):
 
 
 @pytest.mark.slow
-def test_inductor_dp_zero2_and_zero3_of_transformers_llama_on_gloo_match_eager_on_padded_batches(tmp_path):
+def test_inductor_zero2_and_zero3_of_transformers_llama_on_gloo_match_eager_on_padded_batches(tmp_path):
     # A model we did not write, padded batches, the ZeRO stage with reduce-scatters (2) and the one
     # with all-gathers in the forward (3), inductor-compiled with gloo's all-gathers run alone.
     _skip_without_cxx()
-    assert_all_ok(run_ranks(2, "zoo_parity", str(tmp_path), "llama", "dp,zero2,zero3", "inductor"))
-    assert_every_rank_matches(tmp_path, "zoo_parity", 2, "dp,zero2,zero3", zoo_reference("llama", 2), "inductor llama")
+    assert_all_ok(run_ranks(2, "zoo_parity", str(tmp_path), "llama", "zero2,zero3", "inductor"))
+    assert_every_rank_matches(tmp_path, "zoo_parity", 2, "zero2,zero3", zoo_reference("llama", 2), "inductor llama")
 
 
 @pytest.mark.parametrize("world_size,verify", [(2, "deep"), (4, "shallow")])
