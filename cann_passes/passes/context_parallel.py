@@ -66,6 +66,7 @@ from __future__ import annotations
 import contextlib
 import math
 import operator
+import warnings
 
 import torch
 import torch.fx
@@ -147,6 +148,12 @@ def context_parallel_pass(graph: TrainGraph, ctx: PassContext, *, balance: bool 
     with tracing_mesh(group_name, cp, coord, getattr(mesh, "device_type", "cpu"), axis="cp") as device_mesh:
         traced_group = device_mesh.get_group(0).group_name
         gm = _retrace(graph, device_mesh, layout, ring=attention == "ring", partial=gradients == "partial")
+    if attention == "ring" and not any(n.target is _ATTENTION for n in graph.graph.nodes):
+        # (SDPA's math path, taken for some shapes and masks, is matmuls and a softmax: DTensor's
+        # rules gather K for the score matmul as for any other contraction)
+        warnings.warn("context_parallel attention=ring: this step has no fused attention kernel "
+                      f"({_ATTENTION}) to pass K and V round the ring for: its attention's keys and "
+                      "values are all-gathered", stacklevel=2)
     finish(gm, graph, traced_group, group_name, origin=ATTR)
     out = TrainGraph(gm, graph.signature, graph.attrs)
     out.attrs[ATTR] = {"cp": cp, "rank": coord, "seq": seq, "local_seq": seq // cp,

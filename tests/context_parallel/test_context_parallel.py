@@ -130,6 +130,10 @@ def test_ring_attention_passes_k_and_v_round_the_ranks_and_computes_the_same_blo
         assert work == _attention_work(out, "backward") and set(work) == {(2, 2)}
         blocks.append(len(work))
     assert blocks == [7, 7, 7]   # (of 36 chunk pairs, 21 causal: 6 diagonal + 15 below it)
+    # SDPA's math path (Falcon's multi-query attention under its mask: matmuls and a softmax) has
+    # no kernel to pass K and V round: gathered, and said so
+    with pytest.warns(UserWarning, match="attention=ring: this step has no fused attention kernel"):
+        compile_program(_capture("falcon"), Plan(cp=2, cp_attention="ring", backend="eager"), MeshDesc.fake(cp=2))
     with pytest.raises(PlanError, match="cp_attention"):
         Plan(cp=2, cp_attention="ulysses")
     assert "context_parallel{attention=ring}" in str(build_pipeline(Plan(cp=2, cp_attention="ring"), "eager"))
