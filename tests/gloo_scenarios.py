@@ -43,11 +43,13 @@ def launch(worker: str, tmp_path, world: int, mesh: str, scenarios: list[str]) -
     return {s: torch.load(Path(tmp_path) / f"{s}.{mesh}.pt", weights_only=False) for s in scenarios}
 
 
-def eager_training(entry, optimizer, batches, loss_of, clip: bool = False):
-    """Plain PyTorch over ``batches`` (``loss_of(batch)`` the step's loss, optionally clipped at 1.0):
-    (the losses, the parameters after the last step)."""
+def eager_training(entry, optimizer, batches, loss_of, clip: bool = False, before=None):
+    """Plain PyTorch over ``batches`` (``loss_of(batch)`` the step's loss, optionally clipped at 1.0;
+    ``before(entry, i)`` run before step i): (the losses, the parameters after the last step)."""
     losses = []
-    for batch in batches:
+    for i, batch in enumerate(batches):
+        if before is not None:
+            before(entry, i)
         optimizer.zero_grad()
         loss = loss_of(batch)
         loss.backward()

@@ -7,7 +7,8 @@ scenario is ``model:optimizer[:option...]``: a ``tests.zoo`` model trained 10 st
 rows of the global batch, whole (the graph cuts its part of the sequence). Options: ``pad``
 (right-padded rows: the loss' count of tokens differs between the sequence chunks), ``clip``
 (gradient clipping at 1.0), ``mb2`` (two microbatches accumulated per step), ``full`` (full
-recompute: K and V gathered again in backward), ``ring`` (``cp_attention="ring"``), ``zero1`` /
+recompute: K and V gathered again in backward), ``ring`` (``cp_attention="ring"``), ``rescale``
+(the attention scale halved after step 5: the guards recompile), ``zero1`` /
 ``zero2`` / ``zero3`` (ZeRO over dp). Rank 0 writes the losses, the parameters as ``model.state_dict()``
 gives them (under pp gathered from the stage owning each), the graph's collectives and the number of
 pipeline stages to OUT/<scenario>.<mesh>.pt.
@@ -30,6 +31,14 @@ STEPS = 10
 
 def batches(entry, pad: bool):
     return [entry.make_batch(1000 + i, pad=pad) for i in range(STEPS)]
+
+
+def rescale(entry, i: int) -> None:
+    """Halfway through, every attention's softmax scale halved (a value the trace read from the
+    model: the step's guards see it change and compile again, as eager reads it anew)."""
+    if i == STEPS // 2:
+        for layer in entry.model.model.layers:
+            layer.self_attn.scaling *= 0.5
 
 
 def mesh_of(text: str, world: int) -> dict[str, int]:
@@ -57,7 +66,11 @@ def main(out: str, mesh: str, *scenarios: str):
                         zero_stage=next((int(o[4:]) for o in options if o.startswith("zero")), 0), **sizes)
             step = compile_for_npu(entry.model, plan, optimizer=optimizer, loss_fn=entry.loss_fn)
             dp = sizes["dp"]
-            losses = [float(step(shard_batch(b, world.dp_rank, dp))) for b in batches(entry, "pad" in options)]
+            losses = []
+            for i, b in enumerate(batches(entry, "pad" in options)):
+                if "rescale" in options:
+                    rescale(entry, i)
+                losses.append(float(step(shard_batch(b, world.dp_rank, dp))))
             state = entry.model.state_dict()
             params = {n: state[n].detach().clone() for n, _ in entry.model.named_parameters()}
             graph = step.last.graph
@@ -65,7 +78,8 @@ def main(out: str, mesh: str, *scenarios: str):
             if world.rank == 0:
                 torch.save({"losses": losses, "params": params,
                             "collectives": {f"{r}.{c}": n for (r, c), n in count_collectives(graph).items()},
-                            "attrs": graph.attrs.get("context_parallel"), "stages": pipeline["stages"]},
+                            "attrs": graph.attrs.get("context_parallel"), "stages": pipeline["stages"],
+                            "recompiles": list(step.recompile_reasons)},
                            os.path.join(out, f"{scenario}.{mesh}.pt"))
 
 

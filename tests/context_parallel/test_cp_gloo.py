@@ -25,7 +25,8 @@ pytestmark = pytest.mark.slow
 def eager_reference(name: str, opt: str, options: list[str]):
     entry, optimizer = cp_worker.make(name, opt)
     return gloo_scenarios.eager_training(entry, optimizer, cp_worker.batches(entry, "pad" in options),
-                                         lambda batch: entry.loss_fn(entry.model, batch), clip="clip" in options)
+                                         lambda batch: entry.loss_fn(entry.model, batch), clip="clip" in options,
+                                         before=cp_worker.rescale if "rescale" in options else None)
 
 
 def launch(tmp_path, world: int, mesh: str, scenarios: list[str]) -> dict[str, dict]:
@@ -51,10 +52,13 @@ def test_cp2_matches_single_process(tmp_path):
     gradient all-reduced over cp in backward."""
     scenarios = ["llama:sgd:pad", "llama:adamw:pad", "llama:sgd:pad:clip", "llama:sgd:mb2", "llama:sgd:pad:full",
                  "gpt+attention=sdpa:adamw:clip", "gpt+attention=sdpa:adamw:clip:ring",
-                 "gpt+attention=sdpa:sgd:full:ring", "llama:adamw:pad:clip:ring"]
+                 "gpt+attention=sdpa:sgd:full:ring", "llama:adamw:pad:clip:ring", "llama:sgd:pad:rescale"]
     got = launch(tmp_path, 2, "cp=2", scenarios)
     for scenario in scenarios:
         assert_matches(scenario, got[scenario])
+    # the guards see the attention scale change on every rank: each compiles the cp step again
+    assert [r.split(" changed")[0] for r in got["llama:sgd:pad:rescale"]["recompiles"]] == \
+        ["attribute model.layers.0.self_attn.scaling of the model"]
     # full recompute gathers K and V again in backward instead of keeping them whole
     again = got["llama:sgd:pad:full"]["collectives"]["backward.all_gather_into_tensor"]
     assert again > got["llama:sgd:pad"]["collectives"].get("backward.all_gather_into_tensor", 0)

@@ -1,6 +1,6 @@
 """One rank of ``test_batch_norm_ddp.py``: ``python batch_norm_worker.py OUT PLAN...``.
 
-Each PLAN (``dp``, ``zero1``, ``zero3``, ``mb2``, ``sync``, ``sync_zero3`` on 2 ranks; ``pp``, ``pp_zero1``,
+Each PLAN (``dp``, ``zero1``, ``zero3``, ``mb2``, ``sync``, ``sync_zero3``, ``sync_inductor`` on 2 ranks; ``pp``, ``pp_zero1``,
 ``pp_sync`` on 4 ranks: dp=2 x pp=2, 1F1B over two microbatches) trains transformers' ResNet (BatchNorm) 4 steps on this rank's
 rows with ``compile_for_npu`` and the same model under torch DDP over this rank's data-parallel
 group (its default ``broadcast_buffers``: rank 0's buffers before every forward), and writes this
@@ -33,7 +33,7 @@ def batch(i: int):
 
 def run(out: str, world, name: str) -> None:
     fields = FIELDS[name]
-    plan = Plan(backend="eager", dp=2, verify="deep", **fields)
+    plan = Plan(**{"backend": "eager", "dp": 2, "verify": "deep", **fields})
     entry = zoo.build("resnet", layers=1, seed=0)
     ref = copy.deepcopy(entry.model)
     if "sync" in name:
@@ -81,6 +81,7 @@ def run_synchronised(out: str, world, name: str, plan, entry, ref) -> None:
 
 
 FIELDS = {"sync": dict(sync_batch_norm=True), "sync_zero3": dict(sync_batch_norm=True, zero_stage=3),
+          "sync_inductor": dict(sync_batch_norm=True, backend="inductor", verify="shallow"),
           "dp": {}, "zero1": dict(zero_stage=1), "zero3": dict(zero_stage=3), "mb2": dict(microbatches=2),
           "pp": dict(pp=2, microbatches=2), "pp_zero1": dict(pp=2, microbatches=2, zero_stage=1),
           "pp_sync": dict(pp=2, microbatches=2, sync_batch_norm=True)}

@@ -33,9 +33,10 @@ def _launch_and_compare(tmp_path, plans: list[str], world: int) -> None:
 
 @pytest.mark.slow
 def test_resnet_batch_norm_under_dp_zero_and_accumulation_equals_ddp_on_every_rank(tmp_path):
-    """And with ``sync_batch_norm`` (plain and under ZeRO-3) the single-process step on the global
-    batch (SyncBatchNorm's statistics over both ranks' rows)."""
-    _launch_and_compare(tmp_path, PLANS, 2)
+    """And with ``sync_batch_norm`` (plain, under ZeRO-3, and inductor-compiled) the single-process
+    step on the global batch (SyncBatchNorm's statistics over both ranks' rows)."""
+    from cann_passes.lowering.base import cxx_compiler_available
+    _launch_and_compare(tmp_path, PLANS + ["sync_inductor"] * cxx_compiler_available()[0], 2)
 
 
 @pytest.mark.slow
