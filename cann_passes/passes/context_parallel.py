@@ -57,8 +57,9 @@ one more step hands those home. No rank holds the whole K and V. Under an
 explicit mask each block reads the mask's columns of its keys, and a block's
 row the mask hides entirely is weighed out of the merge.
 
-What is not built: overlapping the ring's exchange with the blocks' compute
-(the graph runs them in order). Masked blocks are skipped for ``is_causal``
+The next step's K and V are issued before a step's blocks and waited for after
+them, so the exchange overlaps the compute (dK and dV, which the blocks produce,
+go after them). Masked blocks are skipped for ``is_causal``
 only: an explicit mask is data, so a rank computes every block under it.
 """
 from __future__ import annotations
@@ -652,13 +653,20 @@ class _Rewriter(Rewriter):
 
     def _ring_pass(self, t):
         """``t`` sent to the next cp rank; the previous rank's, received (one step round the ring)."""
+        return self._ring_receive(self._ring_send(t))
+
+    def _ring_send(self, t):
+        """One step round the ring issued and not waited for: what runs before ``_ring_receive``
+        (the blocks of the K and V held) overlaps the exchange."""
         n, r = t.numel(), self.layout.rank
         send, receive = [0] * self.cp, [0] * self.cp
         send[(r + 1) % self.cp], receive[(r - 1) % self.cp] = n, n
         flat = aten.view.default(aten.clone.default(t, memory_format=torch.contiguous_format), [n])
-        moved = c10d.wait_tensor.default(c10d.all_to_all_single.default(flat, receive, send,
-                                                                        self.mesh.get_group(0).group_name))
-        return aten.view.default(moved, list(t.shape))
+        return c10d.all_to_all_single.default(flat, receive, send, self.mesh.get_group(0).group_name), list(t.shape)
+
+    def _ring_receive(self, sent):
+        moved, shape = sent
+        return aten.view.default(c10d.wait_tensor.default(moved), shape)
 
     def _ring_attention(self, target, q, k, v, causal: bool, scale, mask=None):
         """This rank's query chunks against every rank's K and V, passed round the ring: at step t
@@ -669,13 +677,15 @@ class _Rewriter(Rewriter):
         blocks: list[list] = [[] for _ in self.layout.chunks_of(self.layout.rank)]
         for step in range(self.cp):
             source = (self.layout.rank - step) % self.cp
+            # (the next K and V are on their way while this step's blocks run)
+            sent = (self._ring_send(k), self._ring_send(v)) if step < self.cp - 1 else None
             for i, j, diagonal in self._ring_blocks(source, causal):
                 block_mask = self._block_mask(mask, i, source, j)
                 o, lse = target(self._chunk(q, i), self._chunk(k, j), self._chunk(v, j), 0.0, diagonal,
                                 attn_mask=block_mask, scale=scale)
                 blocks[i].append((o, _without_masked_rows(lse, block_mask)))
-            if step < self.cp - 1:
-                k, v = self._ring_pass(k), self._ring_pass(v)
+            if sent is not None:
+                k, v = (self._ring_receive(t) for t in sent)
         parts = [_merged(b, hidden_rows=mask is not None) for b in blocks]
         lses = [lse for _, lse in parts]
         return _cat_sequence([o for o, _ in parts]), (lses[0] if len(lses) == 1 else aten.cat.default(lses, 2))
@@ -690,6 +700,7 @@ class _Rewriter(Rewriter):
         dk = dv = None   # laid out [b, s_local, h, d], as they travel
         for step in range(self.cp):
             source = (self.layout.rank - step) % self.cp
+            sent = (self._ring_send(k), self._ring_send(v)) if step < self.cp - 1 else None
             for i, j, diagonal in self._ring_blocks(source, causal):
                 dq_block, dk_block, dv_block = target(
                     self._chunk(grad, i), self._chunk(q, i), self._chunk(k, j), self._chunk(v, j),
@@ -699,8 +710,8 @@ class _Rewriter(Rewriter):
                 dk_block, dv_block = (self._in_chunk(t, j, chunks) for t in (dk_block, dv_block))
                 dk = dk_block if dk is None else aten.add.Tensor(dk, dk_block)
                 dv = dv_block if dv is None else aten.add.Tensor(dv, dv_block)
-            if step < self.cp - 1:
-                k, v = self._ring_pass(k), self._ring_pass(v)
+            if sent is not None:
+                k, v = (self._ring_receive(t) for t in sent)
             dk, dv = self._ring_pass(dk), self._ring_pass(dv)
         return _cat_sequence(dq), aten.transpose.int(dk, 1, 2), aten.transpose.int(dv, 1, 2)
 

@@ -114,7 +114,8 @@ def test_causal_attention_is_balanced_over_the_ranks_and_skips_the_masked_keys()
 def test_ring_attention_passes_k_and_v_round_the_ranks_and_computes_the_same_blocks():
     """cp_attention=ring at cp=3 (six chunks of two): no K/V all-gather; per layer 2 x (cp - 1)
     passes of K and V in forward, and in backward K and V again plus dK and dV, which go one step
-    further, home; every rank computes as many blocks, each a pair of two-token chunks."""
+    further, home; every rank computes as many blocks, each a pair of two-token chunks; the next
+    K and V travel while the blocks of those held run."""
     graph = _capture("gpt", attention="sdpa")
     blocks = []
     for rank in range(3):
@@ -129,6 +130,14 @@ def test_ring_attention_passes_k_and_v_round_the_ranks_and_computes_the_same_blo
         work = _attention_work(out, "forward")
         assert work == _attention_work(out, "backward") and set(work) == {(2, 2)}
         blocks.append(len(work))
+        # each pass of K and V is issued before the blocks of the K and V held, waited for after them
+        nodes = list(out.graph.nodes)
+        for move in moves:
+            wait = next(iter(move.users))
+            between = nodes[nodes.index(move):nodes.index(wait)]
+            assert any("flash_attention" in str(n.target) for n in between) or move.meta["region"] == "backward"
+        assert any(any("flash_attention" in str(n.target) for n in nodes[nodes.index(m):nodes.index(next(iter(m.users)))])
+                   for m in moves if m.meta["region"] == "backward")
     assert blocks == [7, 7, 7]   # (of 36 chunk pairs, 21 causal: 6 diagonal + 15 below it)
     # SDPA's math path (Falcon's multi-query attention under its mask: matmuls and a softmax) has
     # no kernel to pass K and V round: gathered, and said so
