@@ -308,7 +308,6 @@ def launch_local(argv: Sequence[str], nprocs: int, *, env: dict[str, str] | None
     port = str(free_port())
     procs = []
     for rank in range(nprocs):
-        # A rank killed by a signal (a crash in a native library) prints its Python stack.
         rank_env = {"PYTHONFAULTHANDLER": "1", **os.environ, **(env or {}), "MASTER_ADDR": "127.0.0.1",
                     "MASTER_PORT": port, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs),
                     "LOCAL_WORLD_SIZE": str(nprocs), "GROUP_RANK": "0"}
