@@ -65,7 +65,11 @@ class BackgroundLowering:
     two steps, so a step runs wholly on one lowering; the parameters and state they read and write
     are the same tensors. The lowering gets empty tensors of the example inputs' layout (not the
     live parameters the steps update meanwhile). A failed lowering is a warning: the step keeps
-    the eager runners, and ``summary()`` says so."""
+    the eager runners, and ``summary()`` says so.
+
+    The thread is not a daemon: a process whose steps end before the lowering does waits for it
+    at exit (its kernels land in the compile cache for the next run). A daemon thread would be
+    stopped by the interpreter's shutdown inside torch's C++ code, which aborts the process."""
 
     def __init__(self, backend: str, lowering, graphs: dict, examples: dict, plan: Plan):
         import threading
@@ -77,7 +81,7 @@ class BackgroundLowering:
         layouts = {name: [torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
                           if isinstance(t, torch.Tensor) else t for t in inputs] for name, inputs in examples.items()}
         self._thread = threading.Thread(target=self._lower, args=(lowering, dict(graphs), layouts, plan),
-                                        name=f"{backend} lowering", daemon=True)
+                                        name=f"{backend} lowering", daemon=False)
         self._thread.start()
 
     def _lower(self, lowering, graphs: dict, layouts: dict, plan: Plan) -> None:
@@ -111,7 +115,8 @@ class BackgroundLowering:
 
     def describe(self) -> str:
         if self.switched_at is None:
-            return "compiling in the background; the steps so far ran on the eager lowering"
+            return ("compiling in the background; the steps so far ran on the eager lowering (the process waits "
+                    "for it at exit)")
         if self.error is not None:
             return f"background lowering failed ({type(self.error).__name__}); every step ran on the eager lowering"
         return (f"lowered in the background in {self.seconds:.1f}s; steps 1-{self.switched_at} ran on the eager "

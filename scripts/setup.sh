@@ -20,7 +20,16 @@ STAMP=.venv/.cann-setup-stamp
 WANT=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 HAVE=$(cat "$STAMP" 2>/dev/null || true)
 # A set-up with the test dependencies serves training too.
+# Python keeps no bytecode of what it imports where PYTHONDONTWRITEBYTECODE is set, and uv writes
+# none unless asked: every process would compile torch's and transformers' sources again (about
+# 2 s of a bare `import torch`, 5 s of building a transformers model on 2 cores), and the test
+# suite starts a few hundred. The installed packages are compiled once at install, the project's
+# own sources here, on every set-up (compileall skips what is up to date).
+compile_project() {
+    .venv/bin/python -m compileall -q -j 0 cann_passes graph_ir recipes tools tests bench >/dev/null
+}
 if { [ "$HAVE" = "$WANT $EXTRAS" ] || [ "$HAVE" = "$WANT test" ]; } && .venv/bin/python -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('torch') and u.find_spec('cann_passes')))"; then
+    compile_project
     exit 0
 fi
 # torch is pinned to the 2.13 CPU build (an unpinned torch would pull the CUDA build); one run
@@ -36,9 +45,10 @@ for dir in $FIND_LINKS; do
     fi
 done
 if [ ${#UV_LINKS[@]} -gt 0 ] && .venv/bin/pip install -q --disable-pip-version-check uv >/dev/null 2>&1 \
-        && .venv/bin/uv pip install -q --python .venv/bin/python "${UV_LINKS[@]}" "torch==2.13.*" -e "$SPEC"; then
+        && .venv/bin/uv pip install -q --compile-bytecode --python .venv/bin/python "${UV_LINKS[@]}" "torch==2.13.*" -e "$SPEC"; then
     :
 else
     .venv/bin/pip install -q --disable-pip-version-check "torch==2.13.*" -e "$SPEC"
 fi
+compile_project
 echo "$WANT $EXTRAS" > "$STAMP"

@@ -149,3 +149,40 @@ def test_a_foreground_lowering_that_fails_is_named_with_the_backend_that_runs_th
                                              r"backend 'eager' runs it") as info:
         step(BATCHES[0])
     assert isinstance(info.value.__cause__, KeyError)
+
+
+def test_a_process_whose_steps_end_first_waits_for_the_lowering_and_exits_cleanly(tmp_path):
+    # A daemon thread would be stopped by the interpreter's shutdown; inside inductor's C++ that
+    # aborts the process (SIGABRT) after the last step. The stand-in lowering sleeps, then marks
+    # that it finished: the process exits 0 only after it.
+    import os
+    import subprocess
+    import sys
+
+    from tests.gloo_scenarios import REPO, RANK_ENV
+    done = tmp_path / "lowered"
+    script = f"""
+import time
+from pathlib import Path
+from cann_passes import Plan, compile_for_npu
+from cann_passes.lowering.eager import EagerLowering
+from cann_passes.lowering.inductor import InductorLowering
+from tests.passes._tiny import mlp_batch, mlp_step
+
+def compile(self, graph, example_inputs, plan):
+    time.sleep(1.0)
+    runner = EagerLowering().compile(graph, example_inputs, plan)
+    Path({str(done)!r}).write_text("done")
+    return runner
+InductorLowering.compile = compile
+tiny = mlp_step()
+model, opt = tiny.fresh()
+step = compile_for_npu(model, Plan(backend="inductor", background_lowering=True), optimizer=opt, loss_fn=tiny.loss_fn)
+step(mlp_batch(1))
+print(step.summary())
+"""
+    proc = subprocess.run([sys.executable, "-c", script], env={**os.environ, **RANK_ENV},
+                          cwd=str(REPO), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "the process waits for it at exit" in proc.stdout
+    assert done.read_text() == "done"
