@@ -10,6 +10,11 @@ from tests import zoo
 
 REPO = Path(__file__).resolve().parents[1]
 RANK_ENV = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+# What every rank imports: ranks fork from a server that imported these once (``launch_local``'s
+# ``preload``), where a fresh interpreter spends seconds of a 2-core machine on them per rank.
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "transformers.modeling_utils",
+           "transformers.models.llama.modeling_llama", "cann_passes", "graph_ir", "tests.zoo",
+           "recipes.models.gpt")
 
 
 def make(name: str, opt: str):
@@ -37,7 +42,7 @@ def launch(worker: str, tmp_path, world: int, mesh: str, scenarios: list[str]) -
     """Run ``worker OUT MESH SCENARIO...`` on ``world`` local ranks; each scenario's saved result."""
     from cann_passes.runtime.distributed import launch_local, rank_failures
     results = launch_local([worker, str(tmp_path), mesh, *scenarios], world, env=RANK_ENV, timeout_s=900,
-                           cwd=str(REPO))
+                           cwd=str(REPO), preload=PRELOAD)
     report = rank_failures(results)
     assert not report, report
     return {s: torch.load(Path(tmp_path) / f"{s}.{mesh}.pt", weights_only=False) for s in scenarios}

@@ -297,22 +297,29 @@ def free_port() -> int:
 
 
 def launch_local(argv: Sequence[str], nprocs: int, *, env: dict[str, str] | None = None,
-                 timeout_s: float | None = None, cwd: str | None = None) -> list[subprocess.CompletedProcess]:
+                 timeout_s: float | None = None, cwd: str | None = None,
+                 preload: Sequence[str] = ()) -> list[subprocess.CompletedProcess]:
     """Run ``python argv...`` as ``nprocs`` ranks on this machine with torchrun's environment.
 
     Each rank is a plain process (no agent restarting or killing anything), so
     what a rank does on a fault is its own behaviour. Processes still running
     after ``timeout_s`` are killed and reported with return code None. A rank
     that crashes in native code reports its Python stack (``PYTHONFAULTHANDLER``).
+
+    ``preload`` (module names) forks the ranks from a server process that imported those modules
+    once (multiprocessing's forkserver, started on the first such launch and kept for the next):
+    a rank then starts in milliseconds where a fresh interpreter spends seconds importing torch
+    and transformers. ``argv`` is then ``script.py args...`` or ``-m module args...``, run as
+    ``__main__`` with this launch's environment, working directory and ``sys.argv``.
     """
     port = str(free_port())
-    procs = []
-    for rank in range(nprocs):
-        rank_env = {"PYTHONFAULTHANDLER": "1", **os.environ, **(env or {}), "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": port, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs),
-                    "LOCAL_WORLD_SIZE": str(nprocs), "GROUP_RANK": "0"}
-        procs.append(subprocess.Popen([sys.executable, *argv], env=rank_env, cwd=cwd, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    envs = [{"PYTHONFAULTHANDLER": "1", **os.environ, **(env or {}), "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": port, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs),
+             "LOCAL_WORLD_SIZE": str(nprocs), "GROUP_RANK": "0"} for rank in range(nprocs)]
+    if preload:
+        return _launch_forked(list(argv), envs, timeout_s, cwd, list(preload))
+    procs = [subprocess.Popen([sys.executable, *argv], env=rank_env, cwd=cwd, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for rank_env in envs]
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     results = []
     for proc in procs:
@@ -325,6 +332,74 @@ def launch_local(argv: Sequence[str], nprocs: int, *, env: dict[str, str] | None
             out, err = proc.communicate()
             results.append(subprocess.CompletedProcess(proc.args, None, out, err))
     return results
+
+
+def _launch_forked(argv: list[str], envs: list[dict], timeout_s: float | None, cwd: str | None,
+                   preload: list[str]) -> list[subprocess.CompletedProcess]:
+    import multiprocessing
+    import tempfile
+    if not argv or (argv[0] == "-m" and len(argv) < 2) or (argv[0].startswith("-") and argv[0] != "-m"):
+        raise ValueError(f"launch_local(preload=...) runs 'script.py args' or '-m module args', not {argv!r}")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(preload)
+    with tempfile.TemporaryDirectory(prefix="cann-ranks-") as tmp:
+        procs = []
+        for rank, rank_env in enumerate(envs):
+            out, err = os.path.join(tmp, f"{rank}.out"), os.path.join(tmp, f"{rank}.err")
+            proc = ctx.Process(target=_forked_rank, args=(argv, rank_env, cwd, out, err), name=f"rank {rank}")
+            proc.start()
+            procs.append((proc, out, err))
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        results = []
+        for proc, out, err in procs:
+            proc.join(None if deadline is None else max(0.1, deadline - time.monotonic()))
+            code = proc.exitcode
+            if code is None:
+                proc.kill()
+                proc.join()
+            results.append(subprocess.CompletedProcess([sys.executable, *argv], code, _read(out), _read(err)))
+    return results
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
+
+
+def _forked_rank(argv: list[str], env: dict, cwd: str | None, out: str, err: str) -> None:
+    """One rank, in a process forked from the preloading server: what a fresh ``python argv...``
+    would see (environment, working directory, ``sys.argv``, ``sys.path``), then ``__main__``."""
+    import faulthandler
+    import runpy
+    for fd, path in ((1, out), (2, err)):
+        with open(path, "w") as f:
+            os.dup2(f.fileno(), fd)
+    os.environ.clear()
+    os.environ.update(env)
+    if cwd:
+        os.chdir(cwd)
+    faulthandler.enable()
+    # The server's OpenMP runtime read its thread count before this rank's environment existed.
+    if "torch" in sys.modules and env.get("OMP_NUM_THREADS", "").isdigit():
+        sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
+    for entry in reversed([p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    try:
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            script = os.path.abspath(argv[0])
+            sys.argv = list(argv)
+            sys.path.insert(0, os.path.dirname(script))
+            runpy.run_path(script, run_name="__main__")
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
 
 
 def rank_failures(results: Sequence[subprocess.CompletedProcess], tail: int = 4000) -> str:

@@ -11,6 +11,7 @@ import torch
 from cann_passes import Plan, compile_for_npu
 from cann_passes.plan import PlanError
 from cann_passes.runtime.distributed import launch_local, rank_failures
+from tests.gloo_scenarios import PRELOAD
 from tests.zoo import build, compare, eager_steps
 
 HERE = Path(__file__).parent
@@ -111,7 +112,7 @@ def _single_process_reference():
 @pytest.mark.slow
 def test_clipping_under_dp2_and_zero3_on_gloo_equals_single_process_clipping(tmp_path):
     results = launch_local([str(HERE / "clip_worker.py"), str(tmp_path), "dp,zero3"], 2,
-                           env={"PYTHONPATH": str(REPO)}, timeout_s=300, cwd=str(REPO))
+                           env={"PYTHONPATH": str(REPO)}, timeout_s=300, cwd=str(REPO), preload=PRELOAD)
     report = rank_failures(results)
     assert not report, report
     ref_losses, ref_norms, ref_params = _single_process_reference()

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from cann_passes.runtime.distributed import launch_local, rank_failures
+from tests.gloo_scenarios import PRELOAD
 
 sys.path.insert(0, str(Path(__file__).parent))
 import clip_tp_worker  # noqa: E402
@@ -39,7 +40,7 @@ def eager_clipped(name: str):
 @pytest.mark.parametrize("name,flags", [("llama", []), ("gpt2", [])])
 def test_tp2_grad_clipping_matches_clip_grad_norm(tmp_path, name, flags):
     results = launch_local([WORKER, str(tmp_path), name, str(MAX_NORM), *flags], 2, env=RANK_ENV,
-                           timeout_s=900, cwd=str(REPO))
+                           timeout_s=900, cwd=str(REPO), preload=PRELOAD)
     report = rank_failures(results)
     assert not report, report
     got = torch.load(tmp_path / f"{name}.pt", weights_only=False)

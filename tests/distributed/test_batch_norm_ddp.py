@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.gloo_scenarios import PRELOAD
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_distributed import RANK_ENV, REPO, assert_all_ok  # noqa: E402
@@ -20,7 +21,7 @@ def _launch_and_compare(tmp_path, plans: list[str], world: int) -> None:
     """Run the worker's plans on ``world`` ranks; every rank's state_dict within 1e-5 of its
     reference (DDP, or for a ``sync`` plan one process on the global batch)."""
     from cann_passes.runtime.distributed import launch_local
-    assert_all_ok(launch_local([WORKER, str(tmp_path), *plans], world, env=RANK_ENV, timeout_s=600, cwd=str(REPO)))
+    assert_all_ok(launch_local([WORKER, str(tmp_path), *plans], world, env=RANK_ENV, timeout_s=600, cwd=str(REPO), preload=PRELOAD))
     for name in plans:
         for rank in range(world):
             diff = torch.load(tmp_path / f"{name}.rank{rank}.pt")

@@ -31,6 +31,7 @@ from test_distributed import RANK_ENV, REPO, assert_all_ok  # noqa: E402
 
 from cann_passes import Plan, compile_for_npu  # noqa: E402
 from cann_passes.runtime import checkpoint  # noqa: E402
+from tests.gloo_scenarios import PRELOAD  # noqa: E402
 from tests import zoo  # noqa: E402
 
 # In one process, from 2**21 with growth every 2 clean steps, steps 0, 1, 4, 5 overflow; after
@@ -206,7 +207,7 @@ def rank_main(out: str, mode: str) -> None:
 @pytest.mark.parametrize("mode", ["dp", "pp"])
 def test_resumed_fp16_training_on_two_gloo_ranks_is_bitwise_the_uninterrupted_run(mode, tmp_path):
     from cann_passes.runtime.distributed import launch_local
-    assert_all_ok(launch_local([__file__, str(tmp_path), mode], 2, env=RANK_ENV, timeout_s=600, cwd=str(REPO)))
+    assert_all_ok(launch_local([__file__, str(tmp_path), mode], 2, env=RANK_ENV, timeout_s=600, cwd=str(REPO), preload=PRELOAD))
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     for rank, result in enumerate(results):
         assert result["notes"] == [], f"{mode} rank {rank}: {result['notes']}"

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from cann_passes.runtime.distributed import FAULT_EXIT_CODE, launch_local, rank_failures
+from tests.gloo_scenarios import PRELOAD
 
 sys.path.insert(0, str(Path(__file__).parent))
 import worker  # noqa: E402
@@ -26,7 +27,7 @@ RANK_ENV = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 
 
 def run_ranks(n: int, *args: str, timeout_s: float = 600):
-    results = launch_local([WORKER, *args], n, env=RANK_ENV, timeout_s=timeout_s, cwd=str(REPO))
+    results = launch_local([WORKER, *args], n, env=RANK_ENV, timeout_s=timeout_s, cwd=str(REPO), preload=PRELOAD)
     return results
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.gloo_scenarios import PRELOAD
 
 sys.path.insert(0, str(Path(__file__).parent))
 import inplace_worker  # noqa: E402
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.slow
 
 def _launch(*args: str):
     from cann_passes.runtime.distributed import launch_local
-    assert_all_ok(launch_local([WORKER, *args], 2, env=RANK_ENV, timeout_s=600, cwd=str(REPO)))
+    assert_all_ok(launch_local([WORKER, *args], 2, env=RANK_ENV, timeout_s=600, cwd=str(REPO), preload=PRELOAD))
 
 
 def _eager_torch(kind: str, clip):

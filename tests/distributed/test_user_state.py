@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.gloo_scenarios import PRELOAD
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
 
@@ -103,7 +104,7 @@ def rank_main(scenario: str, out: str, ckpt: str = "") -> None:
 def _spawn(n: int, *args: str):
     from cann_passes.runtime.distributed import launch_local
     assert_all_ok(launch_local([__file__, *args], n, env=RANK_ENV, timeout_s=600,
-                               cwd=str(REPO)))
+                               cwd=str(REPO), preload=PRELOAD))
 
 
 def eager_run(kind: str, steps: range, model=None, opt=None):

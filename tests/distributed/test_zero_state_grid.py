@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.gloo_scenarios import PRELOAD
 
 sys.path.insert(0, str(Path(__file__).parent))
 import worker  # noqa: E402
@@ -65,7 +66,7 @@ def test_every_zero_stage_leaves_the_trained_model_in_the_users_state_dict_and_f
         world_size, reference, tmp_path):
     from cann_passes.runtime.distributed import launch_local
     assert_all_ok(launch_local([__file__, str(tmp_path)], world_size, env=RANK_ENV,
-                               timeout_s=600, cwd=str(REPO)))
+                               timeout_s=600, cwd=str(REPO), preload=PRELOAD))
     want_state, want_eval = reference
     for rank in range(world_size):
         got = torch.load(tmp_path / f"grid_{world_size}.rank{rank}.pt", weights_only=False)

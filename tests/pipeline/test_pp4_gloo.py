@@ -19,6 +19,7 @@ import torch
 from cann_passes import schedules as S
 from cann_passes.runtime.distributed import launch_local, rank_failures
 from cann_passes.schedules import timeline_from_events
+from tests.gloo_scenarios import PRELOAD
 
 sys.path.insert(0, str(Path(__file__).parent))
 import pp_worker  # noqa: E402
@@ -40,7 +41,7 @@ PP4 = ["gpipe:sgd", "interleaved_1f1b:sgd:2", "dualpipev:adamw",
 def _launch(tmp_path_factory, name: str, pp: int, configs: list[str]):
     out = tmp_path_factory.mktemp(name)
     results = launch_local([WORKER, str(out), "gpt4", str(pp), *configs], pp,
-                           env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, timeout_s=900, cwd=str(REPO))
+                           env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, timeout_s=900, cwd=str(REPO), preload=PRELOAD)
     report = rank_failures(results)
     assert not report, report
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(pp)]

@@ -23,6 +23,7 @@ import torch
 from cann_passes import compile_for_npu
 from cann_passes.runtime.distributed import launch_local, rank_failures
 from cann_passes.schedules import timeline_from_events
+from tests.gloo_scenarios import PRELOAD
 
 sys.path.insert(0, str(Path(__file__).parent))
 import pp_worker  # noqa: E402
@@ -37,7 +38,7 @@ def _launch(tmp_path_factory, name: str, nprocs: int, model: str, pp: int, dp: i
             tp: int = 1):
     out = tmp_path_factory.mktemp(name)
     results = launch_local([WORKER, str(out), model, str(pp), str(dp), str(tp), *configs], nprocs,
-                           env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, timeout_s=900, cwd=str(REPO))
+                           env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, timeout_s=900, cwd=str(REPO), preload=PRELOAD)
     report = rank_failures(results)
     assert not report, report
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nprocs)]

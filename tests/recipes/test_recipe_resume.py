@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from cann_passes.runtime.distributed import launch_local, rank_failures
+from tests.gloo_scenarios import PRELOAD
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["--batch-size", "2", "--seq-len", "16", "--backend", "eager"]
@@ -81,7 +82,7 @@ def test_two_data_parallel_ranks_resume_bitwise(tmp_path):
 
     def run(*argv):
         results = launch_local(["-m", "recipes.llama", "--plan", plan, *TINY, "--steps", "4", *argv], 2,
-                               env=RANK_ENV, timeout_s=300, cwd=str(REPO))
+                               env=RANK_ENV, timeout_s=300, cwd=str(REPO), preload=PRELOAD)
         assert not rank_failures(results), rank_failures(results)
 
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from cann_passes.runtime.distributed import launch_local, rank_failures
+from tests.gloo_scenarios import PRELOAD
 
 sys.path.insert(0, str(Path(__file__).parent))
 import tp_worker  # noqa: E402
@@ -52,7 +53,7 @@ def eager_reference(name: str, opt: str, pad: bool = True, microbatches: int = 1
 def launch(tmp_path, world: int, scenarios: list[str], tp: int | None = None) -> dict[str, dict]:
     tp = tp or world
     argv = [WORKER, str(tmp_path), *([f"tp={tp}"] if tp != world else []), *scenarios]
-    results = launch_local(argv, world, env=RANK_ENV, timeout_s=900, cwd=str(REPO))
+    results = launch_local(argv, world, env=RANK_ENV, timeout_s=900, cwd=str(REPO), preload=PRELOAD)
     report = rank_failures(results)
     assert not report, report
     dp = world // tp
