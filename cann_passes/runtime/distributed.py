@@ -391,6 +391,7 @@ def _forked_rank(argv: list[str], env: dict, cwd: str | None, out: str, err: str
     try:
         if argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]
+            sys.path.insert(0, os.getcwd())
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         else:
             script = os.path.abspath(argv[0])
