@@ -12,7 +12,7 @@ from cann_passes import Plan, compile_for_npu
 from cann_passes.cost_model import get_profile
 from cann_passes.pass_manager import PassContext, PassManager, is_registered
 from cann_passes.passes.recompute import _Builder
-from cann_passes.recompute_solver import min_bytes, solve_greedy, solve_milp, solve_mincut
+from cann_passes.recompute_solver import min_bytes, solve, solve_greedy, solve_milp, solve_mincut
 from graph_ir import capture_train_step, gather_inputs
 from graph_ir.analysis import graph_cost, memory_profile
 from graph_ir.analysis.memory import aliases_input
@@ -194,7 +194,7 @@ class TestRecomputeSolvers:
         for fraction in (0.75, 0.5, 0.3, 0.15):
             budget = max(fraction * top, floor)
             exact = solve_milp(problem, budget)
-            for fast in (solve_mincut(problem, budget), solve_greedy(problem, budget)):
+            for fast in (solve_mincut(problem, budget), solve_greedy(problem, budget), solve(problem, budget)):
                 assert fast.bytes <= budget
                 assert fast.cost <= exact.cost * 1.05 + 1e-12, (fraction, fast.solver, fast.cost, exact.cost)
 
