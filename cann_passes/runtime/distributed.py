@@ -312,7 +312,7 @@ def launch_local(argv: Sequence[str], nprocs: int, *, env: dict[str, str] | None
     and transformers. ``argv`` is then ``script.py args...`` or ``-m module args...``, run as
     ``__main__`` with this launch's environment, working directory and ``sys.argv``. As with any
     forkserver start, the launching program's own main module must be import-safe (its work under
-    ``if __name__ == "__main__":``), since the server imports it.
+    ``if __name__ == "__main__":``): each rank imports it before it runs ``argv``.
     """
     port = str(free_port())
     envs = [{"PYTHONFAULTHANDLER": "1", **os.environ, **(env or {}), "MASTER_ADDR": "127.0.0.1",
