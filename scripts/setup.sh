@@ -8,8 +8,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS=${1:-test}
 case "$EXTRAS" in
-    core) SPEC="." BYTECODE=() ;;
-    test) SPEC=".[test]" BYTECODE=(--compile-bytecode) ;;
+    core) SPEC="." ;;
+    test) SPEC=".[test]" ;;
     *) echo "usage: scripts/setup.sh [core|test]" >&2; exit 2 ;;
 esac
 PY=${PYTHON:-python3}
@@ -19,17 +19,20 @@ fi
 STAMP=.venv/.cann-setup-stamp
 WANT=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 HAVE=$(cat "$STAMP" 2>/dev/null || true)
-# A set-up with the test dependencies serves training too.
 # Python keeps no bytecode of what it imports where PYTHONDONTWRITEBYTECODE is set, and uv writes
 # none unless asked: every process would compile torch's and transformers' sources again (about
 # 2 s of a bare `import torch`, 5 s of building a transformers model on 2 cores), and the test
 # suite starts a few hundred. With the test dependencies the installed packages are compiled once
-# at install (13 s on 2 cores); a `core` set-up leaves it to the imports, for a sooner first step
-# of scripts/train.sh. The project's own sources are compiled on every set-up (compileall skips
-# what is up to date).
+# at install (about 19 s on 2 cores; also after a `core` set-up, which leaves it to the imports for
+# a sooner first step of scripts/train.sh). The project's own sources are compiled on every set-up
+# (compileall skips what is up to date).
 compile_project() {
     .venv/bin/python -m compileall -q -j 0 cann_passes graph_ir recipes tools tests bench >/dev/null
 }
+compile_packages() {
+    .venv/bin/python -m compileall -q -j 0 "$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null 2>&1 || true
+}
+# A set-up with the test dependencies serves training too.
 if { [ "$HAVE" = "$WANT $EXTRAS" ] || [ "$HAVE" = "$WANT test" ]; } && .venv/bin/python -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('torch') and u.find_spec('cann_passes')))"; then
     compile_project
     exit 0
@@ -47,10 +50,13 @@ for dir in $FIND_LINKS; do
     fi
 done
 if [ ${#UV_LINKS[@]} -gt 0 ] && .venv/bin/pip install -q --disable-pip-version-check uv >/dev/null 2>&1 \
-        && .venv/bin/uv pip install -q ${BYTECODE[@]+"${BYTECODE[@]}"} --python .venv/bin/python "${UV_LINKS[@]}" "torch==2.13.*" -e "$SPEC"; then
+        && .venv/bin/uv pip install -q --python .venv/bin/python "${UV_LINKS[@]}" "torch==2.13.*" -e "$SPEC"; then
     :
 else
     .venv/bin/pip install -q --disable-pip-version-check "torch==2.13.*" -e "$SPEC"
+fi
+if [ "$EXTRAS" = test ]; then
+    compile_packages
 fi
 compile_project
 echo "$WANT $EXTRAS" > "$STAMP"
