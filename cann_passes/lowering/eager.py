@@ -18,9 +18,10 @@ unmarked, functional graph instead (``base.GuardedRunner``). With
 ``$CANN_PASSES_INPLACE_UPDATES=0`` the driver asks for
 ``reuse_dead_operands{inputs=false}`` and no input is written.
 
-Data parallelism's gradient buckets are reduced by the functional ``all_reduce``
-(a clone of the bucket), not in place. The same kernel runs on the same values,
-so results are bitwise those of the functional graph.
+A gradient bucket whose flattened buffer dies at its all-reduce is reduced in
+place (``all_reduce_``), as DDP reduces its bucket, instead of by the
+functional ``all_reduce``, which copies the bucket first. The same kernels run
+on the same values, so results are bitwise those of the functional graph.
 """
 from __future__ import annotations
 

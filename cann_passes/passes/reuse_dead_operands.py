@@ -54,6 +54,11 @@ of fresh parameters and state every step; ``CANN_PASSES_INPLACE_UPDATES=0``
 asks for it (``reuse_dead_operands{inputs=false}``, and no
 ``wait_for_reductions_first``).
 
+A gradient bucket's ``all_reduce`` is marked too (to run as ``all_reduce_``) when its input is
+a buffer the graph allocated (the flattened bucket) that nothing reads after the collective and
+no other collective still reads: the functional op copies its input into a fresh buffer first,
+one more pass over every gradient byte and a bucket-sized allocation per step.
+
 A multi-tensor op of ``graph_ir.multi_tensor_ops.IN_PLACE`` (``cann::fused_adam``, the fused
 AdamW kernel) is marked by the same rules applied to every tensor of the lists it writes: each
 dies there (a buffer the graph allocated, or an updated input past the first-write fence whose
@@ -86,6 +91,11 @@ from graph_ir.meta import REUSE_COPIES, REUSES_OPERAND, GraphAttr, Region, regio
 from graph_ir.multi_tensor_ops import IN_PLACE, InPlaceLists
 
 from ..pass_manager import PassContext, register_pass
+
+
+c10d = torch.ops._c10d_functional
+# Collectives with an in-place form the eager lowering runs where their input dies.
+IN_PLACE_COLLECTIVES = {c10d.all_reduce.default: c10d.all_reduce_.default}
 
 
 def _layout(val) -> tuple | None:
@@ -121,6 +131,8 @@ def _plan(graph: torch.fx.Graph, writable: dict[torch.fx.Node, int]) -> ReusePla
 
     never = len(nodes) + 1
     last_use: dict[torch.fx.Node, int] = {}
+    read_last: dict[torch.fx.Node, int] = {}    # the last op reading a buffer, collectives' waits aside
+    in_flight: dict[torch.fx.Node, list[tuple[torch.fx.Node, int]]] = {}   # buffer -> (collective, its wait)
     # Inputs are written only after this position: the last op that can fail on data or on a peer
     # (a forward or backward op, a collective other than the all-gather of the update).
     fence = -1
@@ -128,6 +140,7 @@ def _plan(graph: torch.fx.Graph, writable: dict[torch.fx.Node, int]) -> ReusePla
         for a in n.all_input_nodes:
             r = roots[a]
             last_use[r] = never if n.op == "output" else max(last_use.get(r, -1), position[n])
+            read_last[r] = last_use[r] if n.op == "output" else max(read_last.get(r, -1), position[n])
         if n.op == "call_function" and (region_of(n) != Region.OPTIMIZER
                                         or (is_communication_op(n) and not distributes_update(n))):
             fence = position[n]
@@ -138,9 +151,13 @@ def _plan(graph: torch.fx.Graph, writable: dict[torch.fx.Node, int]) -> ReusePla
             for a in n.all_input_nodes:
                 r = roots[a]
                 last_use[r] = max(last_use[r], done)
+                in_flight.setdefault(r, []).append((n, done))
     plan = ReusePlan()
     for n in nodes:
         if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload) or not n.args:
+            continue
+        if n.target in IN_PLACE_COLLECTIVES:
+            _plan_collective(n, position, read_last, in_flight, roots, find, parent, last_use, plan)
             continue
         if n.target in IN_PLACE:
             _plan_lists(n, IN_PLACE[n.target], writable, position, fence, last_use, roots, find, parent, plan)
@@ -180,6 +197,28 @@ def _plan(graph: torch.fx.Graph, writable: dict[torch.fx.Node, int]) -> ReusePla
     if wrong:
         return _plan(graph, {p: i for p, i in writable.items() if p not in wrong})
     return plan
+
+
+def _plan_collective(n, position, read_last, in_flight, roots, find, parent, last_use, plan: ReusePlan) -> None:
+    """A gradient bucket's all-reduce in place on its input (the flattened bucket, a buffer the graph
+    allocated) when the collective is that buffer's last reader and no other collective still reads
+    it: the functional all-reduce copies its input into a fresh buffer first, a second pass over
+    every gradient byte. An input of the graph is never reduced in place (before the fence)."""
+    x = n.args[0]
+    if not isinstance(x, torch.fx.Node) or x.op != "call_function":
+        return
+    root = find(x)
+    if root.op != "call_function" or read_last.get(roots[x]) != position[n]:
+        return
+    if any(c is not n and done > position[n] for c, done in in_flight.get(roots[x], ())):
+        return
+    layout = _layout(n.meta.get("val"))
+    if layout is None or layout != _layout(x.meta.get("val")):
+        return
+    plan.rewrites[n] = IN_PLACE_COLLECTIVES[n.target]
+    own = roots[n]
+    parent[own] = root
+    last_use[root] = last_use.get(own, position[n])
 
 
 def _plan_lists(n, spec: InPlaceLists, writable, position, fence, last_use, roots, find, parent,
@@ -245,7 +284,9 @@ def apply_reuse(gm: torch.fx.GraphModule) -> int:
     """Switch every marked op of ``gm`` to its in-place variant; returns how many."""
     marked = [n for n in gm.graph.nodes if n.meta.get(REUSES_OPERAND)]
     for node in marked:
-        if node.target in IN_PLACE:
+        if node.target in IN_PLACE_COLLECTIVES:
+            node.target = IN_PLACE_COLLECTIVES[node.target]
+        elif node.target in IN_PLACE:
             node.target = IN_PLACE[node.target].run
             node.kwargs = {**node.kwargs, "copies": node.meta.get(REUSE_COPIES, ())}
         else:

@@ -111,3 +111,44 @@ def test_an_input_of_a_collective_in_flight_is_not_written_before_its_wait():
         g = graph(read_before_wait)
         add = next(n for n in g.nodes if n.target is torch.ops.aten.add.Tensor)
         assert (add in mark_reuse(g).rewrites) is not read_before_wait
+
+
+def _bucket_graph(read: str) -> torch.fx.Graph:
+    """``cat`` two gradients into a bucket, all-reduce it and read the result; ``read``: where the
+    bucket itself is read once more ("none", "between" issue and wait, "after" the wait), or
+    "other" for a second collective still in flight on it at the all-reduce."""
+    c10d = torch.ops._c10d_functional
+    g = torch.fx.Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    bucket = g.call_function(torch.ops.aten.cat.default, ([a, b],))
+    if read == "other":
+        other = g.call_function(c10d.all_reduce.default, (bucket, "max", "0"))
+    reduced = g.call_function(c10d.all_reduce.default, (bucket, "avg", "0"))
+    extra = [g.call_function(torch.ops.aten.mul.Tensor, (bucket, 2.0))] if read == "between" else []
+    done = g.call_function(c10d.wait_tensor.default, (reduced,))
+    if read == "other":
+        extra = [g.call_function(c10d.wait_tensor.default, (other,))]
+    if read == "after":
+        extra = [g.call_function(torch.ops.aten.mul.Tensor, (bucket, 2.0))]
+    g.output((g.call_function(torch.ops.aten.mul.Tensor, (done, 0.5)), *extra))
+    for n in g.nodes:
+        if n.op != "output":
+            n.meta["val"] = torch.empty(8 if n.op != "placeholder" else 4)
+    return g
+
+
+def test_a_bucket_all_reduce_runs_in_place_where_the_bucket_dies_there():
+    """The functional all-reduce copies its input first; where the flattened bucket has no reader
+    after the collective (and no other collective still reads it) the eager lowering reduces it in
+    place (``all_reduce_``)."""
+    from cann_passes.passes.reuse_dead_operands import apply_reuse, mark_reuse
+    c10d = torch.ops._c10d_functional
+    for read in ("none", "between", "after", "other"):
+        g = _bucket_graph(read)
+        reduce = next(n for n in g.nodes if n.target is c10d.all_reduce.default and n.args[1] == "avg")
+        assert (reduce in mark_reuse(g).rewrites) is (read == "none"), read
+    g = _bucket_graph("none")
+    mark_reuse(g)
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    assert apply_reuse(gm) == 2     # the all-reduce and the final mul (over the reduced bucket)
+    assert [n.target for n in gm.graph.nodes if "all_reduce" in str(n.target)] == [c10d.all_reduce_.default]
