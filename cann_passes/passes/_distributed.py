@@ -152,12 +152,18 @@ def first_node_of(tg: TrainGraph, region: Region) -> torch.fx.Node:
 
 # -- buckets ------------------------------------------------------------------------------------
 
-def make_buckets(names: list[str], sizes: dict[str, int], bucket_bytes: float) -> list[list[str]]:
-    """Consecutive names grouped while their bytes fit ``bucket_bytes`` (a bucket holds at least one)."""
+def make_buckets(names: list[str], sizes: dict[str, int], bucket_bytes: float,
+                 first_bytes: float | None = None) -> list[list[str]]:
+    """Consecutive names grouped while their bytes fit ``bucket_bytes`` (a bucket holds at least one);
+    the first bucket while they fit ``first_bytes`` too, where given."""
     buckets: list[list[str]] = []
-    used = math.inf
+    used = 0
+
+    def cap(index: int) -> float:
+        return min(bucket_bytes, first_bytes) if index == 0 and first_bytes is not None else bucket_bytes
+
     for name in names:
-        if used + sizes[name] > bucket_bytes and (not buckets or buckets[-1]):
+        if not buckets or used + sizes[name] > cap(len(buckets) - 1):
             buckets.append([])
             used = 0
         buckets[-1].append(name)

@@ -1,7 +1,9 @@
 """data_parallel: average gradients over the data-parallel ranks with bucketed all-reduces.
 
 Each bucket (consecutive gradients in the order backward produces them, up to
-``bucket_mb``) is flattened into one buffer and all-reduced once. The
+``bucket_mb``; the first up to ``first_bucket_mb``, 1 MiB, as torch DDP's first
+bucket, so that the first all-reduce starts early in backward instead of
+waiting for a whole bucket) is flattened into one buffer and all-reduced once. The
 all-reduce sits right after the bucket's last gradient is produced and its
 ``wait_tensor`` right before the optimizer first reads the bucket, so a backend
 can overlap it with the rest of backward. Averaging (``"avg"``) divides by the
@@ -48,7 +50,7 @@ ALGOS = ("auto", "ring", "tree")
 
 @register_pass("data_parallel", preserves=())
 def data_parallel_pass(graph: TrainGraph, ctx: PassContext, *, bucket_mb: float = 25.0,
-                       algo: Literal[ALGOS] = "auto", reduce_dtype: Literal[tuple(REDUCE_DTYPES)] = "fp32",
+                       first_bucket_mb: float = 1.0, algo: Literal[ALGOS] = "auto", reduce_dtype: Literal[tuple(REDUCE_DTYPES)] = "fp32",
                        buffers: Literal[BUFFER_SYNC] = "broadcast") -> TrainGraph:
     """Bucketed gradient all-reduce over the mesh's ``dp`` dimension; loss averaged over ranks.
     ``reduce_dtype=bf16``: each bucket reduced in bf16 (divided by the ranks first) and cast back.
@@ -57,8 +59,9 @@ def data_parallel_pass(graph: TrainGraph, ctx: PassContext, *, bucket_mb: float 
     dtype = reduce_dtype_of(reduce_dtype, "data_parallel")
     if algo not in ALGOS:
         raise DistributedRewriteError(f"data_parallel option algo={algo!r} must be one of {ALGOS}")
-    if bucket_mb <= 0:
-        raise DistributedRewriteError(f"data_parallel option bucket_mb={bucket_mb} must be > 0")
+    for name, value in (("bucket_mb", bucket_mb), ("first_bucket_mb", first_bucket_mb)):
+        if not value > 0:
+            raise DistributedRewriteError(f"data_parallel option {name}={value} must be > 0")
     group = mesh_dim(ctx, "dp", "data_parallel")
     if GraphAttr.ZERO in graph.attrs:
         raise DistributedRewriteError("data_parallel after optimizer_shard would reduce gradients "
@@ -69,7 +72,7 @@ def data_parallel_pass(graph: TrainGraph, ctx: PassContext, *, bucket_mb: float 
     order = sorted(grads, key=lambda n: position[grads[n]])
     experts = expert_params(graph)
     sizes = {n: nbytes(grads[n].meta["val"]) for n in order}
-    buckets = make_buckets([n for n in order if n not in experts], sizes, bucket_mb * 2**20)
+    buckets = make_buckets([n for n in order if n not in experts], sizes, bucket_mb * 2**20, first_bucket_mb * 2**20)
     parts = graph.attrs.get(GraphAttr.CONTEXT_PARALLEL, {}).get("partial_gradients")
     summed = mesh_dim(ctx, "dp_cp", "data_parallel") if parts else group
     for bucket in buckets:

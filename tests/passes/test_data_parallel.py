@@ -52,6 +52,19 @@ class TestDataParallel:
         assert sizes == [5 + 160 + 32, 1024, 32, 384] and record.stats["buckets"] == 4
         assert record.stats["all_reduce_elements"] == one_record.stats["all_reduce_elements"]
 
+    def test_the_first_bucket_is_capped_at_first_bucket_mb_as_ddp_caps_its_first(self, step):
+        one, _ = _dp(step)
+        out, record = _dp(step, "cleanup,data_parallel{bucket_mb=1,first_bucket_mb=0.001}")
+        sizes = [n.args[0].meta["val"].numel() for n in _gradient_reduces(out)]
+        # 1 KiB first (the gradients backward produces first), the rest in one bucket of 1 MiB.
+        assert sizes == [5 + 160 + 32, GRADIENT_ELEMENTS - 197] and record.stats["buckets"] == 2
+        order = {n: i for i, n in enumerate(out.graph.nodes)}
+        last_backward = max((n for n in out.compute_nodes() if str(n.meta[REGION]) == "backward"),
+                            key=order.__getitem__)
+        assert order[_gradient_reduces(out)[0]] < order[last_backward]
+        with pytest.raises(PassFailure, match="first_bucket_mb=0.0 must be > 0"):
+            _dp(step, "cleanup,data_parallel{first_bucket_mb=0.0}")
+
     def test_each_bucket_is_sent_in_backward_and_waited_for_in_the_optimizer_region(self, step):
         out, _ = _dp(step, "cleanup,data_parallel{bucket_mb=0.001}")
         order = {n: i for i, n in enumerate(out.graph.nodes)}
