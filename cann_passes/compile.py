@@ -37,11 +37,12 @@ LAST_PASSES = ("reuse_dead_operands",)
 
 def required(backend: str, mesh: MeshDesc | None = None) -> Pipeline:
     """What ``backend`` and ``mesh`` need at the end of every pipeline: the lowering's passes, and
-    ``gloo_all_gathers_alone`` where an axis of the mesh runs on gloo (``MeshDesc.backends``)."""
+    ``gloo_reduce_scatter_as_all_reduce`` and ``gloo_all_gathers_alone`` where an axis of the mesh
+    runs on gloo (``MeshDesc.backends``)."""
     passes = list(Pipeline.of(*required_passes(backend)).passes)
     if mesh is not None and "gloo" in mesh.backends:
         at = next((i for i, p in enumerate(passes) if p.name in LAST_PASSES), len(passes))
-        passes.insert(at, Pipeline.parse("gloo_all_gathers_alone").passes[0])
+        passes[at:at] = Pipeline.of("gloo_reduce_scatter_as_all_reduce", "gloo_all_gathers_alone").passes
     return Pipeline(tuple(passes))
 
 

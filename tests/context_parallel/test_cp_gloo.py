@@ -118,10 +118,12 @@ def test_dp2_cp2_matches_single_process(tmp_path):
         assert got[scenario]["attrs"]["partial_gradients"]
     # the gradients' parts summed over dp x cp in data_parallel's one bucket, not per gradient over cp
     assert got["llama:sgd"]["collectives"]["backward.all_reduce"] == 1
-    # ZeRO: one reduce-scatter over dp per bucket, then the shard's all-reduce over cp (and the
-    # clipping norm's), none per gradient in backward
+    # ZeRO: one reduction over dp per bucket (on gloo the reduce-scatter runs as an all-reduce of
+    # which each rank keeps its shard), then the shard's all-reduce over cp (and the clipping
+    # norm's), none per gradient in backward
     zero1 = got["llama:adamw:zero1:clip"]["collectives"]
-    assert "backward.all_reduce" not in zero1 and zero1["optimizer.all_reduce"] == 2
+    assert zero1["backward.all_reduce"] == 1 and zero1["optimizer.all_reduce"] == 2
+    assert zero1["backward.reduce_scatter_tensor"] == 2 * 2      # K's and V's gradients over cp, 2 layers
 
 
 def test_tp2_cp2_matches_single_process(tmp_path):

@@ -215,6 +215,10 @@ def resume(world_size: int, out: str, stage: str, ckpt: str, phase: str):
                    f"{out}/resume_{phase}_{world_size}.rank{world.rank}.pt")
 
 
+# The passes whose collectives reduce gradients (on gloo ZeRO's reduce-scatters become all-reduces).
+REDUCING_PASSES = ("data_parallel", "optimizer_shard", "gloo_reduce_scatter_as_all_reduce")
+
+
 def bf16_reduce(world_size: int, out: str):
     """Gradients reduced in bf16 (``grad_reduce_dtype: bf16``) by DP and ZeRO-2, beside torch DDP with
     its ``bf16_compress_hook`` (the same cast, divide, sum, cast back) and fp32 DP, SGD from the
@@ -234,7 +238,7 @@ def bf16_reduce(world_size: int, out: str):
             result[name] = {"losses": losses, "params": full_params(step, model),
                             "wire": sorted({str(n.args[0].meta["val"].dtype) for n in step.last.graph.graph.nodes
                                             if "reduce" in str(n.target) and "wait" not in str(n.target)
-                                            and n.meta.get("origin_pass") in ("data_parallel", "optimizer_shard")
+                                            and n.meta.get("origin_pass") in REDUCING_PASSES
                                             and n.args[0].meta["val"].ndim})}
         def bf16_hook(state, bucket):
             # DDP refuses its own hook by name unless NCCL >= 2.10 is there; gloo sums bf16 itself.
