@@ -79,16 +79,12 @@ def main(argv=None):
     args = p.parse_args(argv)
     if "RANK" in os.environ:
         return rank_main(args)
-    from cann_passes.runtime.distributed import launch_local
-    argv = ["-m", "bench.gloo_collectives", *(argv if argv is not None else sys.argv[1:])]
-    results = launch_local(argv, 2, env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, cwd=str(REPO),
-                           timeout_s=600)
-    print(results[0].stdout, end="")
-    for rank, r in enumerate(results):
-        if r.returncode != 0:
-            print(f"rank {rank} exited {r.returncode}:\n{r.stderr[-4000:]}", file=sys.stderr)
-            raise SystemExit(1)
-
+    from cann_passes.runtime.distributed import launch_local, rank_failures
+    results = launch_local(["-m", "bench.gloo_collectives", *(argv if argv is not None else sys.argv[1:])], 2,
+                           env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, cwd=str(REPO), timeout_s=600)
+    sys.stdout.write(results[0].stdout or "")
+    if rank_failures(results):
+        raise SystemExit(rank_failures(results))
 
 if __name__ == "__main__":
     main()
