@@ -2,9 +2,9 @@
 all-reduce and each rank keeps its own chunk.
 
 torch 2.13's gloo backend reduce-scatters a buffer in more time than it all-reduces the whole of it
-(12.4 MiB over two local ranks, ``bench.gloo_collectives``: 1.37x the in-place all-reduce; the
-all-reduce and the copy of this rank's chunk 1.08x), so ZeRO's gradient reduction cost more than
-DDP's there. The rewrite: ``reduce_scatter_tensor(x, op, N, group)`` ->
+(12.4 MiB over two local ranks, ``bench.gloo_collectives``, three runs: 1.31-1.39x the in-place
+all-reduce; the all-reduce and the copy of this rank's chunk 1.08-1.20x), so ZeRO's gradient
+reduction cost more than DDP's there. The rewrite: ``reduce_scatter_tensor(x, op, N, group)`` ->
 ``all_reduce(x, op, group)``, waited where the reduce-scatter was, then ``clone`` of this rank's
 chunk ``[r*S, (r+1)*S)`` along dim 0, so the whole reduced buffer dies at the wait as the
 reduce-scatter's input did. Each element is the same reduction over the same ranks (on two ranks
