@@ -157,6 +157,10 @@ class MeshDesc:
                 return size
         return None
 
+    def rank_in_group(self, group_name: str) -> int | None:
+        """This rank's index in the axis' group called ``group_name`` (None: not this mesh's)."""
+        return next((self.local_rank(a) for a in self.all_axes if self.group_name(a) == group_name), None)
+
     def backend_of_group(self, group_name: str | None) -> str | None:
         """The backend of an axis' group; a group the runtime makes beside the axes (a pipeline
         subgroup) has the mesh's backend when every axis has the same one. None on a fake mesh."""

@@ -157,13 +157,10 @@ def make_buckets(names: list[str], sizes: dict[str, int], bucket_bytes: float,
     """Consecutive names grouped while their bytes fit ``bucket_bytes`` (a bucket holds at least one);
     the first bucket while they fit ``first_bytes`` too, where given."""
     buckets: list[list[str]] = []
-    used = 0
-
-    def cap(index: int) -> float:
-        return min(bucket_bytes, first_bytes) if index == 0 and first_bytes is not None else bucket_bytes
-
+    used, cap = 0, min(bucket_bytes, first_bytes if first_bytes is not None else math.inf)
     for name in names:
-        if not buckets or used + sizes[name] > cap(len(buckets) - 1):
+        if not buckets or used + sizes[name] > cap:
+            cap = bucket_bytes if buckets else cap
             buckets.append([])
             used = 0
         buckets[-1].append(name)

@@ -50,8 +50,8 @@ ALGOS = ("auto", "ring", "tree")
 
 @register_pass("data_parallel", preserves=())
 def data_parallel_pass(graph: TrainGraph, ctx: PassContext, *, bucket_mb: float = 25.0,
-                       first_bucket_mb: float = 1.0, algo: Literal[ALGOS] = "auto", reduce_dtype: Literal[tuple(REDUCE_DTYPES)] = "fp32",
-                       buffers: Literal[BUFFER_SYNC] = "broadcast") -> TrainGraph:
+                       first_bucket_mb: float = 1.0, algo: Literal[ALGOS] = "auto",
+                       reduce_dtype: Literal[tuple(REDUCE_DTYPES)] = "fp32", buffers: Literal[BUFFER_SYNC] = "broadcast") -> TrainGraph:
     """Bucketed gradient all-reduce over the mesh's ``dp`` dimension; loss averaged over ranks.
     ``reduce_dtype=bf16``: each bucket reduced in bf16 (divided by the ranks first) and cast back.
     ``buffers``: the updated buffers broadcast from dp rank 0 before the forward (DDP's
@@ -72,7 +72,8 @@ def data_parallel_pass(graph: TrainGraph, ctx: PassContext, *, bucket_mb: float 
     order = sorted(grads, key=lambda n: position[grads[n]])
     experts = expert_params(graph)
     sizes = {n: nbytes(grads[n].meta["val"]) for n in order}
-    buckets = make_buckets([n for n in order if n not in experts], sizes, bucket_mb * 2**20, first_bucket_mb * 2**20)
+    buckets = make_buckets([n for n in order if n not in experts], sizes, bucket_mb * 2**20,
+                           first_bucket_mb * 2**20)
     parts = graph.attrs.get(GraphAttr.CONTEXT_PARALLEL, {}).get("partial_gradients")
     summed = mesh_dim(ctx, "dp_cp", "data_parallel") if parts else group
     for bucket in buckets:

@@ -38,13 +38,6 @@ c10d = torch.ops._c10d_functional
 ORIGIN = "gloo_reduce_scatter_as_all_reduce"
 
 
-def _rank_in_group(mesh, group_name: str) -> int | None:
-    for axis in getattr(mesh, "all_axes", ()):
-        if mesh.group_name(axis) == group_name:
-            return mesh.local_rank(axis)
-    return None
-
-
 def gloo_reduce_scatters_as_all_reduces(graph: TrainGraph, mesh) -> int:
     """Rewrite every reduce-scatter on a gloo axis' group; returns how many."""
     rewritten = 0
@@ -58,7 +51,7 @@ def gloo_reduce_scatters_as_all_reduces(graph: TrainGraph, mesh) -> int:
         if node.target is not c10d.reduce_scatter_tensor.default:
             continue
         x, op, _, name = node.args[:4]
-        rank = _rank_in_group(mesh, name)
+        rank = mesh.rank_in_group(name)
         waits = waits_of(node)
         if mesh.backend_of_group(name) != "gloo" or rank is None or len(waits) != 1:
             continue
@@ -83,6 +76,6 @@ def gloo_reduce_scatters_as_all_reduces(graph: TrainGraph, mesh) -> int:
 def gloo_reduce_scatter_as_all_reduce_pass(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     """Each reduce-scatter on a gloo group as an all-reduce and a copy of this rank's chunk."""
     mesh = ctx.mesh
-    count = gloo_reduce_scatters_as_all_reduces(graph, mesh) if mesh is not None and mesh.backends else 0
+    count = gloo_reduce_scatters_as_all_reduces(graph, mesh) if mesh is not None else 0
     ctx.stat("rewritten", count)
     return graph
