@@ -18,7 +18,7 @@ from torch's own tracer, its floor) and ours over raw, then where ours spends it
 capture, each pass (the pass manager's Timing instrument), inside recompute its floor (the
 fewest bytes any choice saves) and its solver, the shallow verifier after every pass, and
 the pass manager's own work around the passes (the copy of the captured graph the pipeline
-starts from, one fingerprint per pass). The load average is printed before and after: the
+starts from, one graph state per pass). The load average is printed before and after: the
 machine may be shared, the ratio within one run is the figure, absolute seconds move.
 scipy (the recompute solver's MILP) is imported before timing, as any second compile finds it.
 """
@@ -91,8 +91,8 @@ def time_ours(cfg) -> dict:
                 parts[label] = parts.get(label, 0.0) + r.stats[key]
     parts["verify (shallow)"] = sum(r.verify_seconds for r in program.records)
     # What the pass manager does around the passes: the copy of the captured graph the pipeline
-    # starts from (the captured one stays unchanged) and one fingerprint per pass.
-    parts["copy + fingerprints"] = (t2 - t1) - sum(r.seconds + r.verify_seconds for r in program.records)
+    # starts from (the captured one stays unchanged) and one graph state per pass.
+    parts["copy + graph states"] = (t2 - t1) - sum(r.seconds + r.verify_seconds for r in program.records)
     return {"nodes": captured.num_nodes(), "final_nodes": program.num_nodes(), "capture": t1 - t0,
             "passes": t2 - t1, "seconds": t2 - t0, "parts": parts}
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from graph_ir import TrainGraph
+from graph_ir.train_graph import GraphState
 from graph_ir.analysis import graph_cost, memory_profile, to_networkx
 from graph_ir.analysis.collectives import collectives
 from graph_ir.analysis.memory import state_bytes
@@ -455,15 +456,15 @@ def _op_counts(ir) -> Counter:
     return out
 
 
-def _fingerprint(ir, known: dict[int, str] | None = None) -> str:
-    """The structural fingerprint of a graph or a program; ``known``: graphs' fingerprints already
-    computed for their present state, by ``id``."""
+def _state(ir, known: dict[int, GraphState] | None = None):
+    """What a graph or a program is now (``TrainGraph.state``, compared with ``==``); ``known``:
+    graphs' states already taken in their present form, by ``id``."""
     known = known or {}
 
-    def of(g: TrainGraph) -> str:
-        return known.get(id(g)) or g.fingerprint()
+    def of(g: TrainGraph) -> GraphState:
+        return known.get(id(g)) or g.state()
     if isinstance(ir, Program):
-        return "|".join(f"{k}:{of(g)}" for k, g in ir.graphs.items())
+        return tuple((k, of(g)) for k, g in ir.graphs.items())
     return of(ir)
 
 
@@ -527,25 +528,24 @@ class Verify(Instrument):
     """The verifier after every pass: each graph by its kind, and a program's flows.
 
     ``deep`` re-propagates fake values through a graph (seconds on a Swin step), once per graph
-    state: a graph a pass left as it was (the same fingerprint) had its values checked when it
-    was last changed (the fingerprint covers its structure, tags, shapes and dtypes), and is checked
-    structurally alone. The fingerprints go to ``run.scratch``, where :class:`Statistics` reads
-    them instead of computing them again."""
+    state: a graph a pass left as it was (the same ``TrainGraph.state``: its nodes, arguments, tags
+    and fake values) had its values checked when it was last changed, and is checked structurally
+    alone. The states go to ``run.scratch``, where :class:`Statistics` reads them instead of
+    taking them again."""
 
     def __init__(self, level: str = "shallow"):
         self.level = level
-        self._values_checked: set[tuple[int, str]] = set()     # (id(graph), fingerprint)
+        self._values_checked: dict[int, GraphState] = {}     # id(graph) -> its state when checked
 
     def before_pipeline(self, program: Program, ctx: PassContext) -> None:
-        self._values_checked = set()
+        self._values_checked = {}
 
     def _check_values(self, graph: TrainGraph, run: PassRun) -> bool:
-        fingerprint = graph.fingerprint()
-        run.scratch.setdefault("fingerprints", {})[id(graph)] = fingerprint
-        key = (id(graph), fingerprint)
-        if key in self._values_checked:
+        state = graph.state()
+        run.scratch.setdefault("states", {})[id(graph)] = state
+        if self._values_checked.get(id(graph)) == state:
             return False
-        self._values_checked.add(key)
+        self._values_checked[id(graph)] = state
         return True
 
     def after_pass(self, run: PassRun) -> None:
@@ -561,41 +561,41 @@ class Verify(Instrument):
 
 
 class Statistics(Instrument):
-    """Changed or not (structural fingerprint), node and op deltas, the pass's counters; bumps the
-    graph version and drops the analyses the pass did not preserve.
+    """Changed or not (``TrainGraph.state`` before and after), node and op deltas, the pass's
+    counters; bumps the graph version and drops the analyses the pass did not preserve.
 
     What a pass left is what the next pass is given (nothing else edits a graph between
-    two passes of one run), so each graph is fingerprinted once per pass, not twice: a
-    fingerprint reads every node, and on a 7B-shaped step that is a second per pass.
+    two passes of one run), so each graph's state is taken once per pass, not twice: it
+    reads every node.
     """
 
     def __init__(self):
-        self._last: dict[int, tuple] = {}     # id(ir) -> (ir, version, fingerprint, op counts, nodes)
+        self._last: dict[int, tuple] = {}     # id(ir) -> (ir, version, state, op counts, nodes)
 
     def before_pipeline(self, program: Program, ctx: PassContext) -> None:
         self._last = {}
 
-    def _facts(self, ir) -> tuple[str, Counter, int]:
+    def _facts(self, ir) -> tuple[Any, Counter, int]:
         last = self._last.get(id(ir))
         if last is not None and last[0] is ir and last[1] == _version(ir):
             return last[2:]
-        return _fingerprint(ir), _op_counts(ir), _num_nodes(ir)
+        return _state(ir), _op_counts(ir), _num_nodes(ir)
 
     def before_pass(self, run: PassRun) -> None:
         run.scratch["stats"] = self._facts(run.given)
 
     def after_pass(self, run: PassRun) -> None:
-        before_fp, before_ops, before_nodes = run.scratch["stats"]
+        before_state, before_ops, before_nodes = run.scratch["stats"]
         result, ctx = run.result, run.ctx
-        after_fp = _fingerprint(result, run.scratch.get("fingerprints"))
-        changed = after_fp != before_fp
+        after_state = _state(result, run.scratch.get("states"))
+        changed = after_state != before_state
         if changed:
             for graph in _graphs_of(result):
                 old = graph.version
                 graph.version = old + 1
                 ctx.analyses.advance(graph, old, run.info.preserves)
         after_ops = _op_counts(result)
-        self._last[id(result)] = (result, _version(result), after_fp, after_ops, _num_nodes(result))
+        self._last[id(result)] = (result, _version(result), after_state, after_ops, _num_nodes(result))
         if isinstance(result, Program):     # its graphs are what the next graph pass is given
             for graph in result.graphs.values():
                 self._last.pop(id(graph), None)

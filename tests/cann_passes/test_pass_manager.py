@@ -11,7 +11,7 @@ import torch
 from cann_passes import (PassContext, PassFailure, PassManager, Pipeline, PipelineError, Plan,
                          compile_for_npu, register_pass)
 from cann_passes.pass_manager import registered_passes
-from graph_ir import TrainGraph, capture_train_step
+from graph_ir import Region, TrainGraph, capture_train_step
 from tests.conftest import gpt_batches, make_optimizer, mlp_batches, tiny_gpt, tiny_mlp
 
 
@@ -124,6 +124,41 @@ def test_deep_verification_checks_values_once_per_graph_state(monkeypatch):
     assert [r.changed for r in manager.records] == [True, False, True, False]
     assert len(checked) == 2           # after the first cleanup and after the loss was scaled
     assert all(r.verify_seconds > 0 for r in manager.records)     # each still verified structurally
+
+
+@register_pass("test_edit_one_thing")
+def edit_one_thing_pass(graph: TrainGraph, ctx: PassContext, *, what: str = "none") -> TrainGraph:
+    """Edit one fact of the first forward node, or nothing."""
+    node = next(graph.compute_nodes(Region.FORWARD))
+    if what == "region":
+        node.meta["region"] = Region.BACKWARD.value
+    elif what == "module_path":
+        node.meta["module_path"] = node.meta.get("module_path", "") + ".moved"
+    elif what == "value":          # a new fake value of the same layout: what a re-derivation leaves
+        node.meta["val"] = torch.empty_like(node.meta["val"])
+    elif what == "args":           # an argument swapped for an equal-valued copy of itself
+        with graph.graph.inserting_before(node):
+            twin = graph.graph.call_function(torch.ops.aten.clone.default, (node.args[0],))
+        twin.meta.update(node.args[0].meta)
+        node.args = (twin, *node.args[1:])
+    elif what == "rename":
+        node.name = node.name + "_renamed"
+    return graph
+
+
+@pytest.mark.parametrize("what", ["region", "module_path", "value", "args", "rename"])
+def test_every_kind_of_edit_counts_as_a_change_and_drops_the_analyses(what):
+    # Whether a pass changed a graph decides which analyses stay valid: an edit to one node's
+    # tags, fake value, arguments or name alone must count.
+    graph, ctx = _mlp_graph(), PassContext()
+    graph = PassManager("cleanup").run(graph, ctx)
+    first = ctx.analyses.get("memory", graph)
+    manager = PassManager("test_edit_one_thing{what=none}", verify_level="off")
+    manager.run(graph, ctx)
+    assert not manager.records[0].changed and ctx.analyses.get("memory", graph) is first
+    manager = PassManager(f"test_edit_one_thing{{what={what}}}", verify_level="off")
+    manager.run(graph, ctx)
+    assert manager.records[0].changed and ctx.analyses.get("memory", graph) is not first
 
 
 def test_analyses_are_cached_until_a_pass_changes_the_graph():
