@@ -523,9 +523,10 @@ def recompute_pass(graph: TrainGraph, ctx: PassContext, *, policy: Literal[POLIC
     _check_options(policy, solver, every_n, budget)
     _check_bans(graph, bans)
     device = _profile(profile)
-    before = memory_profile(graph.graph).saved_bytes
     structure = find_blocks(graph.graph, blocks)
     builder = _Builder(graph, device, bans, ctx.world_size, structure)
+    saved_before = saved_activations(graph.graph, builder.root)
+    before = sum(saved_before.values())
     problem = builder.build()
     limit = math.inf
     if policy != "budget":
@@ -545,7 +546,7 @@ def recompute_pass(graph: TrainGraph, ctx: PassContext, *, policy: Literal[POLIC
         _apply_selective(builder, problem, cores)
         ctx.stat("attention_cores", len(cores))
     else:
-        limit = _budget_limit(graph, builder, problem, budget, before, ctx)
+        limit = _budget_limit(saved_before, builder, problem, budget, before, ctx)
     start = time.perf_counter()
     sol = solve(problem, limit, solver)
     ctx.stat("solve_seconds", time.perf_counter() - start)
@@ -556,7 +557,7 @@ def recompute_pass(graph: TrainGraph, ctx: PassContext, *, policy: Literal[POLIC
     ctx.explain(_explain(builder, problem, sol, policy))
     ctx.stat("policy", policy)
     ctx.stat("solver", sol.solver)
-    _report(graph, rewriter, device, ctx, policy, before)
+    _report(graph, builder, rewriter, device, ctx, policy, before)
     return graph
 
 
@@ -572,12 +573,12 @@ def _check_options(policy: str, solver: str, every_n: int, budget: float | None)
                               budget)
 
 
-def _budget_limit(graph: TrainGraph, builder: _Builder, problem: Problem, budget: float | None, before: int,
-                  ctx: PassContext) -> float:
+def _budget_limit(saved: dict[str, int], builder: _Builder, problem: Problem, budget: float | None,
+                  before: int, ctx: PassContext) -> float:
     """The solver's byte limit: the budget, raised to the fewest bytes any selection keeps; values
     alive anyway (the loss) that backward reads count against the budget too."""
     kept = {builder.node_of[i].name for i, v in enumerate(problem.values) if v.kept and i in builder.node_of}
-    kept_bytes = sum(b for name, b in saved_activations(graph.graph).items() if name in kept)
+    kept_bytes = sum(b for name, b in saved.items() if name in kept)
     start = time.perf_counter()
     floor = min_bytes(problem).bytes + kept_bytes
     ctx.stat("floor_seconds", time.perf_counter() - start)
@@ -590,20 +591,22 @@ def _budget_limit(graph: TrainGraph, builder: _Builder, problem: Problem, budget
     return limit - kept_bytes
 
 
-def _report(graph: TrainGraph, rewriter: _Rewriter, device: DeviceProfile, ctx: PassContext, policy: str,
-            before: int) -> None:
+def _report(graph: TrainGraph, builder: _Builder, rewriter: _Rewriter, device: DeviceProfile, ctx: PassContext,
+            policy: str, before: int) -> None:
     after = memory_profile(graph.graph)
     recomputed = [n for n in graph.graph.nodes if n.meta.get(RECOMPUTE)]
     ctx.stat("saved_bytes_before", before)
     ctx.stat("saved_bytes_after", after.saved_bytes)
     ctx.stat("recomputed_nodes", len(recomputed))
     # A value recomputed in several blocks' backward costs the same each time (same op, same
-    # metadata): priced once per forward node, not once per copy.
+    # metadata): priced once per forward node, not once per copy, as the solver priced it.
     priced: dict[torch.fx.Node, tuple[int, float]] = {}
     for n in recomputed:
         source = rewriter.source_of.get(n, n)
         if source not in priced:
-            priced[source] = (node_cost(n).flops, node_time(n, device))
+            i = builder.index.get(source)
+            priced[source] = (builder.values[i].flops, builder.values[i].cost) if i is not None \
+                else (node_cost(n).flops, node_time(n, device, world_size=ctx.world_size))
     costs = [priced[rewriter.source_of.get(n, n)] for n in recomputed]
     ctx.stat("recompute_flops", sum(f for f, _ in costs))
     ctx.stat("recompute_time_s", sum(t for _, t in costs))

@@ -87,13 +87,14 @@ class MemoryProfile:
                 "live_bytes": self.live_bytes, "nodes": self.node_names}
 
 
-def saved_activations(graph: torch.fx.Graph) -> dict[str, int]:
+def saved_activations(graph: torch.fx.Graph, root: dict | None = None) -> dict[str, int]:
     """Forward-allocated buffers that a backward node reads: buffer name -> bytes.
 
     This is what must stay alive from forward to backward; inputs
     (parameters, the batch) are resident anyway and are not counted.
+    ``root``: the graph's :func:`storage_roots`, where the caller has them.
     """
-    root = storage_roots(graph)
+    root = root if root is not None else storage_roots(graph)
     saved: dict[str, int] = {}
     for node in graph.nodes:
         if node.op != "call_function" or region_of(node) != Region.BACKWARD:
@@ -117,7 +118,8 @@ def _last_uses(nodes: list[torch.fx.Node], root: dict) -> dict[torch.fx.Node, in
 
 def _allocations(node: torch.fx.Node, root: dict, items: dict) -> list[tuple[torch.fx.Node | None, int]]:
     """(buffer name node or None when nothing reads it, bytes) allocated by ``node``."""
-    if node.op != "call_function" or aliases_input(node) or node.target is operator.getitem:
+    # root[node] is another node exactly where the node aliases its input (or is a getitem)
+    if node.op != "call_function" or root[node] is not node or node.target is operator.getitem:
         return []
     val = node.meta.get("val")
     if isinstance(val, (tuple, list)):
@@ -151,7 +153,7 @@ def memory_profile(graph: torch.fx.Graph) -> MemoryProfile:
         by_region[region] = max(by_region.get(region, 0), live)
         live -= frees.pop(i, 0)
         timeline.append(live)
-    saved = saved_activations(graph)
+    saved = saved_activations(graph, root)
     return MemoryProfile(resident, timeline, [n.name for n in nodes], resident + peak, peak_at,
                          sum(saved.values()), sorted(saved),
                          {r: resident + b for r, b in by_region.items()})
