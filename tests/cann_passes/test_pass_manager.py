@@ -136,10 +136,12 @@ def edit_one_thing_pass(graph: TrainGraph, ctx: PassContext, *, what: str = "non
         node.meta["module_path"] = node.meta.get("module_path", "") + ".moved"
     elif what == "value":          # a new fake value of the same layout: what a re-derivation leaves
         node.meta["val"] = torch.empty_like(node.meta["val"])
-    elif what == "args":           # an argument swapped for an equal-valued copy of itself
+    elif what == "twin":           # an unused copy of the node's first argument, for "args"
         with graph.graph.inserting_before(node):
             twin = graph.graph.call_function(torch.ops.aten.clone.default, (node.args[0],))
-        twin.meta.update(node.args[0].meta)
+        twin.meta.update(node.args[0].meta, test_twin=True)
+    elif what == "args":           # the first argument swapped for its twin: no node added or removed
+        twin = next(n for n in graph.graph.nodes if n.meta.get("test_twin"))
         node.args = (twin, *node.args[1:])
     elif what == "rename":
         node.name = node.name + "_renamed"
@@ -152,12 +154,16 @@ def test_every_kind_of_edit_counts_as_a_change_and_drops_the_analyses(what):
     # tags, fake value, arguments or name alone must count.
     graph, ctx = _mlp_graph(), PassContext()
     graph = PassManager("cleanup").run(graph, ctx)
+    if what == "args":
+        PassManager("test_edit_one_thing{what=twin}", verify_level="off").run(graph, ctx)
     first = ctx.analyses.get("memory", graph)
+    nodes = graph.num_nodes()
     manager = PassManager("test_edit_one_thing{what=none}", verify_level="off")
     manager.run(graph, ctx)
     assert not manager.records[0].changed and ctx.analyses.get("memory", graph) is first
     manager = PassManager(f"test_edit_one_thing{{what={what}}}", verify_level="off")
     manager.run(graph, ctx)
+    assert graph.num_nodes() == nodes          # the edit alone, no node added or removed
     assert manager.records[0].changed and ctx.analyses.get("memory", graph) is not first
 
 
