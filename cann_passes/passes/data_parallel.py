@@ -51,7 +51,8 @@ ALGOS = ("auto", "ring", "tree")
 @register_pass("data_parallel", preserves=())
 def data_parallel_pass(graph: TrainGraph, ctx: PassContext, *, bucket_mb: float = 25.0,
                        first_bucket_mb: float = 1.0, algo: Literal[ALGOS] = "auto",
-                       reduce_dtype: Literal[tuple(REDUCE_DTYPES)] = "fp32", buffers: Literal[BUFFER_SYNC] = "broadcast") -> TrainGraph:
+                       reduce_dtype: Literal[tuple(REDUCE_DTYPES)] = "fp32",
+                       buffers: Literal[BUFFER_SYNC] = "broadcast") -> TrainGraph:
     """Bucketed gradient all-reduce over the mesh's ``dp`` dimension; loss averaged over ranks.
     ``reduce_dtype=bf16``: each bucket reduced in bf16 (divided by the ranks first) and cast back.
     ``buffers``: the updated buffers broadcast from dp rank 0 before the forward (DDP's
