@@ -6,12 +6,15 @@ A GPT-style model trained with AdamW at a width where each op's dispatch, not it
 the step's time: the aten ops one step runs (counted under a ``TorchDispatchMode``), how many
 of them return a 0-dim tensor, the ops each side runs most, and the median wall time per step
 over ``--steps`` steps, the two sides interleaved. The compiled step runs on the eager backend,
-so the difference in ops is the difference in dispatches.
+so the difference in ops is the difference in dispatches. A third row keeps the update's
+step-count arithmetic as 0-dim tensor ops (``$CANN_PASSES_HOST_SCALARS=0``), as the eager
+lowering ran it before it computed that arithmetic as Python floats.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import os
 import statistics
 import time
 
@@ -19,6 +22,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cann_passes import Plan, compile_for_npu
+from cann_passes.lowering.base import HOST_SCALARS_ENV
 from recipes.models.gpt import GPT, GPTConfig, gpt_loss
 
 
@@ -44,22 +48,29 @@ def main(argv=None):
     torch.set_num_threads(1)
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=64, seq_len=8, d_model=args.d_model, n_layer=args.layers, n_head=2)
-    eager_model, ours_model = GPT(cfg), GPT(cfg)
+    eager_model, ours_model, tensor_model = GPT(cfg), GPT(cfg), GPT(cfg)
     ours_model.load_state_dict(eager_model.state_dict())
+    tensor_model.load_state_dict(eager_model.state_dict())
     batch = (torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8)))
     eager_opt = torch.optim.AdamW(eager_model.parameters(), lr=1e-3)
-    compiled = compile_for_npu(ours_model, Plan(backend="eager"),
-                               optimizer=torch.optim.AdamW(ours_model.parameters(), lr=1e-3), loss_fn=gpt_loss)
+
+    def compiled_step(model, host_scalars: bool):
+        step = compile_for_npu(model, Plan(backend="eager"),
+                               optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), loss_fn=gpt_loss)
+        os.environ[HOST_SCALARS_ENV] = "1" if host_scalars else "0"   # read when the step is lowered
+        step.compile(batch)
+        os.environ.pop(HOST_SCALARS_ENV)
+        return step
+
+    compiled, tensor_scalars = compiled_step(ours_model, True), compiled_step(tensor_model, False)
 
     def eager():
         gpt_loss(eager_model, batch).backward()
         eager_opt.step()
         eager_opt.zero_grad(set_to_none=True)
 
-    def ours():
-        compiled(batch)
-
-    rows = {"eager": eager, "ours eager": ours}
+    rows = {"eager": eager, "ours eager": lambda: compiled(batch),
+            "ours eager, 0-dim tensor scalars": lambda: tensor_scalars(batch)}
     for fn in rows.values():
         fn(), fn()   # the optimizer state exists, the compiled step is built
     times = {name: [] for name in rows}
@@ -71,7 +82,7 @@ def main(argv=None):
     n_params = sum(1 for _ in eager_model.parameters())
     print(f"{args.layers}-layer GPT, d_model {args.d_model}, {n_params} parameters, AdamW, 1 thread; "
           f"median of {args.steps} steps")
-    print(f"{'row':>10} {'ms/step':>8} {'ratio':>6} {'ops':>6} {'0-dim':>6}  most run")
+    print(f"{'row':>32} {'ms/step':>8} {'ratio':>6} {'ops':>6} {'0-dim':>6}  most run")
     base = statistics.median(times["eager"])
     for name, fn in rows.items():
         count = _Count()
@@ -79,7 +90,7 @@ def main(argv=None):
             fn()
         ms = statistics.median(times[name])
         top = ", ".join(f"{op} {n}" for op, n in count.ops.most_common(4))
-        print(f"{name:>10} {ms * 1e3:>8.2f} {ms / base:>5.2f}x {sum(count.ops.values()):>6} "
+        print(f"{name:>32} {ms * 1e3:>8.2f} {ms / base:>5.2f}x {sum(count.ops.values()):>6} "
               f"{count.zero_dim:>6}  {top}")
 
 

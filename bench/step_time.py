@@ -16,6 +16,9 @@ with AdamW, every row from the same initial weights:
 - ``ours-eager-foreach`` / ``ours-inductor-unfused``: the update as ``_foreach_*`` ops on eager
   (``optimizer_kernel: foreach``; eager's default leaves it per parameter, in place) / per
   parameter on inductor (``none``; inductor's default fuses it);
+- ``ours-eager-tensor-scalars``: ``ours-eager`` with the update's step-count arithmetic (bias
+  corrections, step sizes) left as 0-dim tensor ops (``$CANN_PASSES_HOST_SCALARS=0``), as it ran
+  before the eager lowering computed it as Python floats;
 - ``ours-eager-fused``: the update as torch's fused AdamW kernel on eager (``optimizer_kernel:
   fused``: one ``cann::fused_adam`` call, in place; bitwise the ``fused`` row's update);
   ``ours-inductor-fused`` / ``-foreach`` the fused kernel (inductor's default for Adam: it then
@@ -55,12 +58,13 @@ from typing import Any, Callable
 import torch
 
 from cann_passes import Plan, compile_for_npu
+from cann_passes.lowering.base import HOST_SCALARS_ENV
 
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise",
               "aten::_scaled_dot_product_flash_attention_for_cpu",
               "aten::_scaled_dot_product_flash_attention_for_cpu_backward")
 ROWS = ("eager", "foreach", "fused", "compile", "compile+opt", "ours-eager", "ours-eager-unguarded",
-        "ours-eager-foreach", "ours-eager-fused", "ours-inductor", "ours-inductor-unfused", "ours-inductor-foreach", "ours-inductor-fused",
+        "ours-eager-foreach", "ours-eager-fused", "ours-eager-tensor-scalars", "ours-inductor", "ours-inductor-unfused", "ours-inductor-foreach", "ours-inductor-fused",
         "ours-inductor+onednn")
 _KERNELS = {"-unfused": "none", "-foreach": "foreach", "-fused": "fused"}
 
@@ -201,6 +205,8 @@ def make_row(name: str, case: Case) -> Row:
     if name.startswith("ours-"):
         opt = _adamw(model)
         backend, _, extra = name[len("ours-"):].partition("+")
+        tensor_scalars = backend.endswith("-tensor-scalars")
+        backend = backend.removesuffix("-tensor-scalars")
         unguarded = backend.endswith("-unguarded")
         suffix = next((k for k in _KERNELS if backend.endswith(k)), "")
         kernel = _KERNELS.get(suffix, "auto")
@@ -209,7 +215,10 @@ def make_row(name: str, case: Case) -> Row:
                     extra_passes=("linear_on_onednn",) if extra == "onednn" else (), optimizer_kernel=kernel)
         step = compile_for_npu(model, plan, optimizer=opt, loss_fn=case.loss_fn)
         t0 = time.perf_counter()
+        if tensor_scalars:    # the eager lowering reads it when it lowers, in compile()
+            os.environ[HOST_SCALARS_ENV] = "0"
         step.compile(case.batch)
+        os.environ.pop(HOST_SCALARS_ENV, None)
         if unguarded:
             # The same step with its guards dropped: what checking them costs per call.
             for compilation in step._compiled.values():

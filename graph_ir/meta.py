@@ -36,6 +36,10 @@ REUSES_OPERAND = "reuses_operand"
 # On a marked multi-tensor op (graph_ir.multi_tensor_ops): (argument, list index) of each tensor it
 # writes a copy of instead (one read again later, or an input the step does not return as itself).
 REUSE_COPIES = "reuse_copies"
+# True on a 0-dim float64 node of the optimizer region the eager lowering computes as a Python float;
+# on a consumer, the argument positions that then take that float (scalars_on_host).
+ON_HOST = "on_host"
+HOST_OPERANDS = "host_operands"
 # ``SHARDING`` holds a node's placement on the mesh (:mod:`graph_ir.placement`), as JSON.
 
 
@@ -64,6 +68,7 @@ class GraphAttr:
     RANK = "rank"                      # the global rank a per-rank graph belongs to
     STAGE = "stage"                    # a pipeline stage graph: {index, stages, rank, first, last}
     REUSED_BUFFERS = "reused_buffers"  # a lowered graph: how many ops the eager lowering made in place
+    HOST_SCALAR_OPS = "host_scalar_ops"  # a lowered graph: 0-dim tensor ops the eager lowering computes as Python floats
     WRITTEN_INPUTS = "written_inputs"  # placeholders reuse_dead_operands lets the step write in place
     GLOO_ORDERED = "gloo_ordered"      # True: gloo_all_gathers_alone ordered this graph's all-gathers
     # On a Program (program.attrs): the pipeline split (stages, stage -> rank, units, costs).

@@ -54,6 +54,16 @@ def inplace_updates_enabled() -> bool:
     return os.environ.get(INPLACE_UPDATES_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
+# "0" leaves the optimizer's step-count arithmetic as 0-dim tensor ops on the eager backend (no
+# ``scalars_on_host``): what computing it as Python floats is measured against (bench.step_time's
+# ours-eager-tensor-scalars row, bench.step_op_counts).
+HOST_SCALARS_ENV = "CANN_PASSES_HOST_SCALARS"
+
+
+def host_scalars_enabled() -> bool:
+    return os.environ.get(HOST_SCALARS_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
 def writable_inputs(graph: TrainGraph) -> dict[torch.fx.Node, int]:
     """Inputs of ``graph`` a lowering may update in place (``graph_ir.analysis.updates``); none with
     ``$CANN_PASSES_INPLACE_UPDATES=0``."""

@@ -22,6 +22,11 @@ A gradient bucket whose flattened buffer dies at its all-reduce is reduced in
 place (``all_reduce_``), as DDP reduces its bucket, instead of by the
 functional ``all_reduce``, which copies the bucket first. The same kernels run
 on the same values, so results are bitwise those of the functional graph.
+
+The optimizer's step-count arithmetic (bias corrections, step sizes: 0-dim float64 chains, one per
+parameter) runs as Python floats, as torch.optim computes it, instead of as about eight 0-dim
+tensor ops per parameter: ``scalars_on_host`` marks it, the lowered copy applies the marks
+(``$CANN_PASSES_HOST_SCALARS=0`` leaves the pass out).
 """
 from __future__ import annotations
 
@@ -29,7 +34,8 @@ from graph_ir import TrainGraph
 from graph_ir.meta import GraphAttr
 
 from ..passes.reuse_dead_operands import apply_reuse, reuse_dead_operands
-from .base import GuardedRunner, inplace_updates_enabled
+from ..passes.scalars_on_host import apply_scalars_on_host
+from .base import GuardedRunner, host_scalars_enabled, inplace_updates_enabled
 
 
 class EagerLowering:
@@ -40,12 +46,14 @@ class EagerLowering:
 
     @staticmethod
     def required_passes() -> tuple[str, ...]:
+        scalars = ("scalars_on_host",) if host_scalars_enabled() else ()
         if inplace_updates_enabled():
-            return ("wait_for_reductions_first", "reuse_dead_operands")
-        return ("reuse_dead_operands{inputs=false}",)
+            return ("wait_for_reductions_first", *scalars, "reuse_dead_operands")
+        return (*scalars, "reuse_dead_operands{inputs=false}")
 
     def compile(self, graph: TrainGraph, example_inputs, plan):
         lowered = graph.copy()
+        lowered.attrs[GraphAttr.HOST_SCALAR_OPS] = apply_scalars_on_host(lowered.gm)
         lowered.attrs[GraphAttr.REUSED_BUFFERS] = apply_reuse(lowered.gm)
         names = set(graph.attrs.get(GraphAttr.WRITTEN_INPUTS, ()))
         lowered.recompile()
@@ -53,6 +61,7 @@ class EagerLowering:
         def functional():
             # Writes no input: the marks are made again for the graph's own buffers only.
             copy = graph.copy()
+            apply_scalars_on_host(copy.gm)
             reuse_dead_operands(copy.gm)
             return copy.gm
 

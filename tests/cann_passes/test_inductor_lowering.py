@@ -53,7 +53,8 @@ def test_the_inductor_pipeline_names_its_rewrites_even_for_pipeline_text():
     assert "spell_out_alpha" not in str(build_pipeline(Plan(), "eager"))
     text = build_pipeline(Plan(pipeline="cleanup"), "inductor")
     assert str(with_required_passes(text, "inductor")) == "cleanup," + INDUCTOR_TAIL
-    assert str(with_required_passes(text, "eager")) == "cleanup,wait_for_reductions_first,reuse_dead_operands"
+    assert str(with_required_passes(text, "eager")) == \
+        "cleanup,wait_for_reductions_first,scalars_on_host,reuse_dead_operands"
 
 
 @pytest.mark.slow

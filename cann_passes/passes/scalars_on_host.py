@@ -1,0 +1,227 @@
+"""scalars_on_host: the optimizer's step-count arithmetic as Python floats, as torch.optim computes it.
+
+A captured update keeps the numbers torch.optim's single-tensor loop computes as Python floats
+(Adam's bias corrections ``1 - beta1 ** step`` and ``(1 - beta2 ** step) ** 0.5``, the step size
+``lr / bias_correction1``, RAdam's rectification, NAdam's momentum factors) as 0-dim float64
+tensors: a chain of about eight 0-dim ops per parameter, from that parameter's step count. Run
+op by op on the eager backend, each is a dispatch of a few microseconds, about a third of every
+op a small model's step dispatches (``bench.step_op_counts``). This pass marks, for the eager
+lowering to compute as torch.optim does:
+
+- a 0-dim float64 node of the optimizer region whose op is plain arithmetic (``HOST_OPS``) and
+  whose tensor operands are 0-dim CPU tensors (``ON_HOST``): the lowering gives it a twin that
+  does the same arithmetic on Python floats, each tensor operand (the step count, a
+  hyperparameter) read once with ``.item()``;
+- each operand of a consumer that may take a Python number there instead (``HOST_OPERANDS``):
+  ``add`` / ``sub`` / ``mul`` / ``div`` of a dimensioned tensor of the result's dtype, where a
+  0-dim tensor and a wrapped number promote alike and the kernel receives the same double.
+
+The lowered copy (``apply_scalars_on_host``) then drops the tensor nodes nothing reads any more;
+one still read elsewhere (``lerp``'s weight) stays as it was. The graph itself stays as captured
+(its fake values, the deep verifier and every other backend see tensors).
+
+The host arithmetic is Python's, which is torch.optim's: ``x ** 0.5`` and ``math.sqrt`` are
+correctly rounded, where a 0-dim float64 ``pow(x, 0.5)`` dispatches to torch's vectorized sqrt,
+one unit in the last place off in 31 of Adam's first 20000 bias corrections (beta2 0.999), so
+the update takes torch.optim's numbers at every step, not at nearly every one. An operation
+Python refuses (a division by zero, a domain or range error) is computed by the aten op instead.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import operator
+
+import torch
+import torch.fx
+
+from graph_ir import TrainGraph
+from graph_ir.build import tag
+from graph_ir.meta import HOST_OPERANDS, MODULE_PATH, ON_HOST, Region, region_of
+
+from ..pass_manager import PassContext, register_pass
+
+aten = torch.ops.aten
+
+
+def _pow(a, b):
+    return a ** b
+
+
+def _rsub(a, b, alpha=1):
+    return b - a
+
+
+# op -> (the arithmetic on Python floats, the kwargs it accepts and their accepted values)
+HOST_OPS = {
+    aten.add.Tensor: (operator.add, {"alpha": (1,)}),
+    aten.add.Scalar: (operator.add, {"alpha": (1,)}),
+    aten.sub.Tensor: (operator.sub, {"alpha": (1,)}),
+    aten.sub.Scalar: (operator.sub, {"alpha": (1,)}),
+    aten.rsub.Tensor: (_rsub, {"alpha": (1,)}),
+    aten.rsub.Scalar: (_rsub, {"alpha": (1,)}),
+    aten.mul.Tensor: (operator.mul, {}),
+    aten.mul.Scalar: (operator.mul, {}),
+    aten.div.Tensor: (operator.truediv, {}),
+    aten.div.Scalar: (operator.truediv, {}),
+    aten.neg.default: (operator.neg, {}),
+    aten.reciprocal.default: (lambda a: 1.0 / a, {}),
+    aten.sqrt.default: (math.sqrt, {}),
+    aten.pow.Tensor_Tensor: (_pow, {}),
+    aten.pow.Tensor_Scalar: (_pow, {}),
+    aten.pow.Scalar: (_pow, {}),
+    aten._to_copy.default: (lambda a: a, {"dtype": (torch.float64,)}),
+}
+# A conversion that stays a CPU tensor of the default layout.
+_SAME_PLACE = {"layout": (None, torch.strided), "device": (None, torch.device("cpu")),
+               "pin_memory": (None, False), "memory_format": (None, torch.preserve_format)}
+# Consumers whose Tensor operand may be a Python number (torch wraps it as a float64 scalar).
+NUMBER_OPERANDS = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor}
+_LEAF_DTYPES = (torch.float64, torch.float32, torch.int64)
+
+
+def _scalar_tensor(node) -> bool:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return isinstance(val, torch.Tensor) and val.dim() == 0 and val.device.type == "cpu" \
+        and val.dtype in _LEAF_DTYPES
+
+
+def _hostable(node: torch.fx.Node) -> bool:
+    if node.op != "call_function" or node.target not in HOST_OPS or region_of(node) != Region.OPTIMIZER:
+        return False
+    val = node.meta.get("val")
+    if not (isinstance(val, torch.Tensor) and val.dim() == 0 and val.dtype == torch.float64
+            and val.device.type == "cpu"):
+        return False
+    allowed = HOST_OPS[node.target][1]
+    if node.target is aten._to_copy.default:
+        allowed = {**allowed, **_SAME_PLACE}
+    if any(k not in allowed or v not in allowed[k] for k, v in node.kwargs.items()):
+        return False
+    return all(_scalar_tensor(a) if isinstance(a, torch.fx.Node) else isinstance(a, (int, float, bool))
+               for a in node.args)
+
+
+def is_host(node) -> bool:
+    """Whether ``node`` computes on Python numbers (made by :func:`apply_scalars_on_host`)."""
+    return isinstance(node, torch.fx.Node) and hasattr(node.target, "host_op")
+
+
+@functools.cache
+def _host_function(target):
+    """``target`` on Python numbers (tensor operands already read), as torch.optim computes it: the
+    function the lowered graph calls, one per op (the chains run on every step)."""
+    fn = HOST_OPS[target][0]
+
+    def compute(*args):
+        try:
+            out = fn(*map(float, args))
+            if type(out) is float:
+                return out
+        except (ArithmeticError, ValueError):
+            pass
+        return _by_aten(target, args)
+    compute.__name__ = compute.__qualname__ = f"host_{target.__name__.replace('.', '_')}"
+    compute.host_op = target
+    return compute
+
+
+def _by_aten(target, args):
+    """Where Python refuses (0 division, a domain or range error) or leaves the reals: the aten op."""
+    schema = target._schema.arguments
+    operands = [torch.tensor(float(a), dtype=torch.float64) if isinstance(schema[i].type, torch.TensorType)
+                else a for i, a in enumerate(args)]
+    if target is aten._to_copy.default:
+        return operands[0].item()
+    return target(*operands).item()
+
+
+def _item(t: torch.Tensor):
+    return t.item()
+
+
+def _accepts_number(consumer: torch.fx.Node, position: int) -> bool:
+    """Whether ``consumer`` computes the same with a Python number at arg ``position``."""
+    if consumer.target not in NUMBER_OPERANDS or position > 1 or consumer.op != "call_function":
+        return False
+    out = consumer.meta.get("val")
+    if not (isinstance(out, torch.Tensor) and out.dim() >= 1 and out.dtype.is_floating_point):
+        return False
+    # A dimensioned operand of the result's dtype decides the promotion either way.
+    return any(isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
+               and a.meta["val"].dim() >= 1 and a.meta["val"].dtype == out.dtype for a in consumer.args)
+
+
+def _tagged(new: torch.fx.Node, like: torch.fx.Node) -> torch.fx.Node:
+    tag(new, region=region_of(like), module_path=like.meta.get(MODULE_PATH, ""), origin="scalars_on_host")
+    return new
+
+
+def mark_scalars_on_host(graph: torch.fx.Graph) -> tuple[int, int]:
+    """Set the marks (the module docstring); returns (nodes marked, consumer operands marked)."""
+    for node in graph.nodes:
+        node.meta.pop(ON_HOST, None)
+        node.meta.pop(HOST_OPERANDS, None)
+    marked = [n for n in graph.nodes if _hostable(n)]
+    for node in marked:
+        node.meta[ON_HOST] = True
+    operands = 0
+    for node in marked:
+        for user in node.users:
+            if user.meta.get(ON_HOST) or any(v is node for v in user.kwargs.values()):
+                continue
+            positions = [i for i, a in enumerate(user.args) if a is node]
+            if positions and all(_accepts_number(user, i) for i in positions):
+                user.meta[HOST_OPERANDS] = tuple(sorted({*user.meta.get(HOST_OPERANDS, ()), *positions}))
+                operands += len(positions)
+    return len(marked), operands
+
+
+def apply_scalars_on_host(gm: torch.fx.GraphModule) -> int:
+    """Give every marked node of ``gm`` its host twin and hand the marked operands the twins; returns
+    how many 0-dim tensor ops left the graph."""
+    graph = gm.graph
+    twins: dict[torch.fx.Node, torch.fx.Node] = {}
+    items: dict[torch.fx.Node, torch.fx.Node] = {}
+
+    def host_value(arg, before: torch.fx.Node):
+        if not isinstance(arg, torch.fx.Node):
+            return arg
+        if arg in twins:
+            return twins[arg]
+        if arg not in items:
+            # Read where the first marked node reads it: nothing writes it before its last reader.
+            with graph.inserting_before(before):
+                items[arg] = _tagged(graph.call_function(_item, (arg,)), before)
+        return items[arg]
+
+    for node in list(graph.nodes):
+        # A mark is applied only where it still holds (a pass after this one may have edited the node).
+        if node.meta.get(ON_HOST) and _hostable(node):
+            args = tuple(host_value(a, node) for a in node.args)
+            with graph.inserting_before(node):
+                twins[node] = _tagged(graph.call_function(_host_function(node.target), args), node)
+    if not twins:
+        return 0
+    for node in graph.nodes:
+        positions = [i for i in node.meta.get(HOST_OPERANDS, ())
+                     if i < len(node.args) and node.args[i] in twins and _accepts_number(node, i)]
+        if positions:
+            node.args = tuple(twins[a] if i in positions else a for i, a in enumerate(node.args))
+    # The chains that nothing reads any more, then their twins and reads; in reverse order.
+    removed = 0
+    for node in reversed(list(graph.nodes)):
+        if not node.users and (node in twins or node.target is _item or is_host(node)):
+            removed += node in twins
+            graph.erase_node(node)
+    gm.recompile()
+    return removed
+
+
+@register_pass("scalars_on_host", preserves=("cost", "memory", "networkx", "collectives", "state_bytes"))
+def scalars_on_host_pass(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
+    """Mark the optimizer's 0-dim float64 arithmetic the eager lowering computes as Python floats."""
+    nodes, operands = mark_scalars_on_host(graph.graph)
+    ctx.stat("marked", nodes)
+    ctx.stat("operands_as_numbers", operands)
+    return graph
