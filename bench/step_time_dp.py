@@ -15,6 +15,8 @@ rows per rank) with AdamW from the same initial weights:
   whole step on the eager backend, parameters and state updated in place;
 - ``...-fused``: the same plan with ``optimizer_kernel: fused`` (the AdamW update, or each
   ZeRO shard's, as torch's fused kernel, in place);
+- ``...-tensor-scalars``: the same plan with the update's step-count arithmetic left as 0-dim
+  tensor ops (``CANN_PASSES_HOST_SCALARS=0``: no ``scalars_on_host``);
 - ``...-functional``: the same plan lowered with ``CANN_PASSES_INPLACE_UPDATES=0``
   (no input written, fresh parameters and state each step, stored by the
   runtime): what the DP and ZeRO steps did before they updated in place (then
@@ -50,7 +52,8 @@ from typing import Callable
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-ROWS = ("ddp", "ddp-fused", "fsdp2", "ours-dp", "ours-dp-functional", "ours-dp-fused", "ours-zero1",
+ROWS = ("ddp", "ddp-fused", "fsdp2", "ours-dp", "ours-dp-functional", "ours-dp-fused", "ours-dp-tensor-scalars",
+        "ours-zero1", "ours-zero1-tensor-scalars",
         "ours-zero1-functional", "ours-zero1-fused", "ours-zero2", "ours-zero2-functional", "ours-zero3",
         "ours-zero3-functional", "ours-zero3-fused")
 STAGES = {"dp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
@@ -111,7 +114,7 @@ def adamw(params, fused: bool = False):
 
 def make_row(name: str, layers: int, world, batch) -> Row:
     from cann_passes import Plan, compile_for_npu
-    from cann_passes.lowering.base import INPLACE_UPDATES_ENV
+    from cann_passes.lowering.base import HOST_SCALARS_ENV, INPLACE_UPDATES_ENV
     from recipes.models.gpt import gpt_loss
     model = make_model(layers)
     t0 = time.perf_counter()
@@ -120,7 +123,8 @@ def make_row(name: str, layers: int, world, batch) -> Row:
         plan = Plan(backend="eager", dp=world.dp_size, zero_stage=STAGES[strategy], compile_cache="off",
                     optimizer_kernel="fused" if name.endswith("-fused") else "auto")
         step = compile_for_npu(model, plan, optimizer=adamw(model.parameters()), loss_fn=gpt_loss)
-        with env(INPLACE_UPDATES_ENV, "0" if name.endswith("-functional") else None):
+        with env(INPLACE_UPDATES_ENV, "0" if name.endswith("-functional") else None), \
+                env(HOST_SCALARS_ENV, "0" if name.endswith("-tensor-scalars") else None):
             step.compile(batch)
         step(batch)
         return Row(name, step, time.perf_counter() - t0)

@@ -40,6 +40,9 @@ REUSE_COPIES = "reuse_copies"
 # on a consumer, the argument positions that then take that float (scalars_on_host).
 ON_HOST = "on_host"
 HOST_OPERANDS = "host_operands"
+# On an add of x and (h * t1) / t2, or an addcmul of x, h * t1 and t2, with h such a float: the op the
+# eager lowering folds it into ("addcdiv" / "addcmul" with value=h: one pass over memory, not three).
+HOST_FOLD = "host_fold"
 # ``SHARDING`` holds a node's placement on the mesh (:mod:`graph_ir.placement`), as JSON.
 
 

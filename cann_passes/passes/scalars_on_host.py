@@ -16,6 +16,12 @@ lowering to compute as torch.optim does:
   ``add`` / ``sub`` / ``mul`` / ``div`` of a dimensioned tensor of the result's dtype, where a
   0-dim tensor and a wrapped number promote alike and the kernel receives the same double.
 
+- an ``add`` of ``x`` and ``(h * t1) / t2``, or an ``addcmul`` of ``x``, ``h * t1`` and ``t2``, with
+  ``h`` such a float and all of one shape and dtype (``HOST_FOLD``): the lowering folds it into one
+  ``addcdiv`` / ``addcmul`` with ``value=h``, as torch.optim calls them (the kernels compute
+  ``x + (h * t1) / t2`` and ``x + (h * t1) * t2``, the same operations in the same order), one pass
+  over memory where there were three, in place where the add was.
+
 The lowered copy (``apply_scalars_on_host``) then drops the tensor nodes nothing reads any more;
 one still read elsewhere (``lerp``'s weight) stays as it was. The graph itself stays as captured
 (its fake values, the deep verifier and every other backend see tensors).
@@ -37,7 +43,7 @@ import torch.fx
 
 from graph_ir import TrainGraph
 from graph_ir.build import tag
-from graph_ir.meta import HOST_OPERANDS, MODULE_PATH, ON_HOST, Region, region_of
+from graph_ir.meta import HOST_FOLD, HOST_OPERANDS, MODULE_PATH, ON_HOST, Region, region_of
 
 from ..pass_manager import PassContext, register_pass
 
@@ -157,8 +163,50 @@ def _tagged(new: torch.fx.Node, like: torch.fx.Node) -> torch.fx.Node:
     return new
 
 
-def mark_scalars_on_host(graph: torch.fx.Graph) -> tuple[int, int]:
-    """Set the marks (the module docstring); returns (nodes marked, consumer operands marked)."""
+def _same_layout(*nodes) -> bool:
+    vals = [n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in nodes]
+    first = vals[0]
+    return all(isinstance(v, torch.Tensor) and v.dim() >= 1 and v.dtype.is_floating_point
+               and v.dtype == first.dtype and v.shape == first.shape for v in vals)
+
+
+def _scaled_operand(node, host_of) -> tuple | None:
+    """``(t, h)`` where ``node`` is ``mul(t, h)`` or ``mul(h, t)``, ``h`` a host value, read only there."""
+    if not (isinstance(node, torch.fx.Node) and node.target is aten.mul.Tensor and len(node.users) == 1
+            and not node.kwargs and len(node.args) == 2):
+        return None
+    a, b = node.args
+    if host_of(node, 1) and isinstance(a, torch.fx.Node):
+        return a, b
+    if host_of(node, 0) and isinstance(b, torch.fx.Node):
+        return b, a
+    return None
+
+
+def _fold(node, host_of) -> tuple | None:
+    """``(target, (x, t1, t2), h)`` where ``node`` computes ``x + (h * t1) / t2`` (addcdiv) or
+    ``addcmul(x, h * t1, t2)`` (addcmul with value h), its intermediates read only there."""
+    if node.op != "call_function" or region_of(node) != Region.OPTIMIZER or node.kwargs.get("value", 1) != 1:
+        return None
+    if node.target is aten.add.Tensor and not node.kwargs and len(node.args) == 2:
+        x, d = node.args
+        if not (isinstance(d, torch.fx.Node) and d.target is aten.div.Tensor and len(d.users) == 1
+                and not d.kwargs and isinstance(d.args[1], torch.fx.Node)):
+            return None
+        scaled, t2 = _scaled_operand(d.args[0], host_of), d.args[1]
+        target = aten.addcdiv.default
+    elif node.target is aten.addcmul.default and len(node.args) == 3:
+        x, m, t2 = node.args
+        scaled, target = _scaled_operand(m, host_of), aten.addcmul.default
+    else:
+        return None
+    if scaled is None or not isinstance(x, torch.fx.Node) or not _same_layout(node, x, scaled[0], t2):
+        return None
+    return target, (x, scaled[0], t2), scaled[1]
+
+
+def mark_scalars_on_host(graph: torch.fx.Graph) -> tuple[int, int, int]:
+    """Set the marks (the module docstring); returns (nodes marked, consumer operands marked, folds)."""
     for node in graph.nodes:
         node.meta.pop(ON_HOST, None)
         node.meta.pop(HOST_OPERANDS, None)
@@ -174,7 +222,14 @@ def mark_scalars_on_host(graph: torch.fx.Graph) -> tuple[int, int]:
             if positions and all(_accepts_number(user, i) for i in positions):
                 user.meta[HOST_OPERANDS] = tuple(sorted({*user.meta.get(HOST_OPERANDS, ()), *positions}))
                 operands += len(positions)
-    return len(marked), operands
+    folds = 0
+    for node in graph.nodes:
+        node.meta.pop(HOST_FOLD, None)
+        fold = _fold(node, lambda n, i: i in n.meta.get(HOST_OPERANDS, ()))
+        if fold is not None:
+            node.meta[HOST_FOLD] = fold[0].__name__
+            folds += 1
+    return len(marked), operands, folds
 
 
 def apply_scalars_on_host(gm: torch.fx.GraphModule) -> int:
@@ -208,6 +263,15 @@ def apply_scalars_on_host(gm: torch.fx.GraphModule) -> int:
                      if i < len(node.args) and node.args[i] in twins and _accepts_number(node, i)]
         if positions:
             node.args = tuple(twins[a] if i in positions else a for i, a in enumerate(node.args))
+    for node in list(graph.nodes):
+        fold = _fold(node, lambda n, i: is_host(n.args[i])) if node.meta.get(HOST_FOLD) else None
+        if fold is not None:
+            # The node keeps its place, value and reuse mark: a marked add becomes addcdiv_ in place.
+            target, args, value = fold
+            dropped = [node.args[1]] + ([node.args[1].args[0]] if target is aten.addcdiv.default else [])
+            node.target, node.args, node.kwargs = target, args, {"value": value}
+            for gone in dropped:
+                graph.erase_node(gone)
     # The chains that nothing reads any more, then their twins and reads; in reverse order.
     removed = 0
     for node in reversed(list(graph.nodes)):
@@ -221,7 +285,8 @@ def apply_scalars_on_host(gm: torch.fx.GraphModule) -> int:
 @register_pass("scalars_on_host", preserves=("cost", "memory", "networkx", "collectives", "state_bytes"))
 def scalars_on_host_pass(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
     """Mark the optimizer's 0-dim float64 arithmetic the eager lowering computes as Python floats."""
-    nodes, operands = mark_scalars_on_host(graph.graph)
+    nodes, operands, folds = mark_scalars_on_host(graph.graph)
     ctx.stat("marked", nodes)
     ctx.stat("operands_as_numbers", operands)
+    ctx.stat("folded", folds)
     return graph

@@ -149,3 +149,30 @@ def test_a_transformers_step_runs_no_zero_dim_chains_and_updates_as_before(monke
     n_params = sum(1 for _ in zoo.model.parameters())
     assert zero_dim["tensor"] > 8 * n_params
     assert zero_dim["host"] < n_params + 20, (zero_dim, n_params)
+
+
+def test_the_update_folds_into_addcdiv_and_addcmul_bitwise():
+    """AdamW's last lines as the captured rule spells them (a 0-dim step size times a moment, over
+    the denominator, added to the parameter; the second moment's scaled square added by addcmul):
+    one addcdiv and one addcmul with the float as ``value``, as torch.optim calls them."""
+    def f(lr, beta2, step, param, exp_avg, exp_avg_sq, grad):
+        step = step + 1
+        s = step.to(F64)
+        exp_avg_sq = torch.addcmul(exp_avg_sq * beta2, grad * (1 - beta2), grad)
+        denom = exp_avg_sq.sqrt() / torch.pow(1 - torch.pow(beta2, s), 0.5) + 1e-8
+        return param + (-(lr / (1 - torch.pow(0.9, s))) * exp_avg) / denom, exp_avg_sq, step
+
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(64, 32, generator=g) for _ in range(4)]
+    tensors[2] = tensors[2].abs()
+    args = (torch.tensor(1e-3, dtype=F64), torch.tensor(0.999, dtype=F64), torch.tensor(6.0), *tensors)
+    gm, reference = _optimizer_graph(f, *args), _optimizer_graph(f, *args)
+    host_scalars(gm)
+    folded = {n.target: n for n in gm.graph.nodes if n.target in (aten.addcdiv.default, aten.addcmul.default)}
+    assert set(folded) == {aten.addcdiv.default, aten.addcmul.default}
+    assert all(isinstance(n.kwargs["value"], torch.fx.Node) and is_host(n.kwargs["value"]) for n in folded.values())
+    full_size = [n for n in gm.graph.nodes if n.op == "call_function" and not is_host(n)
+                 and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() == 2]
+    assert len(full_size) == 6     # mul, addcmul, sqrt, div, add (eps), addcdiv: torch.optim's passes
+    for got, want in zip(gm(*args), reference(*args)):
+        assert torch.equal(got, want)
