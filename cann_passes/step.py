@@ -352,17 +352,21 @@ class CompiledStep:
         group = next(g for g in self.optimizer.param_groups if any(p is params[name] for p in g["params"]))
         self.optimizer.state[params[name]].update(self.rule.init_state(params[name].detach(), group))
 
-    def _inputs(self, graph: TrainGraph, batch: Any) -> list[torch.Tensor]:
+    def _inputs(self, graph: TrainGraph, batch: Any, params: dict | None = None,
+                buffers: dict | None = None) -> list[torch.Tensor]:
         if pipeline_parallel.takes_stage_values(graph):
             return pipeline_parallel.example_inputs(self, graph, batch)
         store = pipeline_parallel.shards_for(self, graph)
         return bind_inputs(graph, self.model, self.optimizer, batch, self.step_state, store, self._init_state,
-                           own=store is self.shards)
+                           own=store is self.shards, params=params, buffers=buffers)
 
     def _run(self, graph: TrainGraph, runner, batch: Any) -> torch.Tensor | None:
+        # One walk of the module tree for binding and writing back (the step does not change it).
+        params, buffers = dict(self.model.named_parameters()), dict(self.model.named_buffers())
         with autocast_off():
-            outputs = runner(*self._inputs(graph, batch))
-        self.metrics = write_back(graph, outputs, self.model, self.optimizer, self.step_state, self.shards)
+            outputs = runner(*self._inputs(graph, batch, params, buffers))
+        self.metrics = write_back(graph, outputs, self.model, self.optimizer, self.step_state, self.shards,
+                                  params, buffers)
         if self.shards.params():
             self.model_stale = True
         loss = [o for spec, o in zip(graph.signature.outputs, outputs) if spec.kind == OutputKind.LOSS]

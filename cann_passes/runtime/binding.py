@@ -106,31 +106,57 @@ def _hparam(optimizer: torch.optim.Optimizer, name: str) -> float:
                            f"({type(exc).__name__}: {exc})") from None
 
 
+class _Slot:
+    """What one signature position binds to, worked out once per graph: the binding runs every step."""
+    __slots__ = ("kind", "name", "key", "placement", "owner", "state_key")
+
+    def __init__(self, graph, spec):
+        self.kind, self.name = spec.kind, spec.name
+        self.key = f"{spec.kind}:{spec.name}"
+        self.placement = placement_of(graph, spec.kind, spec.name) \
+            if spec.kind in (InputKind.PARAM, InputKind.OPT_STATE) else None
+        self.owner, self.state_key = split_state_name(spec.name) if spec.kind == InputKind.OPT_STATE else (None, None)
+
+
+def _slots(graph, which: str) -> list[_Slot]:
+    """The graph's input or output slots, kept with the graph (its signature and placements are
+    fixed once it is compiled)."""
+    cached = getattr(graph, "_binding_slots", None)
+    specs = graph.signature
+    if cached is None or cached[0] is not specs or len(cached[1]) != len(specs.inputs) \
+            or len(cached[2]) != len(specs.outputs):
+        cached = (specs, [_Slot(graph, s) for s in specs.inputs], [_Slot(graph, s) for s in specs.outputs])
+        graph._binding_slots = cached
+    return cached[1] if which == "inputs" else cached[2]
+
+
 def bind_inputs(graph: TrainGraph, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                 batch: Any, step_state: StepState, shards: ShardStore | None = None,
-                init_state: Callable[[str], None] | None = None, own: bool = True) -> list[torch.Tensor]:
+                init_state: Callable[[str], None] | None = None, own: bool = True,
+                params: dict | None = None, buffers: dict | None = None) -> list[torch.Tensor]:
     """The graph's flat inputs. ``init_state(param_name)`` re-creates a parameter's optimizer state
     where it is missing (after ``optimizer.load_state_dict`` of an empty state, as eager does).
     A sharded optimizer state's piece replaces the full value in ``optimizer.state`` (the store
     then knows it as its own), unless ``own`` is false: inputs of a graph another rank runs,
-    bound to compile it, leave this rank's optimizer state as it is."""
-    params = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
+    bound to compile it, leave this rank's optimizer state as it is. ``params`` / ``buffers``: the
+    model's, by name, where the caller has them for this step."""
+    params = dict(model.named_parameters()) if params is None else params
+    buffers = dict(model.named_buffers()) if buffers is None else buffers
     leaves = {batch_path(path): leaf for path, leaf in pytree.tree_flatten_with_path(batch)[0]}
     device = next(iter(params.values())).device
+    sharded = shards is not None
     flat = []
-    for spec in graph.signature.inputs:
-        kind = spec.kind
-        placement = placement_of(graph, kind, spec.name) if shards is not None else None
-        key = f"{kind}:{spec.name}"
+    for slot in _slots(graph, "inputs"):
+        kind = slot.kind
+        placement = slot.placement if sharded else None
         if kind == InputKind.PARAM:
-            param = params[spec.name]
+            param = params[slot.name]
             value = param.detach()
-            flat.append(value if placement is None else shards.piece(key, placement, value, source_token(param)))
+            flat.append(value if placement is None else shards.piece(slot.key, placement, value, source_token(param)))
         elif kind == InputKind.BUFFER:
-            flat.append(buffers[spec.name])
+            flat.append(buffers[slot.name])
         elif kind == InputKind.OPT_STATE:
-            name, state_key = split_state_name(spec.name)
+            name, state_key = slot.owner, slot.state_key
             state = optimizer.state[params[name]]
             if state_key not in state and init_state is not None:
                 init_state(name)
@@ -139,19 +165,19 @@ def bind_inputs(graph: TrainGraph, model: torch.nn.Module, optimizer: torch.opti
                                    "load a state dict saved from the same optimizer, or an empty one")
             value = state[state_key]
             if placement is not None:
-                value = shards.piece(key, placement, value)
+                value = shards.piece(slot.key, placement, value)
                 if own:
                     state[state_key] = value
             flat.append(value)
         elif kind == InputKind.HPARAM:
-            flat.append(torch.tensor(_hparam(optimizer, spec.name), dtype=torch.float64, device=device))
+            flat.append(torch.tensor(_hparam(optimizer, slot.name), dtype=torch.float64, device=device))
         elif kind == InputKind.BATCH:
-            if spec.name not in leaves:
-                raise KeyError(f"the batch has no {spec.name}; it has {sorted(leaves)}")
+            if slot.name not in leaves:
+                raise KeyError(f"the batch has no {slot.name}; it has {sorted(leaves)}")
             # Detached: a batch that requires grad must not leak autograd history into the step.
-            flat.append(leaves[spec.name].detach())
+            flat.append(leaves[slot.name].detach())
         elif kind == InputKind.STEP_STATE:
-            flat.append(step_state.get(graph, spec.name, device))
+            flat.append(step_state.get(graph, slot.name, device))
         else:
             raise ValueError(f"input kind {kind!r} has no binding")
     return flat
@@ -164,35 +190,36 @@ def _same_tensor(held: torch.Tensor, value: torch.Tensor) -> bool:
 
 
 def write_back(graph: TrainGraph, outputs, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               step_state: StepState, shards: ShardStore | None = None) -> dict[str, torch.Tensor]:
+               step_state: StepState, shards: ShardStore | None = None,
+               params: dict | None = None, buffers: dict | None = None) -> dict[str, torch.Tensor]:
     """Store new parameters, buffers, optimizer and step state; return the metrics."""
-    params = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
+    params = dict(model.named_parameters()) if params is None else params
+    buffers = dict(model.named_buffers()) if buffers is None else buffers
+    sharded = shards is not None
     metrics = {}
     with torch.no_grad():
-        for spec, value in zip(graph.signature.outputs, outputs):
-            kind = spec.kind
-            placement = placement_of(graph, kind, spec.name) if shards is not None else None
+        for slot, value in zip(_slots(graph, "outputs"), outputs):
+            kind = slot.kind
+            placement = slot.placement if sharded else None
             if kind == OutputKind.PARAM and placement is not None:
-                shards.store(f"{kind}:{spec.name}", value, placement)
+                shards.store(slot.key, value, placement)
             elif kind == OutputKind.PARAM:
                 # Rebinding .data keeps the Parameter object (and so the optimizer's
                 # references and any tied modules) while taking the new storage; a
                 # backend that updated the parameter in place returns its own storage.
-                if not _same_tensor(params[spec.name], value):
-                    params[spec.name].data = value
+                if not _same_tensor(params[slot.name], value):
+                    params[slot.name].data = value
             elif kind == OutputKind.OPT_STATE:
-                name, key = split_state_name(spec.name)
-                optimizer.state[params[name]][key] = value
+                optimizer.state[params[slot.owner]][slot.state_key] = value
                 if placement is not None:
-                    shards.store(f"{kind}:{spec.name}", value, placement)
+                    shards.store(slot.key, value, placement)
             elif kind == OutputKind.BUFFER:
-                if not _same_tensor(buffers[spec.name], value):
-                    buffers[spec.name].copy_(value)
+                if not _same_tensor(buffers[slot.name], value):
+                    buffers[slot.name].copy_(value)
             elif kind == OutputKind.STEP_STATE:
-                step_state.values[spec.name] = value
+                step_state.values[slot.name] = value
             elif kind == OutputKind.METRIC:
-                metrics[spec.name] = value.detach()
+                metrics[slot.name] = value.detach()
     return metrics
 
 
