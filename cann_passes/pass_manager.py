@@ -36,6 +36,7 @@ from typing import Any, Callable
 
 from graph_ir import TrainGraph
 from graph_ir.train_graph import GraphState
+from graph_ir.meta import GraphAttr
 from graph_ir.analysis import graph_cost, memory_profile, to_networkx
 from graph_ir.analysis.collectives import collectives
 from graph_ir.analysis.memory import state_bytes
@@ -527,36 +528,52 @@ class Timing(Instrument):
 class Verify(Instrument):
     """The verifier after every pass: each graph by its kind, and a program's flows.
 
-    ``deep`` re-propagates fake values through a graph (seconds on a Swin step), once per graph
-    state: a graph a pass left as it was (the same ``TrainGraph.state``: its nodes, arguments, tags
-    and fake values) had its values checked when it was last changed, and is checked structurally
-    alone. The states go to ``run.scratch``, where :class:`Statistics` reads them instead of
-    taking them again."""
+    The rules on nodes (FX's lint, values, regions, module paths) are checked once per graph state
+    and kind: a graph a pass left as it was (the same ``TrainGraph.state``: its nodes, arguments,
+    tags and fake values; a pass that only marks nodes for a lowering) passed them when it was last
+    changed, and gets the signature and program rules alone. ``deep`` re-propagates fake values
+    through a graph (seconds on a Swin step), also once per state. The states go to
+    ``run.scratch``, where :class:`Statistics` reads them instead of taking them again."""
 
     def __init__(self, level: str = "shallow"):
         self.level = level
         self._values_checked: dict[int, GraphState] = {}     # id(graph) -> its state when checked
+        self._nodes_checked: dict[int, tuple] = {}           # id(graph) -> (state, kind) that passed
 
     def before_pipeline(self, program: Program, ctx: PassContext) -> None:
-        self._values_checked = {}
+        self._values_checked, self._nodes_checked = {}, {}
+
+    @staticmethod
+    def _state(graph: TrainGraph, run: PassRun) -> GraphState:
+        states = run.scratch.setdefault("states", {})
+        if id(graph) not in states:
+            states[id(graph)] = graph.state()
+        return states[id(graph)]
 
     def _check_values(self, graph: TrainGraph, run: PassRun) -> bool:
-        state = graph.state()
-        run.scratch.setdefault("states", {})[id(graph)] = state
+        state = self._state(graph, run)
         if self._values_checked.get(id(graph)) == state:
             return False
         self._values_checked[id(graph)] = state
         return True
+
+    def _check_nodes(self, graph: TrainGraph, run: PassRun) -> bool:
+        return self._nodes_checked.get(id(graph)) != (self._state(graph, run), graph.attrs.get(GraphAttr.KIND))
 
     def after_pass(self, run: PassRun) -> None:
         if self.level == "off":
             return
         start = time.perf_counter()
         deep = self.level == "deep"
+        graphs = list(_graphs_of(run.result))
+        nodes = {id(g): self._check_nodes(g, run) for g in graphs}
         if isinstance(run.result, Program):
-            verify_program(run.result, deep=lambda graph: deep and self._check_values(graph, run))
+            verify_program(run.result, deep=lambda graph: deep and self._check_values(graph, run),
+                           nodes=lambda graph: nodes[id(graph)])
         else:
-            verify(run.result, deep=deep and self._check_values(run.result, run))
+            verify(run.result, deep=deep and self._check_values(run.result, run), nodes=nodes[id(run.result)])
+        for graph in graphs:       # (verify raised if any rule failed)
+            self._nodes_checked[id(graph)] = (self._state(graph, run), graph.attrs.get(GraphAttr.KIND))
         run.verify_seconds = time.perf_counter() - start
 
 

@@ -126,6 +126,30 @@ def test_deep_verification_checks_values_once_per_graph_state(monkeypatch):
     assert all(r.verify_seconds > 0 for r in manager.records)     # each still verified structurally
 
 
+def test_node_rules_are_checked_once_per_graph_state_and_kind(monkeypatch):
+    # A pass that only marks nodes (what a lowering's passes do) leaves the graph's state as it was:
+    # the lint and node rules are not run again; an edit, or a graph kind changed, runs them.
+    import graph_ir.verifier as verifier
+    checked = []
+    real = verifier._check_nodes
+    monkeypatch.setattr(verifier, "_check_nodes", lambda tg: checked.append(tg.num_nodes()) or real(tg))
+    manager = PassManager("cleanup,test_edit_one_thing{what=none},test_edit_one_thing{what=region}")
+    with pytest.raises(PassFailure, match="(?s)test_edit_one_thing.*regions must flow forward"):
+        manager.run(_mlp_graph(), PassContext())
+    assert len(checked) == 2           # after cleanup and after the region edit, not after the no-op
+    assert [r.changed for r in manager.records] == [True, False]
+
+    @register_pass("test_set_kind")
+    def set_kind_pass(graph: TrainGraph, ctx: PassContext, *, kind: str = "apply") -> TrainGraph:
+        graph.attrs["kind"] = kind     # an attribute alone: the nodes are as they were
+        return graph
+
+    checked.clear()
+    with pytest.raises(PassFailure, match="(?s)test_set_kind.*VerificationError"):
+        PassManager("cleanup,test_set_kind").run(_mlp_graph(), PassContext())
+    assert len(checked) == 2
+
+
 @register_pass("test_edit_one_thing")
 def edit_one_thing_pass(graph: TrainGraph, ctx: PassContext, *, what: str = "none") -> TrainGraph:
     """Edit one fact of the first forward node, or nothing."""
