@@ -17,7 +17,7 @@ lowering to compute as torch.optim does:
   0-dim tensor and a wrapped number promote alike and the kernel receives the same double.
 
 - an ``add`` of ``x`` and ``(h * t1) / t2``, or an ``addcmul`` of ``x``, ``h * t1`` and ``t2``, with
-  ``h`` such a float and all of one shape and dtype (``HOST_FOLD``): the lowering folds it into one
+  ``h`` such a float and all of one shape and dtype, float32 or float64 (``HOST_FOLD``): the lowering folds it into one
   ``addcdiv`` / ``addcmul`` with ``value=h``, as torch.optim calls them (the kernels compute
   ``x + (h * t1) / t2`` and ``x + (h * t1) * t2``, the same operations in the same order), one pass
   over memory where there were three, in place where the add was.
@@ -164,9 +164,11 @@ def _tagged(new: torch.fx.Node, like: torch.fx.Node) -> torch.fx.Node:
 
 
 def _same_layout(*nodes) -> bool:
+    """One shape and a dtype the fused kernels compute in (their ``opmath``): a float16 or bfloat16
+    ``addcdiv`` computes in float32 and rounds once, where the three ops round three times."""
     vals = [n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in nodes]
     first = vals[0]
-    return all(isinstance(v, torch.Tensor) and v.dim() >= 1 and v.dtype.is_floating_point
+    return all(isinstance(v, torch.Tensor) and v.dim() >= 1 and v.dtype in (torch.float32, torch.float64)
                and v.dtype == first.dtype and v.shape == first.shape for v in vals)
 
 

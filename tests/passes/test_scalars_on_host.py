@@ -176,3 +176,17 @@ def test_the_update_folds_into_addcdiv_and_addcmul_bitwise():
     assert len(full_size) == 6     # mul, addcmul, sqrt, div, add (eps), addcdiv: torch.optim's passes
     for got, want in zip(gm(*args), reference(*args)):
         assert torch.equal(got, want)
+
+
+def test_a_low_precision_update_is_not_folded():
+    # A bfloat16 addcdiv computes in float32 and rounds once; the three ops round three times.
+    def f(lr, param, exp_avg, denom):
+        return param + ((lr * 1.0) * exp_avg) / denom
+
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(16, 8, generator=g).to(torch.bfloat16) for _ in range(3)]
+    args = (torch.tensor(1e-3, dtype=F64), *tensors)
+    gm, reference = _optimizer_graph(f, *args), _optimizer_graph(f, *args)
+    host_scalars(gm)
+    assert not any(n.target is aten.addcdiv.default for n in gm.graph.nodes)
+    assert torch.equal(gm(*args), reference(*args))
