@@ -9,7 +9,8 @@ op a small model's step dispatches (``bench.step_op_counts``). This pass marks, 
 lowering to compute as torch.optim does:
 
 - a 0-dim float64 node of the optimizer region whose op is plain arithmetic (``HOST_OPS``) and
-  whose tensor operands are 0-dim CPU tensors (``ON_HOST``): the lowering gives it a twin that
+  whose tensor operands are 0-dim CPU tensors (``ON_HOST``; not on a device, where reading one
+  with ``.item()`` would wait for the device): the lowering gives it a twin that
   does the same arithmetic on Python floats, each tensor operand (the step count, a
   hyperparameter) read once with ``.item()``;
 - each operand of a consumer that may take a Python number there instead (``HOST_OPERANDS``):
