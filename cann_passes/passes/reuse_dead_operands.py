@@ -286,7 +286,8 @@ def mark_reuse(graph: torch.fx.Graph, writable: dict[torch.fx.Node, int] | None 
     for node in plan.rewrites:
         node.meta[REUSES_OPERAND] = True
         if node in plan.copies:
-            node.meta[REUSE_COPIES] = plan.copies[node]
+            # Lists, not tuples: the compile cache keeps a node's JSON-stable metadata only.
+            node.meta[REUSE_COPIES] = [list(c) for c in plan.copies[node]]
     return plan
 
 

@@ -223,7 +223,8 @@ def mark_scalars_on_host(graph: torch.fx.Graph) -> tuple[int, int, int]:
                 continue
             positions = [i for i, a in enumerate(user.args) if a is node]
             if positions and all(_accepts_number(user, i) for i in positions):
-                user.meta[HOST_OPERANDS] = tuple(sorted({*user.meta.get(HOST_OPERANDS, ()), *positions}))
+                # A list: the compile cache keeps a node's JSON-stable metadata only.
+                user.meta[HOST_OPERANDS] = sorted({*user.meta.get(HOST_OPERANDS, ()), *positions})
                 operands += len(positions)
     folds = 0
     for node in graph.nodes:

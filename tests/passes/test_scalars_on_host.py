@@ -190,3 +190,22 @@ def test_a_low_precision_update_is_not_folded():
     host_scalars(gm)
     assert not any(n.target is aten.addcdiv.default for n in gm.graph.nodes)
     assert torch.equal(gm(*args), reference(*args))
+
+
+def test_the_marks_survive_the_compile_cache(tmp_path):
+    """A cached program is the JSON of its graphs: every mark the eager lowering reads must come back
+    as it was, or a cache hit would run the tensor chains (or write in place what it must copy)."""
+    from graph_ir.meta import HOST_FOLD, HOST_OPERANDS, ON_HOST, REUSE_COPIES, REUSES_OPERAND
+    from graph_ir.serialize import from_json, to_json
+    from tests.conftest import mlp_batches, tiny_mlp
+    model, loss_fn = tiny_mlp()
+    step = compile_for_npu(model, Plan(backend="eager", compile_cache=str(tmp_path)),
+                           optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), loss_fn=loss_fn)
+    step(mlp_batches(1)[0])
+    graph = step.last.program["step"]
+    loaded = from_json(to_json(graph, with_cost=False, layouts=True), recorded_values=True)
+    keys = (ON_HOST, HOST_OPERANDS, HOST_FOLD, REUSES_OPERAND, REUSE_COPIES)
+    marks = [{k: n.meta[k] for k in keys if k in n.meta} for n in graph.graph.nodes]
+    assert sum(ON_HOST in m for m in marks) > 0 and sum(HOST_OPERANDS in m for m in marks) > 0
+    assert sum(HOST_FOLD in m for m in marks) > 0
+    assert marks == [{k: n.meta[k] for k in keys if k in n.meta} for n in loaded.graph.nodes]
