@@ -88,10 +88,11 @@ from graph_ir.analysis.collectives import is_collective, is_communication_op, wa
 from graph_ir.analysis.effects import random_op
 from graph_ir.analysis.memory import storage_roots
 from graph_ir.analysis.updates import distributes_update, updated_inputs
-from graph_ir.meta import REUSE_COPIES, REUSES_OPERAND, GraphAttr, Region, region_of
+from graph_ir.meta import HOST_FOLD, REUSE_COPIES, REUSES_OPERAND, GraphAttr, Region, region_of
 from graph_ir.multi_tensor_ops import IN_PLACE, InPlaceLists
 
 from ..pass_manager import PassContext, register_pass
+from .scalars_on_host import folded_reads
 
 
 c10d = torch.ops._c10d_functional
@@ -147,7 +148,10 @@ def _plan(graph: torch.fx.Graph, writable: dict[torch.fx.Node, int]) -> ReusePla
     # (a forward or backward op, a collective other than the all-gather of the update).
     fence = -1
     for n in nodes:
-        for a in n.all_input_nodes:
+        # A node scalars_on_host folds (into addcdiv / addcmul) reads its multiply's and divide's
+        # operands where it stands.
+        reads = [*n.all_input_nodes, *folded_reads(n)] if n.meta.get(HOST_FOLD) else n.all_input_nodes
+        for a in reads:
             r = roots[a]
             last_use[r] = never if n.op == "output" else max(last_use.get(r, -1), position[n])
             read_last[r] = last_use[r] if n.op == "output" else max(read_last.get(r, -1), position[n])

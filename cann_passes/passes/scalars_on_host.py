@@ -186,6 +186,17 @@ def _scaled_operand(node, host_of) -> tuple | None:
     return None
 
 
+def folded_reads(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """What a node marked ``HOST_FOLD`` reads once folded: the operands of the multiply and divide it
+    absorbs, read where it stands (``reuse_dead_operands`` keeps their buffers alive until there)."""
+    out, frontier = [], [a for a in node.all_input_nodes if len(a.users) == 1]
+    for _ in range(2):
+        absorbed = [m for m in frontier if m.op == "call_function" and m.target in (aten.mul.Tensor, aten.div.Tensor)]
+        out.extend(a for m in absorbed for a in m.all_input_nodes)
+        frontier = [a for m in absorbed for a in m.all_input_nodes if len(a.users) == 1]
+    return out
+
+
 def _fold(node, host_of) -> tuple | None:
     """``(target, (x, t1, t2), h)`` where ``node`` computes ``x + (h * t1) / t2`` (addcdiv) or
     ``addcmul(x, h * t1, t2)`` (addcmul with value h), its intermediates read only there."""
@@ -263,8 +274,9 @@ def apply_scalars_on_host(gm: torch.fx.GraphModule) -> int:
     if not twins:
         return 0
     for node in graph.nodes:
-        positions = [i for i in node.meta.get(HOST_OPERANDS, ())
-                     if i < len(node.args) and node.args[i] in twins and _accepts_number(node, i)]
+        positions = [i for i in node.meta.get(HOST_OPERANDS, ()) if i < len(node.args)
+                     and isinstance(node.args[i], torch.fx.Node) and node.args[i] in twins
+                     and _accepts_number(node, i)]
         if positions:
             node.args = tuple(twins[a] if i in positions else a for i, a in enumerate(node.args))
     for node in list(graph.nodes):

@@ -209,3 +209,29 @@ def test_the_marks_survive_the_compile_cache(tmp_path):
     assert sum(ON_HOST in m for m in marks) > 0 and sum(HOST_OPERANDS in m for m in marks) > 0
     assert sum(HOST_FOLD in m for m in marks) > 0
     assert marks == [{k: n.meta[k] for k in keys if k in n.meta} for n in loaded.graph.nodes]
+
+
+def test_a_folded_operand_is_not_overwritten_before_the_fold_reads_it():
+    """Folded, ``x + (h * t1) / t2`` reads ``t1`` where the add stands: an op between the multiply and
+    the add that was t1's last reader must not run in place over t1's buffer."""
+    from cann_passes.passes.reuse_dead_operands import apply_reuse, mark_reuse
+
+    def f(lr, x, base, t2):
+        t1 = base * 2.0
+        d = ((lr * 1.0) * t1) / t2
+        z = t1 + 1.0           # t1's last reader before the fold, in the graph as captured
+        return x + d, z
+
+    g = torch.Generator().manual_seed(0)
+    args = (torch.tensor(1e-3, dtype=F64), *(torch.randn(8, 4, generator=g) for _ in range(3)))
+    gm, reference = _optimizer_graph(f, *args), _optimizer_graph(f, *args)
+    mark_scalars_on_host(gm.graph)
+    mark_reuse(gm.graph, {})
+    apply_scalars_on_host(gm)
+    apply_reuse(gm)
+    assert any(n.target is aten.addcdiv.default for n in gm.graph.nodes)
+    z = next(n for n in gm.graph.nodes if n.target in (aten.add.Tensor, aten.add_.Tensor)
+             and isinstance(n.args[1], float))
+    assert z.target is aten.add.Tensor           # t1 is read later, by the fold
+    for got, want in zip(gm(*args), reference(*args)):
+        assert torch.equal(got, want)
