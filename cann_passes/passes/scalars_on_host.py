@@ -187,14 +187,17 @@ def _scaled_operand(node, host_of) -> tuple | None:
 
 
 def folded_reads(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """What a node marked ``HOST_FOLD`` reads once folded: the operands of the multiply and divide it
-    absorbs, read where it stands (``reuse_dead_operands`` keeps their buffers alive until there)."""
-    out, frontier = [], [a for a in node.all_input_nodes if len(a.users) == 1]
-    for _ in range(2):
-        absorbed = [m for m in frontier if m.op == "call_function" and m.target in (aten.mul.Tensor, aten.div.Tensor)]
-        out.extend(a for m in absorbed for a in m.all_input_nodes)
-        frontier = [a for m in absorbed for a in m.all_input_nodes if len(a.users) == 1]
-    return out
+    """What a node marked ``HOST_FOLD`` reads once folded: the operands of the multiply (and, for
+    addcdiv, the divide) it absorbs, read where it stands (``reuse_dead_operands`` keeps their
+    buffers alive until there)."""
+    inner = node.args[1] if len(node.args) > 1 else None
+    if not isinstance(inner, torch.fx.Node):
+        return []
+    absorbed = [inner]
+    if node.meta.get(HOST_FOLD) == aten.addcdiv.default.__name__ and inner.args \
+            and isinstance(inner.args[0], torch.fx.Node):
+        absorbed.append(inner.args[0])
+    return [a for m in absorbed for a in m.all_input_nodes]
 
 
 def _fold(node, host_of) -> tuple | None:
