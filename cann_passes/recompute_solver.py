@@ -21,7 +21,9 @@ computed from the mask alone (``mask / (1 - p)``) may be kept in its place; the
 forward users of the mask read the float mask. Bitwise, all forms round-trip
 exactly.
 
-Solvers: ``milp`` is exact (``scipy.optimize.milp``, HiGHS); ``mincut`` solves
+Solvers: ``folded`` solves a stack's identical blocks as one (an LP rounded block by block,
+see :func:`solve_folded`), what ``auto`` keeps where it is proven within 5% of the LP bound;
+``milp`` is exact (``scipy.optimize.milp``, HiGHS); ``mincut`` solves
 the Lagrangian ``min cost + lambda * bytes`` exactly as a min s-t cut
 (networkx; saving ``i`` cuts ``i_in -> i_out``, recomputing cuts
 ``source -> i_in``), searches lambda for the budget, and closes the gap between
@@ -75,6 +77,10 @@ class Infeasible(ValueError):
     pass
 
 
+class NoFolding(ValueError):
+    pass
+
+
 # -- evaluation ---------------------------------------------------------------------------------
 
 def evaluate(problem: Problem, saved: set[int], solver: str = "") -> Solution:
@@ -125,9 +131,9 @@ def relevant(problem: Problem) -> list[int]:
 
 # -- exact MILP ---------------------------------------------------------------------------------
 
-def _milp(problem: Problem, budget: float, *, fixed: dict[tuple[str, int], int] | None = None,
-          time_limit: float = 60.0, rel_gap: float = 1e-6) -> set[int] | None:
-    from scipy.optimize import Bounds, LinearConstraint, milp
+def _model(problem: Problem, budget: float, fixed: dict[tuple[str, int], int] | None = None):
+    """The MILP's arrays: objective, constraint matrix and bounds, and which column is which value."""
+    from scipy.optimize import Bounds, LinearConstraint
     from scipy.sparse import coo_matrix
 
     values = problem.values
@@ -143,14 +149,15 @@ def _milp(problem: Problem, budget: float, *, fixed: dict[tuple[str, int], int] 
             rvar[i] = len(svar) + len(rvar)
     n = len(svar) + len(rvar)
     if n == 0:
-        return set()
+        return None
     total_bytes = max(1, sum(values[i].bytes for i in svar))
     total_cost = max(1e-30, sum(values[i].cost for i in rvar))
     c = np.zeros(n)
     for i, k in rvar.items():
         c[k] = values[i].cost / total_cost
+    tie = np.zeros(n)
     for i, k in svar.items():
-        c[k] = 1e-6 * values[i].bytes / total_bytes     # tie-break: fewer bytes
+        tie[k] = 1e-6 * values[i].bytes / total_bytes     # tie-break: fewer bytes
     rows, cols, data, lo, hi = [], [], [], [], []
 
     def available(row: int, i: int) -> bool:
@@ -193,11 +200,36 @@ def _milp(problem: Problem, budget: float, *, fixed: dict[tuple[str, int], int] 
         table = svar if kind == "s" else rvar
         if i in table:
             lb[table[i]] = ub[table[i]] = value
-    res = milp(c, constraints=LinearConstraint(A, lo, hi), integrality=np.ones(n),
-               bounds=Bounds(lb, ub), options={"time_limit": time_limit, "mip_rel_gap": rel_gap})
+    return c, tie, LinearConstraint(A, lo, hi), Bounds(lb, ub), svar, total_cost
+
+
+def _milp(problem: Problem, budget: float, *, fixed: dict[tuple[str, int], int] | None = None,
+          time_limit: float = 60.0, rel_gap: float = 1e-6) -> set[int] | None:
+    from scipy.optimize import milp
+
+    model = _model(problem, budget, fixed)
+    if model is None:
+        return set()
+    c, tie, constraints, bounds, svar, _ = model
+    res = milp(c + tie, constraints=constraints, integrality=np.ones(len(c)), bounds=bounds,
+               options={"time_limit": time_limit, "mip_rel_gap": rel_gap})
     if res.x is None:
         return None
     return {i for i, k in svar.items() if res.x[k] > 0.5}
+
+
+def lower_bound(problem: Problem, budget: float) -> float:
+    """The LP relaxation's recompute seconds: no choice within ``budget`` recomputes less."""
+    from scipy.optimize import milp
+
+    model = _model(problem, budget)
+    if model is None:
+        return 0.0
+    c, _, constraints, bounds, _, total_cost = model
+    res = milp(c, constraints=constraints, integrality=np.zeros(len(c)), bounds=bounds)
+    if res.x is None:
+        raise Infeasible(f"no selection of saved values fits a budget of {budget:.0f} bytes")
+    return float(res.fun) * total_cost
 
 
 def solve_milp(problem: Problem, budget: float, time_limit: float = 60.0, rel_gap: float = 1e-6) -> Solution:
@@ -205,6 +237,166 @@ def solve_milp(problem: Problem, budget: float, time_limit: float = 60.0, rel_ga
     if saved is None:
         raise Infeasible(f"no selection of saved values fits a budget of {budget:.0f} bytes")
     return evaluate(problem, saved, "milp")
+
+
+# -- identical blocks folded into one --------------------------------------------------------------
+
+@dataclass
+class Folding:
+    """A problem whose identical blocks share one set of variables, and how to unfold its answer.
+
+    ``problem`` holds every value outside the folded blocks as it was and, per folded
+    stack, one representative block whose bytes and seconds count once per block it
+    stands for; ``members[j]`` lists the original values folded value ``j`` stands for.
+    """
+    problem: Problem
+    members: list[list[int]]
+    blocks: int                      # blocks folded, over every stack
+
+    def unfold(self, saved: set[int]) -> set[int]:
+        return {i for j in saved for i in self.members[j]}
+
+
+def fold(problem: Problem, stacks: list[list[list[int]]], min_blocks: int = 3) -> Folding | None:
+    """Fold the identical blocks of each stack (``stacks``: per stack, per block, its values in
+    forward order) into one, or None when no stack has ``min_blocks`` identical blocks.
+
+    Blocks are identical when value by value they weigh, cost and may be kept or recomputed
+    alike, are read by backward alike, and read the same positions of their own block. What
+    a block reads outside itself (the block before, the embeddings, a rotary table) may
+    differ: the folded value reads all of it. An answer of the folded problem, unfolded (each
+    folded block saving alike), is an answer of the original one: a folded value recomputed
+    stands for it recomputed in every block, each of which then needs what it reads
+    available, which the union of what they read says. Its cost there is at most the folded
+    one's (the last block's copy of a value only the next block reads is then not rebuilt).
+    The choices that differ between blocks (the best use of a budget that one more saved
+    value per block would overrun) are out of its reach; :func:`solve_folded` rounds the LP
+    block by block for them and bounds what is left.
+    """
+    values = problem.values
+    owner: dict[int, tuple[int, int, int]] = {}
+    for s, blocks in enumerate(stacks):
+        for b, members in enumerate(blocks):
+            for p, i in enumerate(members):
+                owner[i] = (s, b, p)
+
+    def signature(s: int, b: int) -> tuple:
+        out = []
+        for i in stacks[s][b]:
+            v = values[i]
+            inside = tuple(sorted({owner[d][2] for d in v.deps if owner.get(d, (None, None))[:2] == (s, b)}))
+            out.append((v.bytes, v.cost, v.flops, v.written, v.savable, v.recomputable, v.needed, v.kept, inside))
+        return tuple(out)
+
+    groups: list[list[int]] = []        # per stack, the blocks folded (those of the commonest signature)
+    for s, blocks in enumerate(stacks):
+        by_signature: dict[tuple, list[int]] = {}
+        for b in range(len(blocks)):
+            by_signature.setdefault(signature(s, b), []).append(b)
+        common = max(by_signature.values(), key=len, default=[])
+        groups.append(common if len(common) >= min_blocks else [])
+    if not any(groups):
+        return None
+    rep: dict[int, int] = {}            # original value -> folded value
+    members: list[list[int]] = []
+    folded_of: dict[int, tuple[int, int]] = {}   # original value -> (stack, position) when folded
+    for s, chosen in enumerate(groups):
+        for b in chosen:
+            for p, i in enumerate(stacks[s][b]):
+                folded_of[i] = (s, p)
+    for i in range(len(values)):
+        if i not in folded_of:
+            rep[i] = len(members)
+            members.append([i])
+    first: dict[tuple[int, int], int] = {}
+    for s, chosen in enumerate(groups):
+        for p in range(len(stacks[s][chosen[0]]) if chosen else 0):
+            first[(s, p)] = len(members)
+            members.append([stacks[s][b][p] for b in chosen])
+    for i, key in folded_of.items():
+        rep[i] = first[key]
+    folded = []
+    for j, group in enumerate(members):
+        v = values[group[0]]
+        n = len(group)
+        deps = sorted({rep[d] for i in group for d in values[i].deps})
+        folded.append(replace(v, deps=deps, bytes=v.bytes * n, cost=v.cost * n, flops=v.flops * n,
+                              written=v.written * n))
+    return Folding(Problem(folded), members, sum(len(g) for g in groups))
+
+
+def _round(problem: Problem, folding: Folding, budget: float, base: set[int], upgrade: list[int]) -> Solution | None:
+    """``base`` saved by every block, ``upgrade`` also by as many of the first blocks as fit ``budget``."""
+    try:
+        floor = evaluate(problem, folding.unfold(base), "folded")
+    except Infeasible:
+        return None
+    if floor.bytes > budget and not upgrade:
+        return None
+    blocks = max((len(folding.members[j]) for j in upgrade), default=0)
+    per_block = sum(problem.values[folding.members[j][0]].bytes for j in upgrade)
+    k = blocks if per_block == 0 else max(0, min(blocks, int((budget - floor.bytes) // per_block)))
+    for k in range(k, -1, -1) if blocks else [0]:
+        saved = folding.unfold(base) | {i for j in upgrade for i in folding.members[j][:k]}
+        try:
+            sol = evaluate(problem, saved, "folded")
+        except Infeasible:
+            continue
+        if sol.bytes <= budget:
+            return sol
+    return None
+
+
+def solve_folded(problem: Problem, budget: float, stacks: list[list[list[int]]],
+                 gap: float | None = None) -> Solution | None:
+    """Identical blocks solved as one: the LP over the folded problem, rounded block by block.
+
+    The LP's answer saves most folded values wholly or not at all; the values it saves in part
+    (a fraction ``f`` of each block's, the budget's knapsack edge) are saved whole by as many
+    blocks as the budget leaves room for, about ``f`` of them, and not at all by the others,
+    so the blocks need not choose alike. A handful of LPs and evaluations instead of a MILP
+    over every block: 32 layers of a 7B-shaped step fold to 178 values.
+
+    None when no stack folds, or (with ``gap``) when the answer is not proven within ``gap``
+    of the whole problem's LP bound (its recompute seconds over the bound's, as HiGHS
+    measures a MILP's gap): the caller then solves the whole problem.
+    """
+    from scipy.optimize import milp
+
+    folding = fold(problem, stacks)
+    if folding is None:
+        return None
+    model = _model(folding.problem, budget)
+    if model is None:
+        return evaluate(problem, set(), "folded")
+    c, tie, constraints, bounds, svar, _ = model
+    res = milp(c + tie, constraints=constraints, integrality=np.zeros(len(c)), bounds=bounds)
+    if res.x is None:
+        return None
+    share = {j: float(res.x[k]) for j, k in svar.items()}
+    levels = sorted({round(f, 6) for f in share.values() if 1e-6 < f < 1 - 1e-6}, reverse=True)
+    best, part = None, 0
+    for high, low in zip([1.0, *levels], levels or [None]):
+        # Saved by every block: what the LP saves at least ``high`` of; by as many blocks as the
+        # budget allows, also what it saves ``low`` of. Each such pair of thresholds is a pair of
+        # block patterns the LP mixes (a mask's bits and bool, one share each, take both or one).
+        base_set = {j for j, f in share.items() if f >= high - 1e-6}
+        band = [] if low is None else [j for j, f in share.items() if low - 1e-6 <= f < high - 1e-6]
+        for singles in ((), tuple(j for j in band if len(folding.members[j]) == 1)):
+            sol = _round(problem, folding, budget, base_set | set(singles),
+                         [j for j in band if len(folding.members[j]) > 1])
+            if sol is not None and (best is None or sol.cost < best.cost):
+                best, part = sol, len(band)
+    if best is None:
+        return None
+    note = f"{folding.blocks} identical blocks solved as one, {part} values saved in part of them"
+    if gap is not None:
+        bound = lower_bound(problem, budget)
+        if best.cost - bound > gap * max(best.cost, 1e-30):
+            return None
+        note += f"; recompute {best.cost:.3e}s against the LP bound {bound:.3e}s"
+    best.notes.append(note)
+    return best
 
 
 # -- Lagrangian min cut -------------------------------------------------------------------------
@@ -360,8 +552,25 @@ AUTO_MILP_GAP = 5e-2
 AUTO_MILP_VARS = 16000
 
 
-def solve(problem: Problem, budget: float, solver: str = "auto") -> Solution:
+def solve(problem: Problem, budget: float, solver: str = "auto",
+          stacks: list[list[list[int]]] | None = None) -> Solution:
+    """The saved values for ``budget`` bytes. ``stacks`` (per stack of blocks, per block, its values
+    in forward order) lets ``auto`` and ``folded`` solve identical blocks once (:func:`solve_folded`);
+    ``auto`` keeps that answer when it is proven within ``AUTO_MILP_GAP`` of the LP bound."""
+    if solver == "folded":
+        sol = solve_folded(problem, budget, stacks or [])
+        if sol is None:
+            raise NoFolding("solver 'folded' needs a stack of at least 3 identical blocks within the budget; "
+                            "none was found (use solver 'auto' or 'milp')")
+        return sol
     if solver == "auto":
+        if stacks:
+            try:
+                sol = solve_folded(problem, budget, stacks, gap=AUTO_MILP_GAP)
+            except Infeasible:
+                sol = None
+            if sol is not None:
+                return sol
         n_vars = sum(problem.values[i].savable + problem.values[i].recomputable
                      for i in relevant(problem))
         solver = "milp" if n_vars <= AUTO_MILP_VARS else "mincut"

@@ -54,11 +54,11 @@ from graph_ir.placement import RANDOM_PIECE
 from ..cost_model import get_profile, node_time
 from ..cost_model.profiles import DeviceProfile
 from ..pass_manager import PassContext, PassOptionError, register_pass
-from ..recompute_solver import Problem, Value, evaluate, min_bytes, solve
+from ..recompute_solver import NoFolding, Problem, Value, evaluate, min_bytes, solve
 
 aten = torch.ops.aten
 POLICIES = ("none", "full", "selective", "every_n_layers", "budget")
-SOLVERS = ("auto", "mincut", "milp", "greedy")
+SOLVERS = ("auto", "folded", "milp", "mincut", "greedy")
 _MASK_OPS = {aten.bernoulli.p, aten.bernoulli.default}
 
 
@@ -161,6 +161,17 @@ class _Builder:
         self.index[node] = len(self.values)
         self.node_of[len(self.values)] = node
         self.values.append(v)
+
+    def stacks(self) -> list[list[list[int]]]:
+        """Per stack of blocks, per block, its values in forward order (a mask's three with it)."""
+        if self.structure is None or not self.structure.blocks:
+            return []
+        values_of: dict[str, list[int]] = {}
+        for node, i in self.index.items():
+            chain = self.masks.get(node)
+            values_of.setdefault(self.structure.block_of(module_path_of(node)), []).extend(
+                sorted(chain.values()) if chain else [i])
+        return [[sorted(values_of.get(block, [])) for block in blocks] for blocks in self.structure.stacks.values()]
 
     def _regathers_in_block(self, node: torch.fx.Node) -> bool:
         """An all-gather inside a transformer block (cp's K/V, sp's activations) may be re-run in
@@ -548,7 +559,10 @@ def recompute_pass(graph: TrainGraph, ctx: PassContext, *, policy: Literal[POLIC
     else:
         limit = _budget_limit(saved_before, builder, problem, budget, before, ctx)
     start = time.perf_counter()
-    sol = solve(problem, limit, solver)
+    try:
+        sol = solve(problem, limit, solver, builder.stacks())
+    except NoFolding as exc:
+        raise PassOptionError("recompute", "solver", str(exc), solver) from exc
     ctx.stat("solve_seconds", time.perf_counter() - start)
     rewriter = _Rewriter(graph, builder, sol.saved, structure)
     rewriter.run()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import math
 
 import pytest
@@ -12,10 +13,12 @@ from cann_passes import Plan, compile_for_npu
 from cann_passes.cost_model import get_profile
 from cann_passes.pass_manager import PassContext, PassManager, is_registered
 from cann_passes.passes.recompute import _Builder
-from cann_passes.recompute_solver import min_bytes, solve, solve_greedy, solve_milp, solve_mincut
+from cann_passes.recompute_solver import (evaluate, fold, lower_bound, min_bytes, solve, solve_folded, solve_greedy,
+                                          solve_milp, solve_mincut)
 from graph_ir import capture_train_step, gather_inputs
 from graph_ir.analysis import graph_cost, memory_profile
 from graph_ir.analysis.memory import aliases_input
+from graph_ir.analysis.structure import find_blocks
 from graph_ir.meta import ORIGIN_PASS, RECOMPUTE, Region, module_path_of, nbytes, region_of
 from recipes.models.gpt import GPT, gpt3_175b_layer, gpt_loss, gpt_tiny
 
@@ -198,6 +201,63 @@ class TestRecomputeSolvers:
                 assert fast.bytes <= budget
                 assert fast.cost <= exact.cost * 1.05 + 1e-12, (fraction, fast.solver, fast.cost, exact.cost)
 
+
+    @staticmethod
+    @functools.lru_cache(maxsize=None)
+    def _stacked_problem(layers: int):
+        torch.manual_seed(0)
+        model = GPT(gpt_tiny(dropout=0.1, n_layer=layers))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        tg, _ = capture_train_step(model, opt, gpt_loss, _batches(1)[0])
+        builder = _Builder(tg, get_profile("ascend_910b"), (), 1, find_blocks(tg.graph))
+        return builder.build(), builder.stacks()
+
+    def test_identical_blocks_fold_into_one_whose_answer_unfolds_to_a_valid_one(self):
+        problem, stacks = self._stacked_problem(6)
+        assert [len(blocks) for blocks in stacks] == [6]
+        folding = fold(problem, stacks)
+        assert folding is not None and folding.blocks >= 5
+        members = sorted(i for group in folding.members for i in group)
+        assert members == list(range(len(problem.values)))          # every value stands in exactly once
+        assert len(folding.problem.values) < len(problem.values) // 3
+        top = sum(v.bytes for v in problem.values if v.needed and v.savable)
+        for fraction in (0.6, 0.3):
+            budget = max(fraction * top, min_bytes(problem).bytes)
+            saved = solve_milp(folding.problem, budget).saved
+            folded, whole = evaluate(folding.problem, saved), evaluate(problem, folding.unfold(saved))
+            # The folded problem recomputes a value in every block or none, and counts every block's
+            # bytes: unfolded, the same saves cost at most that on the whole problem.
+            assert whole.bytes <= folded.bytes <= budget
+            assert whole.cost <= folded.cost * (1 + 1e-12)
+            assert whole.saved and whole.saved <= folding.unfold(saved)
+
+    def test_blocks_that_differ_are_not_folded_together(self):
+        problem, stacks = self._stacked_problem(6)
+        odd = copy.deepcopy(problem)
+        for i in stacks[0][2]:                     # block 2 made dearer to recompute than the others
+            odd.values[i].cost *= 3
+        folding = fold(odd, stacks)
+        assert folding is not None and folding.blocks == fold(problem, stacks).blocks - 1
+        assert all(len(group) == 1 for group in folding.members if set(group) & set(stacks[0][2]))
+        assert fold(problem, [blocks[:2] for blocks in stacks]) is None     # fewer than three blocks
+
+    def test_the_folded_solver_is_near_the_exact_milp_and_auto_keeps_it_only_when_proven(self):
+        problem, stacks = self._stacked_problem(6)
+        top = sum(v.bytes for v in problem.values if v.needed and v.savable)
+        floor = min_bytes(problem).bytes
+        kept = 0
+        for fraction in (0.6, 0.35, 0.2):
+            budget = max(fraction * top, floor)
+            exact = solve_milp(problem, budget, rel_gap=1e-3)
+            folded = solve_folded(problem, budget, stacks)
+            assert folded.bytes <= budget and folded.solver == "folded"
+            assert folded.cost >= exact.cost * (1 - 1e-3)
+            auto = solve(problem, budget, "auto", stacks)
+            assert auto.bytes <= budget and auto.cost <= exact.cost * 1.05 + 1e-12, (fraction, auto.solver)
+            if auto.solver == "folded":
+                kept += 1
+                assert auto.cost - lower_bound(problem, budget) <= 0.05 * auto.cost
+        assert kept >= 1
 
     def test_floor_over_forced_values_equals_the_cut_over_every_value(self):
         from cann_passes.recompute_solver import _cut, evaluate, relevant

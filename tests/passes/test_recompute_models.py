@@ -147,3 +147,19 @@ def test_recomputed_sdpa_steps_are_bitwise_equal_to_the_step_without_recompute()
         assert run.compiled_losses == base.compiled_losses, policy
         assert all(torch.equal(run.compiled_params[k], base.compiled_params[k]) for k in base.compiled_params)
         assert run.step.last.memory.saved_bytes < base.step.last.memory.saved_bytes
+
+
+def test_the_folded_solver_recomputes_an_opt_stack_bitwise_and_needs_three_identical_blocks():
+    from tests.zoo import compare
+    base = compare("opt", Plan(backend="eager"), steps=2, layers=4)
+    folded = "cleanup,recompute{policy=budget,budget=0.3,solver=folded},cleanup"
+    run = compare("opt", Plan(backend="eager", recompute="budget", recompute_budget=0.3, pipeline=folded),
+                  steps=2, layers=4)
+    stats = next(r.stats for r in run.step.last.records if r.name == "recompute")
+    assert stats["solver"] == "folded" and stats["recomputed_nodes"] > 0
+    assert run.step.last.memory.saved_bytes < base.step.last.memory.saved_bytes
+    assert run.compiled_losses == base.compiled_losses
+    assert all(torch.equal(run.compiled_params[k], base.compiled_params[k]) for k in base.compiled_params)
+    tg, _ = _captured("opt", layers=2)
+    with pytest.raises(PassFailure, match=r"solver.*3 identical blocks"):
+        PassManager(folded).run(tg.copy(), PassContext())
