@@ -192,6 +192,37 @@ def _autocast_state() -> tuple:
                  for device in ("cpu", "cuda"))
 
 
+class _ModuleTree:
+    """The model's modules, parameters and buffers, walked once per call of the step.
+
+    What ``modules()``, ``named_parameters()`` and ``named_buffers()`` give, in their order and
+    with their deduplication, from one ``named_modules()`` walk: a call of the step read the
+    tree six times (the cache key, binding, writing back, clearing ``.grad``, the failure
+    snapshot), each a recursive walk, which on a small model cost more than its ops. The step
+    itself changes no module attribute (parameters are updated through ``.data``), so one
+    walk holds for the call.
+    """
+
+    __slots__ = ("modules", "params", "buffers")
+
+    def __init__(self, model: torch.nn.Module):
+        self.modules: list[torch.nn.Module] = []
+        self.params: dict[str, torch.nn.Parameter] = {}
+        self.buffers: dict[str, torch.Tensor] = {}
+        seen_params, seen_buffers = set(), set()
+        for prefix, module in model.named_modules():
+            self.modules.append(module)
+            dot = f"{prefix}." if prefix else ""
+            for name, param in module._parameters.items():
+                if param is not None and id(param) not in seen_params:
+                    seen_params.add(id(param))
+                    self.params[dot + name] = param
+            for name, buffer in module._buffers.items():
+                if buffer is not None and id(buffer) not in seen_buffers:
+                    seen_buffers.add(id(buffer))
+                    self.buffers[dot + name] = buffer
+
+
 class CompiledStep:
     """``step(batch) -> loss``: one whole training step per call."""
 
@@ -221,6 +252,7 @@ class CompiledStep:
         # the hooks of user_state gather them when the user reads the model.
         self.model_stale = False
         self.capturing = False
+        self._call_tree: _ModuleTree | None = None   # the module tree of the call running now
         user_state.install(self)
 
     @property
@@ -236,8 +268,12 @@ class CompiledStep:
     def cache_key(self, batch: Any) -> tuple:
         """What a compilation is specialised on: the batch's structure and shapes, which parameters
         train, every module's training mode, and the hyperparameters baked into the graph."""
-        return (_batch_key(batch), tuple(p.requires_grad for p in self.model.parameters()),
-                tuple(m.training for m in self.model.modules()), self._baked_hparams(), _autocast_state())
+        tree = self._tree()
+        return (_batch_key(batch), tuple(p.requires_grad for p in tree.params.values()),
+                tuple(m.training for m in tree.modules), self._baked_hparams(), _autocast_state())
+
+    def _tree(self) -> _ModuleTree:
+        return self._call_tree if self._call_tree is not None else _ModuleTree(self.model)
 
     def compile(self, batch: Any) -> Compilation:
         """Compile for this batch's structure and shapes (done by the first call anyway); a
@@ -361,8 +397,8 @@ class CompiledStep:
                            own=store is self.shards, params=params, buffers=buffers)
 
     def _run(self, graph: TrainGraph, runner, batch: Any) -> torch.Tensor | None:
-        # One walk of the module tree for binding and writing back (the step does not change it).
-        params, buffers = dict(self.model.named_parameters()), dict(self.model.named_buffers())
+        tree = self._tree()
+        params, buffers = tree.params, tree.buffers
         with autocast_off():
             outputs = runner(*self._inputs(graph, batch, params, buffers))
         self.metrics = write_back(graph, outputs, self.model, self.optimizer, self.step_state, self.shards,
@@ -380,27 +416,32 @@ class CompiledStep:
             raise RuntimeError("a training step cannot run under torch.inference_mode(): it differentiates the "
                                "loss and updates the parameters in place, which inference tensors forbid; call "
                                "the step outside the inference_mode block")
-        with self._no_state_left_on_failure():
-            loss = self._step(batch)
-        self._clear_grads()
+        self._call_tree = tree = _ModuleTree(self.model)
+        try:
+            with self._no_state_left_on_failure(tree):
+                loss = self._step(batch)
+        finally:
+            self._call_tree = None
+        self._clear_grads(tree)
         return loss
 
-    def _clear_grads(self) -> None:
+    @staticmethod
+    def _clear_grads(tree: _ModuleTree) -> None:
         """``p.grad`` is None after a step: the step's gradients live inside the graph, and a gradient
         left from an earlier eager backward would be stale (what ``optimizer.zero_grad()`` leaves)."""
-        for param in self.model.parameters():
+        for param in tree.params.values():
             if param.grad is not None:
                 param.grad = None
 
     @contextlib.contextmanager
-    def _no_state_left_on_failure(self):
+    def _no_state_left_on_failure(self, tree: _ModuleTree):
         """Capture initialises optimizer state before tracing (as torch.optim would on its first
         step); a step that then fails has updated nothing, so that state is dropped and the
         optimizer is left exactly as the user gave it. Every module attribute holding a parameter
         or buffer holds the same object afterwards (a failure inside tracing, which binds tracing
         tensors to the modules, cannot leave one there)."""
         had_state = {id(p) for p, s in self.optimizer.state.items() if s}
-        held = [(m, dict(m._parameters), dict(m._buffers)) for m in self.model.modules()]
+        held = [(m, dict(m._parameters), dict(m._buffers)) for m in tree.modules]
         try:
             yield
         except BaseException:
