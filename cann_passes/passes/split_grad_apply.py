@@ -23,6 +23,7 @@ import torch
 import torch.fx
 
 from graph_ir import TrainGraph
+from graph_ir.train_graph import lazy_graph_module
 from graph_ir.meta import ACCUMULATOR_PREFIX, REGION, GraphAttr, GraphKind, Region, graph_kind, region_of
 from graph_ir.program import EVERY_MICROBATCH, EVERY_STEP, Flow, Program, Run
 from graph_ir.signature import InputKind, OutputKind, Spec, StepSignature
@@ -69,7 +70,7 @@ def _part(graph: TrainGraph, keep, outputs: list[tuple[Spec, torch.fx.Node]], ki
                     "(rule: the optimizer may read only accumulated gradients from backward)")
             env[node] = new.node_copy(node, env.__getitem__)
     new.output([env[node] if isinstance(node, torch.fx.Node) else node for _, node in outputs])
-    gm = torch.fx.GraphModule(graph.gm, new)
+    gm = lazy_graph_module(graph.gm, new)
     attrs = dict(graph.attrs, **{GraphAttr.NAME: f"{graph.name}.{kind.value}", GraphAttr.KIND: kind.value})
     return TrainGraph(gm, StepSignature(inputs, [spec for spec, _ in outputs]), attrs)
 

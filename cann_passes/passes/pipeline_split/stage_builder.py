@@ -8,6 +8,7 @@ import torch
 import torch.fx
 
 from graph_ir import TrainGraph
+from graph_ir.train_graph import lazy_graph_module
 from graph_ir.meta import ACCUMULATOR_PREFIX, REGION, GraphAttr, GraphKind, Region, StageValue, region_of
 from graph_ir.program import Flow
 from graph_ir.signature import InputKind, OutputKind, Spec, StepSignature, split_state_name
@@ -56,7 +57,7 @@ def _extract(nodes: _Nodes, compute: list[torch.fx.Node], cut: list[tuple[Spec, 
                                          "which this stage graph neither computes nor receives")
             env[node] = new.node_copy(node, env.__getitem__)
     new.output([env[v] if isinstance(v, torch.fx.Node) else v for _, v in outputs])
-    gm = torch.fx.GraphModule(source.gm, new)
+    gm = lazy_graph_module(source.gm, new)
     return TrainGraph(gm, StepSignature(inputs, [s for s, _ in outputs]), attrs)
 
 
