@@ -38,6 +38,17 @@ def _specs(graph, kind, outputs=False):
 
 
 class TestPipelineSplit:
+    def test_the_stage_graphs_generate_their_code_only_when_run(self, step):
+        # The pass manager marks every graph for recompilation after each pass; a stage graph that
+        # generated and compiled its Python code there paid for it once per later pass.
+        from torch.fx._lazy_graph_module import _LazyGraphModule
+        program = PassManager(SPLIT + ",cleanup").run(step.captured.copy(), PassContext(mesh=MeshDesc.fake(pp=2)))
+        assert len(program.graphs) == 10
+        for name, graph in program.graphs.items():
+            assert isinstance(graph.gm, _LazyGraphModule) and graph.gm._needs_recompile(), name
+        stage = program.graphs["stage0.forward"]
+        assert "def forward" in stage.gm.code and not stage.gm._needs_recompile()
+
     def test_each_stage_gets_a_forward_a_backward_its_two_halves_and_an_apply_graph(self, split):
         program, record = split
         assert list(program.graphs) == [f"stage{s}.{part}" for s in range(2) for part in PARTS]
