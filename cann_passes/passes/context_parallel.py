@@ -72,6 +72,7 @@ import warnings
 import torch
 import torch.fx
 import torch.fx.traceback as fx_traceback
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
 from graph_ir import TrainGraph
 from graph_ir.analysis.effects import random_op
@@ -342,7 +343,9 @@ def _retrace(graph: TrainGraph, mesh, layout: "_Layout", ring: bool, partial: bo
             outs = _Rewriter(graph.gm, mesh, layout, whole, ring, partial).run(*wrapped)
         return [o.redistribute(mesh, [Replicate()]).to_local() if isinstance(o, DTensor) else o for o in outs]
 
-    with torch.no_grad(), fx_traceback.preserve_node_meta(), _sequence_redistribution(layout):
+    # (lazy, as tensor_parallel's retrace: the code is generated when the graph runs)
+    with torch.no_grad(), fx_traceback.preserve_node_meta(), _sequence_redistribution(layout), \
+            _use_lazy_graph_module(True):
         return make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(*values)
 
 

@@ -221,3 +221,14 @@ def test_dump_shows_its_collectives(llama, tmp_path):
     text = next(tmp_path.glob("*_context_parallel.py")).read_text()
     assert "all_gather_into_tensor" in text and "reduce_scatter_tensor" in text
     assert "origin_pass=context_parallel" in text
+
+
+def test_the_retraced_graphs_of_tp_and_cp_generate_their_code_only_when_run(llama):
+    # tensor_parallel and context_parallel retrace the step with make_fx; a GraphModule that
+    # generated and compiled its code there did it again after every later pass.
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+    for plan, mesh in ((Plan(cp=2, backend="eager"), MeshDesc.fake(cp=2)),
+                       (Plan(tp=2, backend="eager"), MeshDesc.fake(tp=2))):
+        program = compile_program(llama.copy(), plan, mesh)
+        for name, graph in program.graphs.items():
+            assert isinstance(graph.gm, _LazyGraphModule) and graph.gm._needs_recompile(), (plan, name)

@@ -6,6 +6,7 @@ import contextlib
 import torch
 import torch.fx
 import torch.fx.traceback as fx_traceback
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
 from graph_ir import TrainGraph
 from graph_ir.analysis.gradients import GradientNotFound, find_gradients
@@ -44,8 +45,10 @@ def retrace(graph: TrainGraph, layouts: dict[str, ParamLayout], mesh, *, sequenc
     with FakeTensorMode(allow_non_fake_inputs=True):
         local_inputs = [torch.empty(local_shape(v.shape, p, mesh.size(0)), dtype=v.dtype, device=v.device)
                         if isinstance(v, torch.Tensor) else v for v, p in zip(values, in_place)]
+    # A lazy GraphModule, as the pass manager's copies are: the code is generated when the graph runs,
+    # not after each pass that follows.
     with torch.no_grad(), fx_traceback.preserve_node_meta(), _one_collective_per_layout(), \
-            (loss_parallel() if vocab_parallel_loss else contextlib.nullcontext()):
+            (loss_parallel() if vocab_parallel_loss else contextlib.nullcontext()), _use_lazy_graph_module(True):
         return make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(*local_inputs)
 
 
