@@ -114,6 +114,18 @@ def node_cost(node: torch.fx.Node) -> NodeCost:
     return NodeCost(elements, read, written)
 
 
+def is_matmul(node: torch.fx.Node) -> bool:
+    """``node_cost(node).matmul``, pricing only the nodes whose op has a matmul-class FLOP formula
+    (block detection asks it of every forward node; most are pointwise)."""
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if target in _ATTENTION_FLOPS or getattr(target, "overloadpacket", None) in flop_registry \
+            or str(target) in _GROUPED_MM_FLOPS:
+        return node_cost(node).matmul
+    return False
+
+
 def layout_key(node: torch.fx.Node):
     """What a node's cost depends on, hashable: its op, its arguments with every node replaced by
     its value's layout (dtype, shape, strides), and its own value's layout; None when some

@@ -31,7 +31,7 @@ import torch
 import torch.fx
 
 from ..meta import Region, module_path_of, region_of
-from .cost import node_cost
+from .cost import is_matmul as _is_matmul
 
 _SOFTMAX = {"_softmax", "softmax", "_safe_softmax"}
 # Fused attention: every spelling of SDPA a captured step may hold (CPU, CUDA, NPU kernels).
@@ -51,10 +51,6 @@ def _op_name(node: torch.fx.Node) -> str:
     if isinstance(target, torch._ops.OpOverload):
         return target._schema.name.split("::")[-1]
     return getattr(target, "__name__", str(target))
-
-
-def _is_matmul(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and node_cost(node).matmul
 
 
 @dataclass

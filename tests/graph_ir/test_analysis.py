@@ -69,3 +69,15 @@ def test_networkx_view_has_every_node_and_edge():
     assert set(g.nodes) == {n.name for n in gm.graph.nodes}
     assert g.number_of_edges() == sum(len(n.all_input_nodes) for n in gm.graph.nodes)
     assert g.nodes["mul"]["flops"] == 3
+
+
+def test_is_matmul_says_what_node_cost_says_on_attention_moe_and_convolution_steps():
+    from graph_ir.analysis.cost import is_matmul
+    from tests.zoo import build
+    for name in ("llama", "mixtral", "swin"):
+        entry = build(name, layers=1)
+        tg, _ = capture_train_step(entry.model, torch.optim.SGD(entry.model.parameters(), lr=0.1), entry.loss_fn,
+                                   entry.make_batch(0))
+        said = {n: node_cost(n).matmul for n in tg.graph.nodes}
+        assert any(said.values()) and not all(said.values()), name
+        assert all(is_matmul(n) == said[n] for n in tg.graph.nodes), name
