@@ -70,8 +70,6 @@ class GraphAttr:
     MESH = "mesh"                      # the mesh description the graph was compiled for (JSON)
     RANK = "rank"                      # the global rank a per-rank graph belongs to
     STAGE = "stage"                    # a pipeline stage graph: {index, stages, rank, first, last}
-    REUSED_BUFFERS = "reused_buffers"  # a lowered graph: how many ops the eager lowering made in place
-    HOST_SCALAR_OPS = "host_scalar_ops"  # a lowered graph: 0-dim tensor ops the eager lowering computes as Python floats
     WRITTEN_INPUTS = "written_inputs"  # placeholders reuse_dead_operands lets the step write in place
     GLOO_ORDERED = "gloo_ordered"      # True: gloo_all_gathers_alone ordered this graph's all-gathers
     # On a Program (program.attrs): the pipeline split (stages, stage -> rank, units, costs).

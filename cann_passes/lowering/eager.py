@@ -52,9 +52,10 @@ class EagerLowering:
         return (*scalars, "reuse_dead_operands{inputs=false}")
 
     def compile(self, graph: TrainGraph, example_inputs, plan):
+        # (how many nodes each pass marked is in its pass record's statistics)
         lowered = graph.copy()
-        lowered.attrs[GraphAttr.HOST_SCALAR_OPS] = apply_scalars_on_host(lowered.gm)
-        lowered.attrs[GraphAttr.REUSED_BUFFERS] = apply_reuse(lowered.gm)
+        apply_scalars_on_host(lowered.gm)
+        apply_reuse(lowered.gm)
         names = set(graph.attrs.get(GraphAttr.WRITTEN_INPUTS, ()))
         lowered.recompile()
         written = [i for i, p in enumerate(lowered.placeholders()) if p.name in names]
