@@ -332,13 +332,19 @@ def _refuse_generator(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
         "and pass it in the batch")
 
 
+def _symbolic(t: torch.Tensor) -> bool:
+    """Whether a size, stride or the storage offset of ``t`` is a symbol (asked first: a layout of
+    plain ints, nearly every node's, needs no walk for unbacked symbols)."""
+    return any(isinstance(d, torch.SymInt) for d in (*t.shape, *t.stride(), t.storage_offset()))
+
+
 def _refuse_data_dependent_shape(node: torch.fx.Node) -> None:
     """A value whose shape depends on the data (boolean-mask indexing, nonzero, unique) cannot be
     one static graph: refused here, naming the model's line from the node's stack trace."""
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
     vals = node.meta.get("val")
     vals = vals if isinstance(vals, (tuple, list)) else [vals]
-    if not any(isinstance(v, torch.Tensor) and free_unbacked_symbols(v) for v in vals):
+    if not any(isinstance(v, torch.Tensor) and _symbolic(v) and free_unbacked_symbols(v) for v in vals):
         return
     raise _RefusedWithLine(
         f"data-dependent shape {_source_line(node)} ({node.target}): the step is captured as one graph "
