@@ -624,8 +624,11 @@ def _where(frame: traceback.FrameSummary | None) -> str:
 def _data_dependent(exc: BaseException) -> bool:
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
-    return isinstance(exc, (DataDependentOutputException, DynamicOutputShapeException,
-                            GuardOnDataDependentSymNode))
+    if isinstance(exc, (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)):
+        return True
+    # A tensor's value read in Python (``.item()``) and used where Python needs an int (an index):
+    # the read is a symbol while tracing, which Python's indexing refuses by type.
+    return isinstance(exc, (IndexError, TypeError)) and "SymInt" in str(exc)
 
 
 class _RefusedCheckpoint:

@@ -148,10 +148,20 @@ def _capture_with(model, loss_fn, batch=_XY):
     return capture_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, batch)
 
 
+class _IndexByItem(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(12, 5)
+
+    def forward(self, x):
+        return self.fc(x[x.argmax(dim=0)[0].item()] + x)  # index-line
+
+
 @pytest.mark.parametrize("model, loss_fn, line", [
     (_BranchOnData, tiny_mlp()[1], _line(_BranchOnData.forward, "branch-line")),
     (lambda: tiny_mlp()[0], _item_loss, _line(_item_loss, "item-line")),
-], ids=["if_on_tensor", "item_in_loss"])
+    (_IndexByItem, tiny_mlp()[1], _line(_IndexByItem.forward, "index-line")),
+], ids=["if_on_tensor", "item_in_loss", "item_as_index"])
 def test_data_dependent_control_flow_is_refused_naming_the_line(model, loss_fn, line):
     with pytest.raises(CaptureError) as info:
         _capture_with(model(), loss_fn)
