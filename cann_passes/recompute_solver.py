@@ -560,8 +560,8 @@ def solve(problem: Problem, budget: float, solver: str = "auto",
     if solver == "folded":
         sol = solve_folded(problem, budget, stacks or [])
         if sol is None:
-            raise NoFolding("solver 'folded' needs a stack of at least 3 identical blocks within the budget; "
-                            "none was found (use solver 'auto' or 'milp')")
+            raise NoFolding("solver 'folded' found no stack of at least 3 identical blocks (or, folding one, "
+                            "no answer within the budget): use solver 'auto' or 'milp'")
         return sol
     if solver == "auto":
         if stacks:
