@@ -327,24 +327,25 @@ def fold(problem: Problem, stacks: list[list[list[int]]], min_blocks: int = 3) -
 
 def _round(problem: Problem, folding: Folding, budget: float, base: set[int], upgrade: list[int]) -> Solution | None:
     """``base`` saved by every block, ``upgrade`` also by as many of the first blocks as fit ``budget``."""
+    whole = folding.unfold(base)
     try:
-        floor = evaluate(problem, folding.unfold(base), "folded")
+        floor = evaluate(problem, whole, "folded")
     except Infeasible:
         return None
-    if floor.bytes > budget and not upgrade:
-        return None
-    blocks = max((len(folding.members[j]) for j in upgrade), default=0)
+    fits = floor if floor.bytes <= budget else None
+    if not upgrade:
+        return fits
     per_block = sum(problem.values[folding.members[j][0]].bytes for j in upgrade)
+    blocks = max(len(folding.members[j]) for j in upgrade)
     k = blocks if per_block == 0 else max(0, min(blocks, int((budget - floor.bytes) // per_block)))
-    for k in range(k, -1, -1) if blocks else [0]:
-        saved = folding.unfold(base) | {i for j in upgrade for i in folding.members[j][:k]}
+    for k in range(k, 0, -1):
         try:
-            sol = evaluate(problem, saved, "folded")
+            sol = evaluate(problem, whole | {i for j in upgrade for i in folding.members[j][:k]}, "folded")
         except Infeasible:
             continue
         if sol.bytes <= budget:
             return sol
-    return None
+    return fits
 
 
 def solve_folded(problem: Problem, budget: float, stacks: list[list[list[int]]],
