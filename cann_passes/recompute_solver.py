@@ -8,8 +8,22 @@ values per random 0/1 mask, below):
 - ``r_i`` (recomputed): ``i`` is computed again in backward, costing ``cost_i``
   seconds, and needs every forward input available (saved or recomputed).
 - A value a backward node reads must be available: ``s_i + r_i >= 1``.
+- A view is available when its buffer (``base``) is saved or kept, for free; else it is
+  recomputed, costing its op, from its buffer recomputed.
 - Budget: ``sum bytes_i s_i <= B``. Objective: ``min sum cost_i r_i``, ties
   broken towards fewer bytes.
+
+The rewriter recomputes a value once per block whose backward needs it (copies are
+not shared between blocks, so that a recomputed value dies with the block that
+asked for it). The model above counts one copy; it agrees with the rewriter unless a
+block's recomputation reaches into another block (an unsaved block input rebuilt
+from the block before, and so on down the stack: each later block rebuilds the
+chain again). :func:`evaluate` prices a choice as the rewriter runs it, block by
+block. The block model (``_model(..., hops=True)``, what ``milp``, ``folded`` and
+``auto`` solve) adds ``y_i``, value ``i`` rebuilt in the blocks one away that read
+it, each copy counted, and lets recomputation reach one block back, never further.
+Where a budget leaves no room for that, :func:`solve` solves the one-copy model and
+again with the values where its chains start saved, and keeps the cheaper as run.
 
 Random 0/1 masks (``bernoulli``, what dropout decomposes to) are never drawn
 again: a second draw would give other numbers and shift the RNG stream. Their
@@ -53,6 +67,17 @@ class Value:
     needed: bool = False         # read by a backward node
     kept: bool = False           # available anyway (read by the output or the optimizer)
     reason: str = ""             # why it may not be saved or recomputed
+    base: int | None = None      # a view's buffer value: the view is available when it is
+    home: str = ""               # the block the value lies in ("" outside every block)
+    read_in: tuple[str, ...] = ()   # the blocks whose backward reads it
+    far: tuple[int, ...] = ()    # deps that lie in another block
+    hops: int = 0                # other blocks whose recomputation may rebuild it, one block away
+
+    def read_at_home(self) -> bool:
+        return not self.read_in or self.home in self.read_in
+
+    def read_away(self) -> bool:
+        return any(scope != self.home for scope in self.read_in)
 
 
 @dataclass
@@ -71,6 +96,7 @@ class Solution:
     bytes: int
     solver: str
     notes: list[str] = field(default_factory=list)
+    copies: int = 0              # recomputations, one per block that needs the value
 
 
 class Infeasible(ValueError):
@@ -83,8 +109,17 @@ class NoFolding(ValueError):
 
 # -- evaluation ---------------------------------------------------------------------------------
 
-def evaluate(problem: Problem, saved: set[int], solver: str = "") -> Solution:
-    """The recompute set a choice of saved values implies, and what it costs.
+def _free(values: list[Value], i: int) -> bool:
+    """Available whatever is chosen: kept anyway, or a view of a buffer kept anyway."""
+    v = values[i]
+    return v.kept or (v.base is not None and values[v.base].kept)
+
+
+def evaluate(problem: Problem, saved: set[int], solver: str = "", per_block: bool = True) -> Solution:
+    """The recompute set a choice of saved values implies, and what it costs, as the rewriter
+    runs it: in each block whose backward reads a value, what that value needs and is not
+    saved is recomputed there, once per block (a value no block is recorded for counts once).
+    ``per_block=False``: one copy of each, as the solvers' model counts.
 
     Only saves that something actually reads count; a value neither saved nor
     recomputable that is needed makes the choice infeasible.
@@ -92,26 +127,61 @@ def evaluate(problem: Problem, saved: set[int], solver: str = "") -> Solution:
     values = problem.values
     recomputed: set[int] = set()
     used_saves: set[int] = set()
-    stack = [i for i, v in enumerate(values) if v.needed]
-    seen: set[int] = set()
-    while stack:
-        i = stack.pop()
-        if i in seen:
-            continue
-        seen.add(i)
+    starts: dict[str, list[int]] = {}
+    for i, v in enumerate(values):
+        if v.needed:
+            for scope in (v.read_in or ("",)) if per_block else ("",):
+                starts.setdefault(scope, []).append(i)
+    cost, copies = 0.0, 0
+    for stack in starts.values():
+        seen: set[int] = set()
+        while stack:
+            i = stack.pop()
+            if i in seen:
+                continue
+            seen.add(i)
+            v = values[i]
+            if _free(values, i):
+                continue
+            if i in saved and v.savable:
+                used_saves.add(i)
+                continue
+            if v.base is not None and v.base in saved and values[v.base].savable:
+                used_saves.add(v.base)
+                continue
+            if not v.recomputable:
+                raise Infeasible(f"value {v.name} is needed in backward but can be neither saved nor "
+                                 f"recomputed ({v.reason or 'no reason recorded'})")
+            recomputed.add(i)
+            cost += v.cost
+            copies += 1
+            stack.extend(v.deps)
+    return Solution(used_saves, recomputed, cost, sum(values[i].bytes for i in used_saves), solver,
+                    copies=copies)
+
+
+def chain_starts(problem: Problem, saved: set[int]) -> set[int]:
+    """Values that a block's recomputation rebuilds although they lie in another block, where the
+    rebuilding starts: read by that block's backward, or by a value of its own it recomputes.
+
+    Saving them stops recomputation at the block's edge, as checkpointing each block's input does.
+    """
+    values = problem.values
+    out: set[int] = set()
+    sol = evaluate(problem, saved)
+    if sol.copies == len(sol.recomputed):
+        return out
+    for i, v in enumerate(values):
+        if v.needed:
+            for scope in v.read_in:
+                if v.home != scope and i in sol.recomputed:
+                    out.add(i)
+    for i in sol.recomputed:
         v = values[i]
-        if v.kept:
-            continue
-        if i in saved and v.savable:
-            used_saves.add(i)
-            continue
-        if not v.recomputable:
-            raise Infeasible(f"value {v.name} is needed in backward but can be neither saved nor "
-                             f"recomputed ({v.reason or 'no reason recorded'})")
-        recomputed.add(i)
-        stack.extend(v.deps)
-    return Solution(used_saves, recomputed, sum(values[i].cost for i in recomputed),
-                    sum(values[i].bytes for i in used_saves), solver)
+        for d in v.deps:
+            if d in sol.recomputed and values[d].home != v.home:
+                out.add(d)
+    return out
 
 
 def relevant(problem: Problem) -> list[int]:
@@ -126,75 +196,102 @@ def relevant(problem: Problem) -> list[int]:
         out.append(i)
         if not values[i].kept:
             stack.extend(values[i].deps)
+            if values[i].base is not None:
+                stack.append(values[i].base)
     return sorted(out)
 
 
 # -- exact MILP ---------------------------------------------------------------------------------
 
-def _model(problem: Problem, budget: float, fixed: dict[tuple[str, int], int] | None = None):
-    """The MILP's arrays: objective, constraint matrix and bounds, and which column is which value."""
+def _model(problem: Problem, budget: float, fixed: dict[tuple[str, int], int] | None = None,
+           hops: bool = False):
+    """The MILP's arrays: objective, constraint matrix and bounds, and which column is which value.
+
+    ``hops``: the model of the rewriter's blocks. Besides ``r_i`` (recomputed in its own
+    block's backward) a value has ``y_i``, rebuilt in the backward of the blocks one away that
+    read it (``hops`` of them: the next block, or every block for a rotary table), costing
+    ``hops`` copies. A recomputed value's dependency in another block must be saved or rebuilt
+    there (``y``); one rebuilt there needs its own dependencies the same way, and those in yet
+    another block saved: recomputation reaches one block back, never down a chain of them.
+    """
     from scipy.optimize import Bounds, LinearConstraint
     from scipy.sparse import coo_matrix
 
     values = problem.values
     idx = relevant(problem)
-    svar, rvar = {}, {}
+    svar, rvar, yvar = {}, {}, {}
     for i in idx:
         v = values[i]
         if v.kept:
             continue
         if v.savable:
-            svar[i] = len(svar) + len(rvar)
+            svar[i] = len(svar) + len(rvar) + len(yvar)
         if v.recomputable:
-            rvar[i] = len(svar) + len(rvar)
-    n = len(svar) + len(rvar)
+            rvar[i] = len(svar) + len(rvar) + len(yvar)
+            if hops and v.hops:
+                yvar[i] = len(svar) + len(rvar) + len(yvar)
+    n = len(svar) + len(rvar) + len(yvar)
     if n == 0:
         return None
     total_bytes = max(1, sum(values[i].bytes for i in svar))
     total_cost = max(1e-30, sum(values[i].cost for i in rvar))
     c = np.zeros(n)
-    for i, k in rvar.items():
-        c[k] = values[i].cost / total_cost
+    for table, times in ((rvar, 1), (yvar, 0)):
+        for i, k in table.items():
+            c[k] = values[i].cost * (times or values[i].hops) / total_cost
     tie = np.zeros(n)
     for i, k in svar.items():
         tie[k] = 1e-6 * values[i].bytes / total_bytes     # tie-break: fewer bytes
     rows, cols, data, lo, hi = [], [], [], [], []
 
-    def available(row: int, i: int) -> bool:
-        """Add s_i + r_i to a row; False when i can be neither (and is not kept)."""
-        if values[i].kept:
-            return True
+    def row(i: int, tables, var: int | None, saved_only: bool = False) -> bool:
+        """``i`` available (its variables of ``tables``; a view also through its buffer's save)
+        ``>= 1``, or ``>= var``. A view's row comes with its buffer's (a valid cut: a view is
+        rebuilt from its buffer): without it the LP would save half a buffer, read the view
+        through that half and rebuild the view from the other. False when ``i`` has no variable."""
+        base = values[i].base
         any_var = False
-        for table in (svar, rvar):
-            if i in table:
-                rows.append(row), cols.append(table[i]), data.append(1.0)
-                any_var = True
+        for j in ((i, base) if base is not None else (i,)):
+            if j is None or _free(values, j):
+                continue
+            r = len(lo)
+            terms = [svar.get(j), svar.get(base) if j == i and base is not None else None]
+            if not saved_only:
+                terms += [t.get(j) for t in tables]
+            terms = {k for k in terms if k is not None}
+            for k in terms:
+                rows.append(r), cols.append(k), data.append(1.0)
+            if var is not None:
+                rows.append(r), cols.append(var), data.append(-1.0)
+            lo.append(0 if var is not None else 1), hi.append(np.inf)
+            any_var = any_var or (j == i and bool(terms))
         return any_var
 
-    row = 0
     for i in idx:
         v = values[i]
-        if v.kept:
+        if _free(values, i):
             continue
-        if v.needed:
-            if not available(row, i):
+        for wanted, table in ((v.needed and (not hops or v.read_at_home()), rvar),
+                              (v.needed and hops and v.read_away(), yvar)):
+            if wanted and not row(i, (table,), None):
                 raise Infeasible(f"value {v.name} is needed in backward but can be neither saved "
                                  f"nor recomputed ({v.reason})")
-            lo.append(1), hi.append(np.inf)
-            row += 1
-        if i in rvar:
+        far = set(v.far) if hops else set()
+        for own, near, away, saved_only in ((rvar, rvar, yvar, False), (yvar, yvar, None, True)):
+            if i not in own:
+                continue
             for d in set(v.deps):
-                if values[d].kept:
+                if _free(values, d):
                     continue
-                available(row, d)   # with neither variable the row reads -r_i >= 0
-                rows.append(row), cols.append(rvar[i]), data.append(-1.0)
-                lo.append(0), hi.append(np.inf)
-                row += 1
+                if d in far:   # in another block: rebuilt one block away, or (from there) saved
+                    row(d, (away,) if away is not None else (), own[i], saved_only=saved_only)
+                else:
+                    row(d, (near,), own[i])
+    row = len(lo)
     for i, k in svar.items():
         rows.append(row), cols.append(k), data.append(float(values[i].bytes))
     lo.append(-np.inf), hi.append(budget if math.isfinite(budget) else np.inf)
-    row += 1
-    A = coo_matrix((data, (rows, cols)), shape=(row, n)).tocsr()
+    A = coo_matrix((data, (rows, cols)), shape=(len(lo), n)).tocsr()
     lb, ub = np.zeros(n), np.ones(n)
     for (kind, i), value in (fixed or {}).items():
         table = svar if kind == "s" else rvar
@@ -204,10 +301,10 @@ def _model(problem: Problem, budget: float, fixed: dict[tuple[str, int], int] | 
 
 
 def _milp(problem: Problem, budget: float, *, fixed: dict[tuple[str, int], int] | None = None,
-          time_limit: float = 60.0, rel_gap: float = 1e-6) -> set[int] | None:
+          time_limit: float = 60.0, rel_gap: float = 1e-6, hops: bool = False) -> set[int] | None:
     from scipy.optimize import milp
 
-    model = _model(problem, budget, fixed)
+    model = _model(problem, budget, fixed, hops)
     if model is None:
         return set()
     c, tie, constraints, bounds, svar, _ = model
@@ -218,11 +315,12 @@ def _milp(problem: Problem, budget: float, *, fixed: dict[tuple[str, int], int] 
     return {i for i, k in svar.items() if res.x[k] > 0.5}
 
 
-def lower_bound(problem: Problem, budget: float) -> float:
-    """The LP relaxation's recompute seconds: no choice within ``budget`` recomputes less."""
+def lower_bound(problem: Problem, budget: float, hops: bool = False) -> float:
+    """The LP relaxation's recompute seconds: no choice within ``budget`` recomputes less (with
+    ``hops``, no choice whose recomputation reaches one block back at most, as that model prices)."""
     from scipy.optimize import milp
 
-    model = _model(problem, budget)
+    model = _model(problem, budget, hops=hops)
     if model is None:
         return 0.0
     c, _, constraints, bounds, _, total_cost = model
@@ -232,8 +330,9 @@ def lower_bound(problem: Problem, budget: float) -> float:
     return float(res.fun) * total_cost
 
 
-def solve_milp(problem: Problem, budget: float, time_limit: float = 60.0, rel_gap: float = 1e-6) -> Solution:
-    saved = _milp(problem, budget, time_limit=time_limit, rel_gap=rel_gap)
+def solve_milp(problem: Problem, budget: float, time_limit: float = 60.0, rel_gap: float = 1e-6,
+               hops: bool = False) -> Solution:
+    saved = _milp(problem, budget, time_limit=time_limit, rel_gap=rel_gap, hops=hops)
     if saved is None:
         raise Infeasible(f"no selection of saved values fits a budget of {budget:.0f} bytes")
     return evaluate(problem, saved, "milp")
@@ -267,8 +366,9 @@ def fold(problem: Problem, stacks: list[list[list[int]]], min_blocks: int = 3) -
     differ: the folded value reads all of it. An answer of the folded problem, unfolded (each
     folded block saving alike), is an answer of the original one: a folded value recomputed
     stands for it recomputed in every block, each of which then needs what it reads
-    available, which the union of what they read says. Its cost there is at most the folded
-    one's (the last block's copy of a value only the next block reads is then not rebuilt).
+    available, which the union of what they read says. Its cost there, one copy of each value
+    counted as the solvers count, is at most the folded one's (the last block's copy of a value
+    only the next block reads is then not rebuilt).
     The choices that differ between blocks (the best use of a budget that one more saved
     value per block would overrun) are out of its reach; :func:`solve_folded` rounds the LP
     block by block for them and bounds what is left.
@@ -285,7 +385,9 @@ def fold(problem: Problem, stacks: list[list[list[int]]], min_blocks: int = 3) -
         for i in stacks[s][b]:
             v = values[i]
             inside = tuple(sorted({owner[d][2] for d in v.deps if owner.get(d, (None, None))[:2] == (s, b)}))
-            out.append((v.bytes, v.cost, v.flops, v.written, v.savable, v.recomputable, v.needed, v.kept, inside))
+            base = owner[v.base][2] if owner.get(v.base, (None, None))[:2] == (s, b) else v.base is None
+            out.append((v.bytes, v.cost, v.flops, v.written, v.savable, v.recomputable, v.needed, v.kept, inside,
+                        base, v.read_at_home(), v.read_away(), v.hops, len(v.far)))
         return tuple(out)
 
     groups: list[list[int]] = []        # per stack, the blocks folded (those of the commonest signature)
@@ -320,14 +422,23 @@ def fold(problem: Problem, stacks: list[list[list[int]]], min_blocks: int = 3) -
         v = values[group[0]]
         n = len(group)
         deps = sorted({rep[d] for i in group for d in values[i].deps})
+        # A folded view reads its buffer's save where every block's view stands for one folded
+        # buffer (its own block's, or one they share); else it is priced as recomputed, no cheaper.
+        bases = {None if values[i].base is None else rep[values[i].base] for i in group}
+        base = bases.pop() if len(bases) == 1 else None
+        far = tuple(sorted({rep[d] for i in group for d in values[i].far}))
         folded.append(replace(v, deps=deps, bytes=v.bytes * n, cost=v.cost * n, flops=v.flops * n,
-                              written=v.written * n))
+                              written=v.written * n, base=base, far=far))
     return Folding(Problem(folded), members, sum(len(g) for g in groups))
 
 
-def _round(problem: Problem, folding: Folding, budget: float, base: set[int], upgrade: list[int]) -> Solution | None:
-    """``base`` saved by every block, ``upgrade`` also by as many of the first blocks as fit ``budget``."""
-    whole = folding.unfold(base)
+def _round(problem: Problem, folding: Folding, budget: float, base: set[int], upgrade: list[int],
+           alternate: tuple[int, ...] = ()) -> Solution | None:
+    """``base`` saved by every block, ``upgrade`` also by as many blocks as fit ``budget``, spread
+    evenly over the stack: a block boundary left unsaved is then rebuilt from the block before,
+    whose own is saved, not down a run of unsaved ones (see :func:`evaluate`). ``alternate``:
+    saved by every other block, as the LP's half share of a block boundary means."""
+    whole = folding.unfold(base) | {i for j in alternate for i in folding.members[j][::2]}
     try:
         floor = evaluate(problem, whole, "folded")
     except Infeasible:
@@ -340,7 +451,9 @@ def _round(problem: Problem, folding: Folding, budget: float, base: set[int], up
     k = blocks if per_block == 0 else max(0, min(blocks, int((budget - floor.bytes) // per_block)))
     for k in range(k, 0, -1):
         try:
-            sol = evaluate(problem, whole | {i for j in upgrade for i in folding.members[j][:k]}, "folded")
+            picks = {int(t * blocks / k) for t in range(k)}
+            sol = evaluate(problem, whole | {i for j in upgrade for b, i in enumerate(folding.members[j])
+                                             if b in picks}, "folded")
         except Infeasible:
             continue
         if sol.bytes <= budget:
@@ -349,25 +462,26 @@ def _round(problem: Problem, folding: Folding, budget: float, base: set[int], up
 
 
 def solve_folded(problem: Problem, budget: float, stacks: list[list[list[int]]],
-                 gap: float | None = None) -> Solution | None:
-    """Identical blocks solved as one: the LP over the folded problem, rounded block by block.
+                 hops: bool = False) -> Solution | None:
+    """Identical blocks solved as one: the LP over the folded problem, then what it leaves open.
 
-    The LP's answer saves most folded values wholly or not at all; the values it saves in part
-    (a fraction ``f`` of each block's, the budget's knapsack edge) are saved whole by as many
-    blocks as the budget leaves room for, about ``f`` of them, and not at all by the others,
-    so the blocks need not choose alike. A handful of LPs and evaluations instead of a MILP
-    over every block: 32 layers of a 7B-shaped step fold to 178 values.
+    The LP's answer saves most folded values wholly or not at all; those it saves in part (a
+    fraction of each block's, the budget's edge) are what the blocks need not choose alike.
+    The LP's whole decisions are fixed in every block and a MILP over the whole problem decides
+    the rest, block by block: a few hundred free variables instead of every block's (32 layers
+    of a 7B-shaped step fold to 178 values, and 93 saves stay open). Where that MILP finds no
+    answer in its time, the LP is rounded instead (:func:`_round_shares`).
 
-    None when no stack folds, or (with ``gap``) when the answer is not proven within ``gap``
-    of the whole problem's LP bound (its recompute seconds over the bound's, as HiGHS
-    measures a MILP's gap): the caller then solves the whole problem.
+    None when no stack folds, or nothing fits the budget. The answer is priced on the whole
+    problem, block by block (:func:`evaluate`); how far that is from the LP bound, ``solve``
+    (``auto``) judges.
     """
     from scipy.optimize import milp
 
     folding = fold(problem, stacks)
     if folding is None:
         return None
-    model = _model(folding.problem, budget)
+    model = _model(folding.problem, budget, hops=hops)
     if model is None:
         return evaluate(problem, set(), "folded")
     c, tie, constraints, bounds, svar, _ = model
@@ -375,28 +489,59 @@ def solve_folded(problem: Problem, budget: float, stacks: list[list[list[int]]],
     if res.x is None:
         return None
     share = {j: float(res.x[k]) for j, k in svar.items()}
+    open_saves = [j for j, f in share.items() if 1e-6 <= f <= 1 - 1e-6]
+    fixed = {("s", i): int(round(f)) for j, f in share.items() if j not in open_saves for i in folding.members[j]}
+    saved = _milp(problem, budget, fixed=fixed, time_limit=10.0, rel_gap=1e-3, hops=hops)
+    best = evaluate(problem, saved, "folded") if saved is not None else None
+    how = f"{sum(len(folding.members[j]) for j in open_saves)} saves the LP left open decided by a MILP"
+    if best is None or best.bytes > budget:
+        best, how = _round_shares(problem, folding, budget, share), "the LP rounded block by block"
+    if best is None:
+        return None
+    best.notes.append(f"{folding.blocks} identical blocks solved as one; {how}")
+    return best
+
+
+def _round_shares(problem: Problem, folding: Folding, budget: float, share: dict[int, float]) -> Solution | None:
+    """The folded LP's answer rounded: what it saves in part (a fraction ``f`` of each block's)
+    saved whole by as many blocks as the budget leaves room for, and not at all by the others."""
     levels = sorted({round(f, 6) for f in share.values() if 1e-6 < f < 1 - 1e-6}, reverse=True)
-    best, part = None, 0
+    boundaries = {d for v in folding.problem.values for d in v.far}
+    best = None
     for high, low in zip([1.0, *levels], levels or [None]):
         # Saved by every block: what the LP saves at least ``high`` of; by as many blocks as the
         # budget allows, also what it saves ``low`` of. Each such pair of thresholds is a pair of
         # block patterns the LP mixes (a mask's bits and bool, one share each, take both or one).
         base_set = {j for j, f in share.items() if f >= high - 1e-6}
         band = [] if low is None else [j for j, f in share.items() if low - 1e-6 <= f < high - 1e-6]
-        for singles in ((), tuple(j for j in band if len(folding.members[j]) == 1)):
+        # A block boundary (what the next block reads) saved in part: by every other block, the
+        # rest rebuilt from the block before; upgraded with the others, a run of blocks could
+        # leave it unsaved and each rebuild the run again.
+        edges = tuple(j for j in band if len(folding.members[j]) > 1 and j in boundaries)
+        candidates = [((), ()), (tuple(j for j in band if len(folding.members[j]) == 1), ())]
+        for singles, alternate in candidates + ([((), edges)] if edges else []):
             sol = _round(problem, folding, budget, base_set | set(singles),
-                         [j for j in band if len(folding.members[j]) > 1])
+                         [j for j in band if len(folding.members[j]) > 1 and j not in alternate], alternate)
             if sol is not None and (best is None or sol.cost < best.cost):
-                best, part = sol, len(band)
-    if best is None:
-        return None
-    note = f"{folding.blocks} identical blocks solved as one, {part} values saved in part of them"
-    if gap is not None:
-        bound = lower_bound(problem, budget)
-        if best.cost - bound > gap * max(best.cost, 1e-30):
-            return None
-        note += f"; recompute {best.cost:.3e}s against the LP bound {bound:.3e}s"
-    best.notes.append(note)
+                best = sol
+    # Every value the LP saves in part, by its share of the blocks at once, spread over the stack
+    # (a boundary's half share: every other block); the others' shares scaled down to fit.
+    whole = folding.unfold({j for j, f in share.items() if f >= 1 - 1e-6})
+    frac = {j: f for j, f in share.items() if 1e-6 < f < 1 - 1e-6}
+    for scale in (1.0, 0.9, 0.8, 0.7, 0.6, 0.5):
+        picked = set(whole)
+        for j, f in frac.items():
+            n = len(folding.members[j])
+            k = min(n, math.ceil(f * n) if j in boundaries else int(f * scale * n))
+            picked |= {folding.members[j][int(t * n / k)] for t in range(k)}
+        try:
+            sol = evaluate(problem, picked, "folded")
+        except Infeasible:
+            break
+        if sol.bytes <= budget:
+            if best is None or sol.cost < best.cost:
+                best = sol
+            break
     return best
 
 
@@ -413,7 +558,7 @@ def _cut(problem: Problem, idx: list[int], byte_weight: float, cost_weight: floa
     for i in idx:
         v = values[i]
         a, b = ("in", i), ("out", i)
-        if v.kept:
+        if _free(values, i):
             g.add_edge(a, b, capacity=0)
             g.add_edge("source", a)       # never recomputed, free to read
         else:
@@ -556,28 +701,119 @@ AUTO_MILP_VARS = 16000
 def solve(problem: Problem, budget: float, solver: str = "auto",
           stacks: list[list[list[int]]] | None = None) -> Solution:
     """The saved values for ``budget`` bytes. ``stacks`` (per stack of blocks, per block, its values
-    in forward order) lets ``auto`` and ``folded`` solve identical blocks once (:func:`solve_folded`);
-    ``auto`` keeps that answer when it is proven within ``AUTO_MILP_GAP`` of the LP bound."""
-    if solver == "folded":
-        sol = solve_folded(problem, budget, stacks or [])
-        if sol is None:
-            raise NoFolding("solver 'folded' found no stack of at least 3 identical blocks (or, folding one, "
-                            "no answer within the budget): use solver 'auto' or 'milp'")
-        return sol
+    in forward order) lets ``auto`` and ``folded`` solve identical blocks once (:func:`solve_folded`).
+
+    ``milp``, ``folded`` and ``auto`` solve the model of the rewriter's blocks (``_model`` with
+    ``hops``): recomputation reaches one block back at most, each block's copy counted. Where
+    the budget is below what that needs (a block boundary saved every other block), and for
+    ``mincut`` and ``greedy``, the model counts one copy of each value; where such an answer
+    has a block rebuild the blocks before it (each later block then rebuilds them again, see
+    :func:`evaluate`), the problem is solved again with the values where those chains start
+    saved, and the answer that costs least as the rewriter runs it is kept.
+
+    ``auto``: the folded answer where it is within ``AUTO_MILP_GAP`` of the LP bound; else the
+    MILP (the min cut past ``AUTO_MILP_VARS`` variables), and the cheaper of the two. Past that
+    size the folded answer, when there is one, is kept unproven: the min cut took minutes there.
+    """
     if solver == "auto":
-        if stacks:
-            try:
-                sol = solve_folded(problem, budget, stacks, gap=AUTO_MILP_GAP)
-            except Infeasible:
-                sol = None
-            if sol is not None:
-                return sol
-        n_vars = sum(problem.values[i].savable + problem.values[i].recomputable
-                     for i in relevant(problem))
-        solver = "milp" if n_vars <= AUTO_MILP_VARS else "mincut"
         try:
-            sol = solve_milp(problem, budget, time_limit=30.0, rel_gap=AUTO_MILP_GAP) if solver == "milp" else None
+            return _solve_auto(problem, budget, stacks or [], hops=True)
         except Infeasible:
-            sol = None
-        return sol or solve_mincut(problem, budget)
-    return {"milp": solve_milp, "mincut": solve_mincut, "greedy": solve_greedy}[solver](problem, budget)
+            return _solve_auto(problem, budget, stacks or [], hops=False)
+
+    def run(p: Problem, hops: bool) -> Solution:
+        if solver == "folded":
+            sol = solve_folded(p, budget, stacks or [], hops=hops)
+            if sol is None:
+                raise NoFolding("solver 'folded' found no stack of at least 3 identical blocks (or, folding "
+                                "one, no answer within the budget): use solver 'auto' or 'milp'")
+            return sol
+        if solver == "milp":
+            return solve_milp(p, budget, hops=hops)
+        return {"mincut": solve_mincut, "greedy": solve_greedy}[solver](p, budget)
+    if solver in ("milp", "folded"):
+        try:
+            return run(problem, True)
+        except (Infeasible, NoFolding):
+            pass
+    return _cutting_chains(problem, budget, lambda p: run(p, False))
+
+
+def _solve_auto(problem: Problem, budget: float, stacks: list[list[list[int]]], hops: bool) -> Solution:
+    def chains(run):
+        return run(problem) if hops else _cutting_chains(problem, budget, run)
+
+    folded = None
+    if stacks:
+        def run_folded(p: Problem) -> Solution:
+            sol = solve_folded(p, budget, stacks, hops=hops)
+            if sol is None:
+                raise NoFolding("no identical blocks")
+            return sol
+        try:
+            folded = chains(run_folded)
+        except (Infeasible, NoFolding):
+            folded = None
+        if folded is not None:
+            bound = lower_bound(problem, budget, hops=hops)
+            if folded.cost - bound <= AUTO_MILP_GAP * max(folded.cost, 1e-30):
+                folded.notes.append(f"recompute {folded.cost:.3e}s against the LP bound {bound:.3e}s")
+                return folded
+    n_vars = sum(problem.values[i].savable + problem.values[i].recomputable for i in relevant(problem))
+    if n_vars > AUTO_MILP_VARS and folded is not None:
+        folded.notes.append(f"not proven within {AUTO_MILP_GAP:.0%} of the LP bound; the exact solvers over "
+                            f"{n_vars} variables were not tried")
+        return folded
+    if n_vars <= AUTO_MILP_VARS:
+        def exact(p: Problem) -> Solution:
+            return solve_milp(p, budget, time_limit=30.0, rel_gap=AUTO_MILP_GAP, hops=hops)
+    elif hops:
+        raise Infeasible("the min cut counts one copy of each value")   # solved without hops
+    else:
+        def exact(p: Problem) -> Solution:
+            return solve_mincut(p, budget)
+    try:
+        sol = chains(exact)
+    except Infeasible:
+        if folded is not None:
+            return folded
+        if hops:
+            raise
+        return _cutting_chains(problem, budget, lambda p: solve_mincut(p, budget))
+    return folded if folded is not None and (folded.cost, folded.bytes) < (sol.cost, sol.bytes) else sol
+
+
+# Rounds of saving where recomputation chains start (each adds the starts the last answer had).
+CHAIN_ROUNDS = 3
+
+
+def _can_force(problem: Problem, i: int) -> bool:
+    v = problem.values[i]
+    return v.savable or (v.base is not None and problem.values[v.base].savable)
+
+
+def _cutting_chains(problem: Problem, budget: float, run) -> Solution:
+    """``run(problem)``'s answer, and ``run`` again with the values where its recomputation chains
+    start (:func:`chain_starts`) kept from recomputation, up to ``CHAIN_ROUNDS`` times (a round that
+    costs more may lead to one that costs less); the one that costs least block by block. The first answer's errors are raised; a later one's ends the rounds."""
+    sol = run(problem)
+    best, forced = sol, set()
+    for _ in range(CHAIN_ROUNDS):
+        starts = {i for i in chain_starts(problem, sol.saved) - forced if _can_force(problem, i)}
+        if not starts:
+            break
+        forced |= starts
+        pinned = Problem([replace(v, recomputable=False, reason="saved: a block recomputing it would rebuild "
+                                  "it again for every block after it") if i in forced else v
+                          for i, v in enumerate(problem.values)])
+        try:
+            sol = run(pinned)
+        except (Infeasible, NoFolding):
+            break
+        sol = replace(evaluate(problem, sol.saved, sol.solver), notes=sol.notes)
+        if sol.bytes <= budget and (sol.cost, sol.bytes) < (best.cost, best.bytes):
+            best = sol
+    if forced:
+        best.notes.append(f"{len(forced)} values where recomputation crossed into another block tried saved; "
+                          f"{best.copies} recomputations in all")
+    return best

@@ -123,7 +123,30 @@ class _Builder:
                 self._add_node(node)
         self._mark_uses()
         self._mark_mask_derived(forward)
+        self._mark_blocks()
         return Problem(self.values)
+
+    def _mark_blocks(self) -> None:
+        """Each value's dependencies in another block, and the other blocks whose backward may
+        rebuild it one block away: those that read it, and those its users of its own block may
+        be rebuilt for, or a user in another block is recomputed in."""
+        users: dict[int, list[int]] = {}
+        for i, v in enumerate(self.values):
+            v.far = tuple(d for d in v.deps if self.values[d].home != v.home)
+            for d in set(v.deps):
+                users.setdefault(d, []).append(i)
+        away: list[frozenset] = [frozenset()] * len(self.values)
+        for i in range(len(self.values) - 1, -1, -1):    # values are in forward order
+            v = self.values[i]
+            out = {scope for scope in v.read_in if scope != v.home}
+            for u in users.get(i, ()):
+                home = self.values[u].home
+                if home == v.home:
+                    out |= away[u]
+                else:
+                    out.add(home)
+            away[i] = frozenset(out)
+            v.hops = len(out)
 
     def _dep(self, node: torch.fx.Node) -> int | None:
         if node in self.masks:
@@ -158,9 +181,16 @@ class _Builder:
             v.recomputable, v.reason = False, "collective or side effect: never recomputed"
         elif (why := _ban_reason(node, self.bans)):
             v.recomputable, v.reason = False, why
+        if not is_root and self._dep(self.root[node]) is not None:
+            v.base = self._dep(self.root[node])
+        v.home = self._block(node)
         self.index[node] = len(self.values)
         self.node_of[len(self.values)] = node
         self.values.append(v)
+
+    def _block(self, node: torch.fx.Node) -> str:
+        """The block whose backward scope ``node`` belongs to, as the rewriter scopes its copies."""
+        return self.structure.block_of(module_path_of(node)) if self.structure is not None else ""
 
     def stacks(self) -> list[list[list[int]]]:
         """Per stack of blocks, per block, its values in forward order (a mask's three with it)."""
@@ -192,6 +222,7 @@ class _Builder:
                          cost=_elementwise_time(p, n, n + n * val.element_size(), 1),
                          written=n * val.element_size())
         base = len(self.values)
+        bits.home = boolean.home = floating.home = self._block(node)
         self.values += [bits, boolean, floating]
         self.masks[node] = {"bits": base, "bool": base + 1, "float": base + 2}
         self.node_of[base + 2] = node
@@ -207,7 +238,11 @@ class _Builder:
                 if i is None:
                     continue
                 if region == Region.BACKWARD:
-                    self.values[i].needed = True
+                    v = self.values[i]
+                    v.needed = True
+                    scope = self._block(node)
+                    if scope not in v.read_in:
+                        v.read_in += (scope,)
                 else:  # the output node or the optimizer: alive anyway
                     self._keep(arg)
 
@@ -564,6 +599,7 @@ def recompute_pass(graph: TrainGraph, ctx: PassContext, *, policy: Literal[POLIC
     except NoFolding as exc:
         raise PassOptionError("recompute", "solver", str(exc), solver) from exc
     ctx.stat("solve_seconds", time.perf_counter() - start)
+    ctx.stat("solver_recompute_time_s", sol.cost)
     rewriter = _Rewriter(graph, builder, sol.saved, structure)
     rewriter.run()
     eliminate_dead_code(graph.graph)

@@ -224,11 +224,14 @@ class TestRecomputeSolvers:
         for fraction in (0.6, 0.3):
             budget = max(fraction * top, min_bytes(problem).bytes)
             saved = solve_milp(folding.problem, budget).saved
-            folded, whole = evaluate(folding.problem, saved), evaluate(problem, folding.unfold(saved))
+            folded = evaluate(folding.problem, saved, per_block=False)
+            whole = evaluate(problem, folding.unfold(saved), per_block=False)
             # The folded problem recomputes a value in every block or none, and counts every block's
-            # bytes: unfolded, the same saves cost at most that on the whole problem.
+            # bytes: unfolded, the same saves cost at most that on the whole problem (one copy of
+            # each value, as the solvers count; block by block, as the rewriter runs, no less).
             assert whole.bytes <= folded.bytes <= budget
             assert whole.cost <= folded.cost * (1 + 1e-12)
+            assert evaluate(problem, folding.unfold(saved)).cost >= whole.cost * (1 - 1e-12)
             assert whole.saved and whole.saved <= folding.unfold(saved)
 
     def test_blocks_that_differ_are_not_folded_together(self):
@@ -248,16 +251,36 @@ class TestRecomputeSolvers:
         kept = 0
         for fraction in (0.6, 0.35, 0.2):
             budget = max(fraction * top, floor)
-            exact = solve_milp(problem, budget, rel_gap=1e-3)
-            folded = solve_folded(problem, budget, stacks)
+            # the model of the rewriter's blocks, solved exactly
+            exact = solve_milp(problem, budget, rel_gap=1e-3, hops=True)
+            folded = solve_folded(problem, budget, stacks, hops=True)
             assert folded.bytes <= budget and folded.solver == "folded"
-            assert folded.cost >= exact.cost * (1 - 1e-3)
+            assert folded.cost >= lower_bound(problem, budget, hops=True) * (1 - 1e-9)
             auto = solve(problem, budget, "auto", stacks)
             assert auto.bytes <= budget and auto.cost <= exact.cost * 1.05 + 1e-12, (fraction, auto.solver)
             if auto.solver == "folded":
                 kept += 1
-                assert auto.cost - lower_bound(problem, budget) <= 0.05 * auto.cost
+                assert any("against the LP bound" in n for n in auto.notes)
+                assert auto.cost - lower_bound(problem, budget, hops=True) <= 0.05 * auto.cost
         assert kept >= 1
+
+    def test_chains_of_recomputation_across_blocks_are_priced_and_cut(self):
+        from cann_passes.recompute_solver import _milp, chain_starts
+        problem, stacks = self._stacked_problem(6)
+        top = sum(v.bytes for v in problem.values if v.needed and v.savable)
+        cut = 0
+        for fraction in (0.4, 0.2, 0.1):
+            budget = max(fraction * top, min_bytes(problem).bytes)
+            blind = _milp(problem, budget)          # the MILP's own answer: one copy of each value
+            once, as_run = evaluate(problem, blind, per_block=False), evaluate(problem, blind)
+            assert as_run.cost >= once.cost * (1 - 1e-12)
+            if as_run.copies > len(as_run.recomputed):
+                assert chain_starts(problem, blind)
+            sol = solve(problem, budget, "milp")
+            assert sol.bytes <= budget and sol.cost <= as_run.cost * (1 + 1e-12)
+            assert sol.cost == pytest.approx(evaluate(problem, sol.saved).cost)
+            cut += sol.cost < as_run.cost * 0.9
+        assert cut >= 1, "at a tight budget saving where chains start recomputes less"
 
     def test_floor_over_forced_values_equals_the_cut_over_every_value(self):
         from cann_passes.recompute_solver import _cut, evaluate, relevant

@@ -163,3 +163,17 @@ def test_the_folded_solver_recomputes_an_opt_stack_bitwise_and_needs_three_ident
     tg, _ = _captured("opt", layers=2)
     with pytest.raises(PassFailure, match=r"solver.*3 identical blocks"):
         PassManager(folded).run(tg.copy(), PassContext())
+
+
+@pytest.mark.parametrize("name", ["opt", "whisper"])
+def test_the_solver_prices_recomputation_as_the_rewriter_runs_it(name):
+    # The rewriter recomputes a value once per block whose backward needs it; at a tight budget
+    # a block's recomputation reaching into the block before is rebuilt by every later block.
+    # What the solver says an answer costs is what the recomputed nodes the pass added cost.
+    tg, _ = _captured(name, layers=4)
+    for budget in (0.1, 0.25, 0.5):
+        manager = PassManager(f"cleanup,recompute{{budget={budget}}},cleanup")
+        manager.run(tg.copy(), PassContext())
+        stats = next(r.stats for r in manager.records if r.name == "recompute")
+        assert stats["recomputed_nodes"] > 0
+        assert stats["solver_recompute_time_s"] == pytest.approx(stats["recompute_time_s"], rel=1e-9), budget
