@@ -205,7 +205,35 @@ def relevant(problem: Problem) -> list[int]:
 
 def _model(problem: Problem, budget: float, fixed: dict[tuple[str, int], int] | None = None,
            hops: bool = False):
-    """The MILP's arrays: objective, constraint matrix and bounds, and which column is which value.
+    """The MILP's arrays: objective, constraint matrix and bounds, and which column is which value
+    (``fixed``: variables held at a value). Built once per problem, budget and model within one
+    :func:`solve` (the LP bound and the MILPs of one call share it)."""
+    from scipy.optimize import Bounds
+
+    key = (id(problem), budget, hops)
+    cached = _BUILT.get(key) if _BUILT is not None else None
+    if cached is None or cached[0] is not problem:
+        cached = (problem, _arrays(problem, budget, hops))
+        if _BUILT is not None:
+            _BUILT[key] = cached
+    built = cached[1]
+    if built is None:
+        return None
+    c, tie, constraints, svar, rvar, total_cost = built
+    lb, ub = np.zeros(len(c)), np.ones(len(c))
+    for (kind, i), value in (fixed or {}).items():
+        table = svar if kind == "s" else rvar
+        if i in table:
+            lb[table[i]] = ub[table[i]] = value
+    return c, tie, constraints, Bounds(lb, ub), svar, total_cost
+
+
+# Models built within the current solve() call, by (id(problem), budget, hops); None outside one.
+_BUILT: dict | None = None
+
+
+def _arrays(problem: Problem, budget: float, hops: bool):
+    """The objective, tie-break and constraints of :func:`_model`, before any variable is fixed.
 
     ``hops``: the model of the rewriter's blocks. Besides ``r_i`` (recomputed in its own
     block's backward) a value has ``y_i``, rebuilt in the backward of the blocks one away that
@@ -214,7 +242,7 @@ def _model(problem: Problem, budget: float, fixed: dict[tuple[str, int], int] | 
     there (``y``); one rebuilt there needs its own dependencies the same way, and those in yet
     another block saved: recomputation reaches one block back, never down a chain of them.
     """
-    from scipy.optimize import Bounds, LinearConstraint
+    from scipy.optimize import LinearConstraint
     from scipy.sparse import coo_matrix
 
     values = problem.values
@@ -292,12 +320,7 @@ def _model(problem: Problem, budget: float, fixed: dict[tuple[str, int], int] | 
         rows.append(row), cols.append(k), data.append(float(values[i].bytes))
     lo.append(-np.inf), hi.append(budget if math.isfinite(budget) else np.inf)
     A = coo_matrix((data, (rows, cols)), shape=(len(lo), n)).tocsr()
-    lb, ub = np.zeros(n), np.ones(n)
-    for (kind, i), value in (fixed or {}).items():
-        table = svar if kind == "s" else rvar
-        if i in table:
-            lb[table[i]] = ub[table[i]] = value
-    return c, tie, LinearConstraint(A, lo, hi), Bounds(lb, ub), svar, total_cost
+    return c, tie, LinearConstraint(A, lo, hi), svar, rvar, total_cost
 
 
 def _milp(problem: Problem, budget: float, *, fixed: dict[tuple[str, int], int] | None = None,
@@ -715,6 +738,15 @@ def solve(problem: Problem, budget: float, solver: str = "auto",
     MILP (the min cut past ``AUTO_MILP_VARS`` variables), and the cheaper of the two. Past that
     size the folded answer, when there is one, is kept unproven: the min cut took minutes there.
     """
+    global _BUILT
+    outer, _BUILT = _BUILT, {} if _BUILT is None else _BUILT
+    try:
+        return _solve(problem, budget, solver, stacks)
+    finally:
+        _BUILT = outer
+
+
+def _solve(problem: Problem, budget: float, solver: str, stacks: list[list[list[int]]] | None) -> Solution:
     if solver == "auto":
         try:
             return _solve_auto(problem, budget, stacks or [], hops=True)
