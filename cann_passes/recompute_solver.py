@@ -751,7 +751,7 @@ def _solve(problem: Problem, budget: float, solver: str, stacks: list[list[list[
         try:
             return _solve_auto(problem, budget, stacks or [], hops=True)
         except Infeasible:
-            return _solve_auto(problem, budget, stacks or [], hops=False)
+            return _one_copy(_solve_auto(problem, budget, stacks or [], hops=False))
 
     def run(p: Problem, hops: bool) -> Solution:
         if solver == "folded":
@@ -763,12 +763,18 @@ def _solve(problem: Problem, budget: float, solver: str, stacks: list[list[list[
         if solver == "milp":
             return solve_milp(p, budget, hops=hops)
         return {"mincut": solve_mincut, "greedy": solve_greedy}[solver](p, budget)
-    if solver in ("milp", "folded"):
-        try:
-            return run(problem, True)
-        except (Infeasible, NoFolding):
-            pass
-    return _cutting_chains(problem, budget, lambda p: run(p, False))
+    if solver not in ("milp", "folded"):
+        return _cutting_chains(problem, budget, lambda p: run(p, False))
+    try:
+        return run(problem, True)
+    except (Infeasible, NoFolding):
+        return _one_copy(_cutting_chains(problem, budget, lambda p: run(p, False)))
+
+
+def _one_copy(sol: Solution) -> Solution:
+    sol.notes.append("the budget leaves no room for recomputation reaching one block back at most (or that "
+                     "model found no answer): solved counting one copy of each value, chains of blocks cut")
+    return sol
 
 
 def _solve_auto(problem: Problem, budget: float, stacks: list[list[list[int]]], hops: bool) -> Solution:

@@ -600,6 +600,7 @@ def recompute_pass(graph: TrainGraph, ctx: PassContext, *, policy: Literal[POLIC
         raise PassOptionError("recompute", "solver", str(exc), solver) from exc
     ctx.stat("solve_seconds", time.perf_counter() - start)
     ctx.stat("solver_recompute_time_s", sol.cost)
+    ctx.stat("solver_notes", list(sol.notes))
     rewriter = _Rewriter(graph, builder, sol.saved, structure)
     rewriter.run()
     eliminate_dead_code(graph.graph)

@@ -177,3 +177,4 @@ def test_the_solver_prices_recomputation_as_the_rewriter_runs_it(name):
         stats = next(r.stats for r in manager.records if r.name == "recompute")
         assert stats["recomputed_nodes"] > 0
         assert stats["solver_recompute_time_s"] == pytest.approx(stats["recompute_time_s"], rel=1e-9), budget
+        assert all(isinstance(note, str) for note in stats["solver_notes"])
