@@ -122,8 +122,9 @@ class OurSide:
         self.profile = profile
 
     def variant(self, budget_bytes):
-        pipeline = "cleanup" if budget_bytes is None else f"cleanup,recompute{{policy=budget,budget={budget_bytes}}}"
-        ctx = PassContext(device_profile=self.profile)
+        pipeline = "cleanup" if budget_bytes is None else \
+            f"cleanup,recompute{{policy=budget,budget={budget_bytes},profile={self.profile}}}"
+        ctx = PassContext()
         out = PassManager(pipeline, verify_level="off").run(self.captured.copy(), ctx)
         gm = EagerLowering().compile(out, self.inputs, None)
         rec = [n for n in out.graph.nodes if n.meta.get(RECOMPUTE)]
@@ -164,7 +165,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     profile = get_profile("cpu")
-    torch_side, ours = TorchSide(), OurSide(profile)
+    torch_side, ours = TorchSide(), OurSide("cpu")
     variants, info = {}, {}
     variants["torch@1.0"], t_base_saved, _ = torch_side.variant(1.0)
     variants["ours@none"], o_base_saved, _ = ours.variant(None)
