@@ -42,7 +42,7 @@ def saved_bytes(name: str, config: dict) -> dict[str, int]:
     out = {}
     for policy in POLICIES:
         spec = f"cleanup,recompute{{policy={policy},every_n={2 if policy == 'every_n_layers' else 1}}},cleanup"
-        graph = PassManager(spec).run(tg.copy(), PassContext(plan=Plan()))
+        graph = PassManager(spec).run(tg.copy(), PassContext())
         out[policy] = memory_profile(graph.graph).saved_bytes
     return out
 
