@@ -127,9 +127,9 @@ class _Builder:
         return Problem(self.values)
 
     def _mark_blocks(self) -> None:
-        """Each value's dependencies in another block, and the other blocks whose backward may
-        rebuild it one block away: those that read it, and those its users of its own block may
-        be rebuilt for, or a user in another block is recomputed in."""
+        """Per value, its dependencies in another block (``far``) and how many other blocks'
+        backward may rebuild it one block away (``hops``): the blocks that read it, the blocks
+        its users of the same block may be rebuilt for, and the blocks of its users elsewhere."""
         users: dict[int, list[int]] = {}
         for i, v in enumerate(self.values):
             v.far = tuple(d for d in v.deps if self.values[d].home != v.home)
