@@ -47,6 +47,7 @@ recompute time per byte.
 """
 from __future__ import annotations
 
+import contextvars
 import math
 from dataclasses import dataclass, field, replace
 
@@ -210,12 +211,13 @@ def _model(problem: Problem, budget: float, fixed: dict[tuple[str, int], int] | 
     :func:`solve` (the LP bound and the MILPs of one call share it)."""
     from scipy.optimize import Bounds
 
+    built_here = _BUILT.get()
     key = (id(problem), budget, hops)
-    cached = _BUILT.get(key) if _BUILT is not None else None
+    cached = built_here.get(key) if built_here is not None else None
     if cached is None or cached[0] is not problem:
         cached = (problem, _arrays(problem, budget, hops))
-        if _BUILT is not None:
-            _BUILT[key] = cached
+        if built_here is not None:
+            built_here[key] = cached
     built = cached[1]
     if built is None:
         return None
@@ -229,7 +231,9 @@ def _model(problem: Problem, budget: float, fixed: dict[tuple[str, int], int] | 
 
 
 # Models built within the current solve() call, by (id(problem), budget, hops); None outside one.
-_BUILT: dict | None = None
+# (A context variable: two threads compiling at once keep their own.) Each entry holds its problem,
+# so no other problem can take its id while the call lasts.
+_BUILT: contextvars.ContextVar[dict | None] = contextvars.ContextVar("recompute_models", default=None)
 
 
 def _arrays(problem: Problem, budget: float, hops: bool):
@@ -738,12 +742,11 @@ def solve(problem: Problem, budget: float, solver: str = "auto",
     MILP (the min cut past ``AUTO_MILP_VARS`` variables), and the cheaper of the two. Past that
     size the folded answer, when there is one, is kept unproven: the min cut took minutes there.
     """
-    global _BUILT
-    outer, _BUILT = _BUILT, {} if _BUILT is None else _BUILT
+    token = _BUILT.set({} if _BUILT.get() is None else _BUILT.get())
     try:
         return _solve(problem, budget, solver, stacks)
     finally:
-        _BUILT = outer
+        _BUILT.reset(token)
 
 
 def _solve(problem: Problem, budget: float, solver: str, stacks: list[list[list[int]]] | None) -> Solution:
