@@ -459,13 +459,11 @@ def fold(problem: Problem, stacks: list[list[list[int]]], min_blocks: int = 3) -
     return Folding(Problem(folded), members, sum(len(g) for g in groups))
 
 
-def _round(problem: Problem, folding: Folding, budget: float, base: set[int], upgrade: list[int],
-           alternate: tuple[int, ...] = ()) -> Solution | None:
+def _round(problem: Problem, folding: Folding, budget: float, base: set[int], upgrade: list[int]) -> Solution | None:
     """``base`` saved by every block, ``upgrade`` also by as many blocks as fit ``budget``, spread
     evenly over the stack: a block boundary left unsaved is then rebuilt from the block before,
-    whose own is saved, not down a run of unsaved ones (see :func:`evaluate`). ``alternate``:
-    saved by every other block, as the LP's half share of a block boundary means."""
-    whole = folding.unfold(base) | {i for j in alternate for i in folding.members[j][::2]}
+    whose own is saved, not down a run of unsaved ones (see :func:`evaluate`)."""
+    whole = folding.unfold(base)
     try:
         floor = evaluate(problem, whole, "folded")
     except Infeasible:
@@ -541,14 +539,9 @@ def _round_shares(problem: Problem, folding: Folding, budget: float, share: dict
         # block patterns the LP mixes (a mask's bits and bool, one share each, take both or one).
         base_set = {j for j, f in share.items() if f >= high - 1e-6}
         band = [] if low is None else [j for j, f in share.items() if low - 1e-6 <= f < high - 1e-6]
-        # A block boundary (what the next block reads) saved in part: by every other block, the
-        # rest rebuilt from the block before; upgraded with the others, a run of blocks could
-        # leave it unsaved and each rebuild the run again.
-        edges = tuple(j for j in band if len(folding.members[j]) > 1 and j in boundaries)
-        candidates = [((), ()), (tuple(j for j in band if len(folding.members[j]) == 1), ())]
-        for singles, alternate in candidates + ([((), edges)] if edges else []):
+        for singles in ((), tuple(j for j in band if len(folding.members[j]) == 1)):
             sol = _round(problem, folding, budget, base_set | set(singles),
-                         [j for j in band if len(folding.members[j]) > 1 and j not in alternate], alternate)
+                         [j for j in band if len(folding.members[j]) > 1])
             if sol is not None and (best is None or sol.cost < best.cost):
                 best = sol
     # Every value the LP saves in part, by its share of the blocks at once, spread over the stack

@@ -233,6 +233,7 @@ class _Builder:
             region = region_of(node)
             if region == Region.FORWARD or node.op == "placeholder":
                 continue
+            scope = self._block(node) if region == Region.BACKWARD else None
             for arg in node.all_input_nodes:
                 i = self._dep(arg)
                 if i is None:
@@ -240,7 +241,6 @@ class _Builder:
                 if region == Region.BACKWARD:
                     v = self.values[i]
                     v.needed = True
-                    scope = self._block(node)
                     if scope not in v.read_in:
                         v.read_in += (scope,)
                 else:  # the output node or the optimizer: alive anyway
