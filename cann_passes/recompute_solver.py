@@ -35,8 +35,9 @@ computed from the mask alone (``mask / (1 - p)``) may be kept in its place; the
 forward users of the mask read the float mask. Bitwise, all forms round-trip
 exactly.
 
-Solvers: ``folded`` solves a stack's identical blocks as one (an LP rounded block by block,
-see :func:`solve_folded`), what ``auto`` keeps where it is proven within 5% of the LP bound;
+Solvers: ``folded`` solves a stack's identical blocks as one (an LP, what it leaves open decided
+down the stack by a DP, see :func:`solve_folded`), what ``auto`` keeps where it is proven within
+5% of the LP bound;
 ``milp`` is exact (``scipy.optimize.milp``, HiGHS); ``mincut`` solves
 the Lagrangian ``min cost + lambda * bytes`` exactly as a min s-t cut
 (networkx; saving ``i`` cuts ``i_in -> i_out``, recomputing cuts
@@ -128,37 +129,51 @@ def evaluate(problem: Problem, saved: set[int], solver: str = "", per_block: boo
     values = problem.values
     recomputed: set[int] = set()
     used_saves: set[int] = set()
+    cost, copies = 0.0, 0
+    for stack in _starts(problem, per_block).values():
+        cost, copies = _walk(values, stack, saved, recomputed, used_saves, cost, copies)
+    return Solution(used_saves, recomputed, cost, sum(values[i].bytes for i in used_saves), solver,
+                    copies=copies)
+
+
+def _starts(problem: Problem, per_block: bool = True) -> dict[str, list[int]]:
+    """Per block whose backward reads them (``""`` outside every block), the values it reads."""
     starts: dict[str, list[int]] = {}
-    for i, v in enumerate(values):
+    for i, v in enumerate(problem.values):
         if v.needed:
             for scope in (v.read_in or ("",)) if per_block else ("",):
                 starts.setdefault(scope, []).append(i)
-    cost, copies = 0.0, 0
-    for stack in starts.values():
-        seen: set[int] = set()
-        while stack:
-            i = stack.pop()
-            if i in seen:
-                continue
-            seen.add(i)
-            v = values[i]
-            if _free(values, i):
-                continue
-            if i in saved and v.savable:
-                used_saves.add(i)
-                continue
-            if v.base is not None and v.base in saved and values[v.base].savable:
-                used_saves.add(v.base)
-                continue
-            if not v.recomputable:
-                raise Infeasible(f"value {v.name} is needed in backward but can be neither saved nor "
-                                 f"recomputed ({v.reason or 'no reason recorded'})")
-            recomputed.add(i)
-            cost += v.cost
-            copies += 1
-            stack.extend(v.deps)
-    return Solution(used_saves, recomputed, cost, sum(values[i].bytes for i in used_saves), solver,
-                    copies=copies)
+    return starts
+
+
+def _walk(values: list[Value], start: list[int], saved: set[int], recomputed: set[int],
+          used_saves: set[int], cost: float = 0.0, copies: int = 0) -> tuple[float, int]:
+    """One block's backward: what it reads (``start``) and is not saved, recomputed, with what that
+    needs; ``cost`` and ``copies`` with its seconds and copies added. Adds to ``recomputed`` and
+    ``used_saves``."""
+    stack, seen = list(start), set()
+    while stack:
+        i = stack.pop()
+        if i in seen:
+            continue
+        seen.add(i)
+        v = values[i]
+        if _free(values, i):
+            continue
+        if i in saved and v.savable:
+            used_saves.add(i)
+            continue
+        if v.base is not None and v.base in saved and values[v.base].savable:
+            used_saves.add(v.base)
+            continue
+        if not v.recomputable:
+            raise Infeasible(f"value {v.name} is needed in backward but can be neither saved nor "
+                             f"recomputed ({v.reason or 'no reason recorded'})")
+        recomputed.add(i)
+        cost += v.cost
+        copies += 1
+        stack.extend(v.deps)
+    return cost, copies
 
 
 def chain_starts(problem: Problem, saved: set[int]) -> set[int]:
@@ -378,6 +393,8 @@ class Folding:
     problem: Problem
     members: list[list[int]]
     blocks: int                      # blocks folded, over every stack
+    groups: list[list[int]] = field(default_factory=list)   # per stack, the blocks folded
+    stack_of: dict[int, int] = field(default_factory=dict)  # folded value of a block -> its stack
 
     def unfold(self, saved: set[int]) -> set[int]:
         return {i for j in saved for i in self.members[j]}
@@ -456,7 +473,8 @@ def fold(problem: Problem, stacks: list[list[list[int]]], min_blocks: int = 3) -
         far = tuple(sorted({rep[d] for i in group for d in values[i].far}))
         folded.append(replace(v, deps=deps, bytes=v.bytes * n, cost=v.cost * n, flops=v.flops * n,
                               written=v.written * n, base=base, far=far))
-    return Folding(Problem(folded), members, sum(len(g) for g in groups))
+    return Folding(Problem(folded), members, sum(len(g) for g in groups), groups,
+                   {j: s for (s, _), j in first.items()})
 
 
 def _round(problem: Problem, folding: Folding, budget: float, base: set[int], upgrade: list[int]) -> Solution | None:
@@ -492,10 +510,11 @@ def solve_folded(problem: Problem, budget: float, stacks: list[list[list[int]]],
 
     The LP's answer saves most folded values wholly or not at all; those it saves in part (a
     fraction of each block's, the budget's edge) are what the blocks need not choose alike.
-    The LP's whole decisions are fixed in every block and a MILP over the whole problem decides
-    the rest, block by block: a few hundred free variables instead of every block's (32 layers
-    of a 7B-shaped step fold to 178 values, and 93 saves stay open). Where that MILP finds no
-    answer in its time, the LP is rounded instead (:func:`_round_shares`).
+    The LP's whole decisions are fixed in every block and the rest is decided block by block:
+    by a dynamic program down the stack (:func:`_chain_dp`) where the open saves are few and in
+    one stack (32 layers of a 7B-shaped step fold to 178 values, and 3 stay open), else by a
+    MILP over the whole problem with only those free. Where that MILP finds no answer in its
+    time, the LP is rounded instead (:func:`_round_shares`).
 
     None when no stack folds, or nothing fits the budget. The answer is priced on the whole
     problem, block by block (:func:`evaluate`); how far that is from the LP bound, ``solve``
@@ -515,15 +534,161 @@ def solve_folded(problem: Problem, budget: float, stacks: list[list[list[int]]],
         return None
     share = {j: float(res.x[k]) for j, k in svar.items()}
     open_saves = [j for j, f in share.items() if 1e-6 <= f <= 1 - 1e-6]
-    fixed = {("s", i): int(round(f)) for j, f in share.items() if j not in open_saves for i in folding.members[j]}
-    saved = _milp(problem, budget, fixed=fixed, time_limit=10.0, rel_gap=1e-3, hops=hops)
-    best = evaluate(problem, saved, "folded") if saved is not None else None
-    how = f"{sum(len(folding.members[j]) for j in open_saves)} saves the LP left open decided by a MILP"
+    how = f"{sum(len(folding.members[j]) for j in open_saves)} saves the LP left open decided"
+    best = _chain_dp(problem, folding, budget, share, open_saves, stacks) if open_saves else None
+    if best is not None:
+        how += " block by block down the stack (a DP)"
+    else:
+        fixed = {("s", i): int(round(f)) for j, f in share.items() if j not in open_saves
+                 for i in folding.members[j]}
+        saved = _milp(problem, budget, fixed=fixed, time_limit=10.0, rel_gap=1e-3, hops=hops)
+        best = evaluate(problem, saved, "folded") if saved is not None else None
+        how += " by a MILP"
     if best is None or best.bytes > budget:
         best, how = _round_shares(problem, folding, budget, share), "the LP rounded block by block"
     if best is None:
         return None
     best.notes.append(f"{folding.blocks} identical blocks solved as one; {how}")
+    return best
+
+
+# The most saves a block may leave open for the chain DP (2**k states per block, 8**k probes),
+# and the most budget steps it tracks (past that, bytes are counted in coarser steps, rounded up).
+CHAIN_DP_OPEN = 3
+CHAIN_DP_STEPS = 4000
+
+
+class _Chain:
+    """A choice of saved values: ``base``, and of the open saves, per block, its state's bits."""
+    __slots__ = ("base", "where", "states")
+
+    def __init__(self, base: set[int], where: dict[int, tuple[int, int]], states: list[int]):
+        self.base, self.where, self.states = base, where, states
+
+    def __contains__(self, i: int) -> bool:
+        if i in self.base:
+            return True
+        at = self.where.get(i)
+        return at is not None and bool(self.states[at[0]] >> at[1] & 1)
+
+
+def _chain_dp(problem: Problem, folding: Folding, budget: float, share: dict[int, float],
+              open_saves: list[int], stacks: list[list[list[int]]]) -> Solution | None:
+    """The saves the folded LP leaves open, decided block by block down the stack by dynamic
+    programming, priced as the rewriter runs them.
+
+    With the LP's whole decisions fixed, a block's state is which of the open saves it keeps.
+    A block's backward reads its own values and the block before's (its input; what it
+    rebuilds one block back), and what that rebuild needs from the block before that where it
+    is not saved there: its recompute time is a function of three blocks' states (a chain
+    reaching further back is priced as if the blocks before were alike). The stack is then a
+    chain whose bytes share the budget, a knapsack over a chain, solved exactly over (block,
+    two blocks' states, bytes used). Each triple of states' time is measured once, on a block
+    in the middle of the stack (the blocks are identical); the first two blocks', and what the
+    backward outside the stack spends given the last two, separately. An open save outside the
+    stack (one value) is tried both ways. The answer is priced on the whole problem
+    (:func:`evaluate`).
+
+    None where the open saves lie in more than one stack or number more than
+    ``CHAIN_DP_OPEN`` per block, or the stack's folded blocks are not consecutive.
+    """
+    members, values = folding.members, problem.values
+    opens = [j for j in open_saves if len(members[j]) > 1]
+    singles = [j for j in open_saves if len(members[j]) == 1]
+    if len(opens) > CHAIN_DP_OPEN or len(singles) > 2:
+        return None
+    whole = folding.unfold({j for j, f in share.items() if f > 1 - 1e-6})
+    if not opens:                       # only saves outside the stack left open: each way
+        best = None
+        for pick in range(1 << len(singles)):
+            try:
+                sol = evaluate(problem, whole | {members[j][0] for k, j in enumerate(singles) if pick >> k & 1},
+                               "folded")
+            except Infeasible:
+                continue
+            if sol.bytes <= budget and (best is None or (sol.cost, sol.bytes) < (best.cost, best.bytes)):
+                best = sol
+        return best
+    if len({folding.stack_of.get(j) for j in opens}) != 1 or folding.stack_of.get(opens[0]) is None:
+        return None
+    st = folding.stack_of[opens[0]]
+    chosen = folding.groups[st]
+    nb = len(chosen)
+    if nb < 4 or chosen != list(range(chosen[0], chosen[0] + nb)) or any(len(members[j]) != nb for j in opens):
+        return None
+    scope = [values[stacks[st][b][0]].home for b in chosen]
+    starts = _starts(problem)
+    outside = [sc for sc in starts if sc not in set(scope)]
+    n = 1 << len(opens)
+    where = {members[j][t]: (t, k) for k, j in enumerate(opens) for t in range(nb)}
+    weight = [sum(values[members[j][0]].bytes for k, j in enumerate(opens) if state >> k & 1) for state in range(n)]
+
+    def time_of(base: set[int], scopes: list[str], a: int, b: int, c: int, t: int) -> float:
+        """The backward of ``scopes`` with the blocks before ``t - 1`` in state ``a``, block ``t - 1``
+        in ``b``, the rest in ``c``."""
+        saved = _Chain(base, where, [a] * max(0, t - 1) + [b] * min(t, 1) + [c] * (nb - t))
+        cost = 0.0
+        try:
+            for sc in scopes:
+                cost, _ = _walk(values, starts.get(sc, []), saved, set(), set(), cost)
+        except Infeasible:
+            return math.inf
+        return cost
+
+    best = None
+    for pick in range(1 << len(singles)):
+        base = whole | {members[j][0] for k, j in enumerate(singles) if pick >> k & 1}
+        room = budget - sum(values[i].bytes for i in base if values[i].savable)
+        if room < 0:
+            continue
+        unit = math.gcd(*[values[members[j][0]].bytes for j in opens]) or 1
+        steps = min(int(room // unit), nb * max(weight) // unit)
+        if steps > CHAIN_DP_STEPS:
+            unit = math.ceil(unit * steps / CHAIN_DP_STEPS)
+            steps = min(int(room // unit), CHAIN_DP_STEPS)
+        size = [math.ceil(w / unit) for w in weight]
+        mid = nb // 2
+        triple = np.array([[[time_of(base, [scope[mid]], a, b, c, mid) for c in range(n)]
+                            for b in range(n)] for a in range(n)])
+        # The first two blocks: block 0's backward and block 1's, block 0 in a, the rest in b.
+        start = np.array([[time_of(base, [scope[0]], a, a, a, 0) + time_of(base, [scope[1]], a, a, b, 1)
+                           for b in range(n)] for a in range(n)])
+        tail = np.array([[time_of(base, outside, b, b, c, nb - 1) for c in range(n)] for b in range(n)])
+        cost = np.full((n, n, steps + 1), math.inf)       # (state of block t - 1, of block t, bytes)
+        for a in range(n):
+            for b in range(n):
+                if size[a] + size[b] <= steps:
+                    cost[a, b, size[a] + size[b]] = start[a, b]
+        back = np.zeros((nb, n, n, steps + 1), dtype=np.int8)
+        for t in range(2, nb):
+            new = np.full_like(cost, math.inf)
+            for c in range(n):
+                if size[c] > steps:
+                    continue
+                cand = cost[:, :, :steps + 1 - size[c]] + triple[:, :, c][:, :, None]
+                arg = np.argmin(cand, axis=0)
+                new[:, c, size[c]:] = np.take_along_axis(cand, arg[None], axis=0)[0]
+                back[t, :, c, size[c]:] = arg
+            cost = new
+        total = cost + tail[:, :, None]
+        low = total.min()
+        if not math.isfinite(low):
+            continue
+        # The least time; of equal times, the fewest bytes.
+        b, c, used = min(zip(*np.nonzero(total <= low + 1e-12 * abs(low))), key=lambda x: (x[2], x[0], x[1]))
+        states = [0] * nb
+        states[nb - 1], states[nb - 2] = int(c), int(b)
+        for t in range(nb - 1, 1, -1):
+            a = int(back[t, states[t - 1], states[t], used])
+            used -= size[states[t]]
+            states[t - 2] = a
+        saved = base | {i for i, (t, k) in where.items() if states[t] >> k & 1}
+        try:
+            sol = evaluate(problem, saved, "folded")
+        except Infeasible:
+            continue
+        if sol.bytes <= budget and (best is None or (sol.cost, sol.bytes) < (best.cost, best.bytes)):
+            best = sol
     return best
 
 

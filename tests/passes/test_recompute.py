@@ -244,6 +244,28 @@ class TestRecomputeSolvers:
         assert all(len(group) == 1 for group in folding.members if set(group) & set(stacks[0][2]))
         assert fold(problem, [blocks[:2] for blocks in stacks]) is None     # fewer than three blocks
 
+    def test_the_saves_the_folded_lp_leaves_open_are_decided_down_the_stack_as_a_milp_decides_them(
+            self, monkeypatch):
+        import cann_passes.recompute_solver as recompute_solver
+        problem, stacks = self._stacked_problem(8)
+        top = sum(v.bytes for v in problem.values if v.needed and v.savable)
+        for fraction in (0.6, 0.45, 0.2, 0.1):
+            budget = max(fraction * top, min_bytes(problem).bytes)
+            down = solve_folded(problem, budget, stacks, hops=True)
+            with monkeypatch.context() as m:
+                m.setattr(recompute_solver, "CHAIN_DP_OPEN", -1)      # no DP: the MILP over the open saves
+                by_milp = solve_folded(problem, budget, stacks, hops=True)
+            assert any("(a DP)" in n for n in down.notes), down.notes
+            assert any("by a MILP" in n for n in by_milp.notes), by_milp.notes
+            assert down.bytes <= budget and down.cost == pytest.approx(evaluate(problem, down.saved).cost)
+            assert down.cost <= by_milp.cost * (1 + 1e-9), fraction
+        # A block unlike the others breaks the stack's run of folded blocks: the MILP decides.
+        odd = copy.deepcopy(problem)
+        for i in stacks[0][3]:
+            odd.values[i].cost *= 3
+        budget = max(0.2 * top, min_bytes(odd).bytes)
+        assert any("by a MILP" in n for n in solve_folded(odd, budget, stacks, hops=True).notes)
+
     def test_the_folded_solver_is_near_the_exact_milp_and_auto_keeps_it_only_when_proven(self):
         problem, stacks = self._stacked_problem(6)
         top = sum(v.bytes for v in problem.values if v.needed and v.savable)
