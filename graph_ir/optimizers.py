@@ -117,6 +117,18 @@ class UpdateRule:
 
 # -- helpers: torch.optim's scalar-argument ops with tensor scalars ---------------------------------
 
+def _once(h: Hparams, name: str, make: Callable[[], Tensor]) -> Tensor:
+    """A value of the group's hyperparameters alone (``-lr``, ``1 - beta1``), traced once per group.
+
+    torch.optim computes it again for every parameter, the same arithmetic on the same numbers;
+    traced per parameter it was as many graph nodes, each traced and then merged away by the
+    pipeline's first cleanup."""
+    key = ("once", name)
+    if key not in h:
+        h[key] = make()   # type: ignore[index]
+    return h[key]         # type: ignore[index]
+
+
 def _add_scaled(x: Tensor, y: Tensor, a: Tensor) -> Tensor:
     """``x.add(y, alpha=a)`` for a tensor ``a``: the same fused multiply-add."""
     return x.addcmul(y, a)
@@ -148,7 +160,7 @@ def _decay(param: Tensor, grad: Tensor, h: Hparams, group: dict, decoupled: bool
     if group.get("weight_decay", 0) == 0:
         return param, grad
     if decoupled:
-        return param * (1 - h["lr"] * h["weight_decay"]), grad
+        return param * _once(h, "1 - lr * weight_decay", lambda: 1 - h["lr"] * h["weight_decay"]), grad
     return param, _add_scaled(grad, param, h["weight_decay"])
 
 
@@ -172,7 +184,7 @@ def _sgd_update(param: Tensor, grad: Tensor, state: State, h: Hparams, group: di
         buf = state["momentum_buffer"].mul(h["momentum"]).add(grad)
         new_state["momentum_buffer"] = buf
         grad = _add_scaled(grad, buf, h["momentum"]) if group["nesterov"] else buf
-    return _add_scaled(param, grad, -h["lr"]), new_state
+    return _add_scaled(param, grad, _once(h, "-lr", lambda: -h["lr"])), new_state
 
 
 # -- Adam, AdamW ----------------------------------------------------------------------------------
@@ -197,8 +209,8 @@ def adam_update(param: Tensor, grad: Tensor, state: State, h: Hparams, group: di
     grad = _maximize(grad, group)
     step = state["step"] + 1
     param, grad = _decay(param, grad, h, group, decoupled)
-    exp_avg = state["exp_avg"].lerp(grad, 1 - beta1)
-    exp_avg_sq = _addcmul(state["exp_avg_sq"].mul(beta2), grad, grad, 1 - beta2)
+    exp_avg = state["exp_avg"].lerp(grad, _once(h, "1 - beta1", lambda: 1 - beta1))
+    exp_avg_sq = _addcmul(state["exp_avg_sq"].mul(beta2), grad, grad, _once(h, "1 - beta2", lambda: 1 - beta2))
     step64 = step.to(torch.float64)
     bias_correction1 = 1 - torch.pow(beta1, step64)
     bias_correction2_sqrt = torch.pow(1 - torch.pow(beta2, step64), 0.5)
@@ -230,7 +242,7 @@ def _rmsprop_update(param: Tensor, grad: Tensor, state: State, h: Hparams, group
     grad = _maximize(grad, group)
     new_state: State = {"step": state["step"] + 1}
     param, grad = _decay(param, grad, h, group, decoupled=False)
-    square_avg = _addcmul(state["square_avg"].mul(alpha), grad, grad, 1 - alpha)
+    square_avg = _addcmul(state["square_avg"].mul(alpha), grad, grad, _once(h, "1 - alpha", lambda: 1 - alpha))
     new_state["square_avg"] = square_avg
     if group["centered"]:
         grad_avg = state["grad_avg"].lerp(grad, 1 - alpha)
@@ -275,7 +287,7 @@ def _adamax_update(param: Tensor, grad: Tensor, state: State, h: Hparams, group:
     grad = _maximize(grad, group)
     step = state["step"] + 1
     param, grad = _decay(param, grad, h, group, decoupled=False)
-    exp_avg = state["exp_avg"].lerp(grad, 1 - beta1)
+    exp_avg = state["exp_avg"].lerp(grad, _once(h, "1 - beta1", lambda: 1 - beta1))
     exp_inf = torch.maximum(state["exp_inf"].mul(beta2), grad.abs() + h["eps"])
     clr = h["lr"] / (1 - torch.pow(beta1, step.to(torch.float64)))
     return param + (-clr * exp_avg) / exp_inf, {"step": step, "exp_avg": exp_avg, "exp_inf": exp_inf}
@@ -301,8 +313,8 @@ def _nadam_update(param: Tensor, grad: Tensor, state: State, h: Hparams, group: 
     # The state is float32; torch.optim multiplies it by a Python float (rounded to float32).
     mu_product = state["mu_product"] * mu.to(torch.float32)
     mu_product64 = mu_product.to(torch.float64)
-    exp_avg = state["exp_avg"].lerp(grad, 1 - beta1)
-    exp_avg_sq = _addcmul(state["exp_avg_sq"].mul(beta2), grad, grad, 1 - beta2)
+    exp_avg = state["exp_avg"].lerp(grad, _once(h, "1 - beta1", lambda: 1 - beta1))
+    exp_avg_sq = _addcmul(state["exp_avg_sq"].mul(beta2), grad, grad, _once(h, "1 - beta2", lambda: 1 - beta2))
     denom = exp_avg_sq.div(bias_correction2).sqrt() + h["eps"]
     mu_product_next = mu_product64 * mu_next
     param = param + ((-lr * (1.0 - mu) / (1.0 - mu_product64)) * grad) / denom
@@ -323,8 +335,8 @@ def _radam_update(param: Tensor, grad: Tensor, state: State, h: Hparams, group: 
     step = state["step"] + 1
     step64 = step.to(torch.float64)
     param, grad = _decay(param, grad, h, group, decoupled=group.get("decoupled_weight_decay", False))
-    exp_avg = state["exp_avg"].lerp(grad, 1 - beta1)
-    exp_avg_sq = _addcmul(state["exp_avg_sq"].mul(beta2), grad, grad, 1 - beta2)
+    exp_avg = state["exp_avg"].lerp(grad, _once(h, "1 - beta1", lambda: 1 - beta1))
+    exp_avg_sq = _addcmul(state["exp_avg_sq"].mul(beta2), grad, grad, _once(h, "1 - beta2", lambda: 1 - beta2))
     bias_correction1 = 1 - torch.pow(beta1, step64)
     bias_correction2 = 1 - torch.pow(beta2, step64)
     bias_corrected_exp_avg = exp_avg / bias_correction1
