@@ -642,10 +642,12 @@ def _chain_dp(problem: Problem, folding: Folding, budget: float, share: dict[int
         if room < 0:
             continue
         unit = math.gcd(*[values[members[j][0]].bytes for j in opens]) or 1
-        steps = min(int(room // unit), nb * max(weight) // unit)
+        steps = nb * max(weight) // unit           # every block saving every open save
+        if math.isfinite(room):
+            steps = min(int(room // unit), steps)
         if steps > CHAIN_DP_STEPS:
             unit = math.ceil(unit * steps / CHAIN_DP_STEPS)
-            steps = min(int(room // unit), CHAIN_DP_STEPS)
+            steps = min(CHAIN_DP_STEPS, int(room // unit)) if math.isfinite(room) else CHAIN_DP_STEPS
         size = [math.ceil(w / unit) for w in weight]
         mid = nb // 2
         triple = np.array([[[time_of(base, [scope[mid]], a, b, c, mid) for c in range(n)]

@@ -259,6 +259,10 @@ class TestRecomputeSolvers:
             assert any("by a MILP" in n for n in by_milp.notes), by_milp.notes
             assert down.bytes <= budget and down.cost == pytest.approx(evaluate(problem, down.saved).cost)
             assert down.cost <= by_milp.cost * (1 + 1e-9), fraction
+            with monkeypatch.context() as m:
+                m.setattr(recompute_solver, "CHAIN_DP_STEPS", 8)   # bytes in coarse steps, rounded up
+                coarse = solve_folded(problem, budget, stacks, hops=True)
+            assert coarse.bytes <= budget and coarse.cost >= down.cost * (1 - 1e-9)
         # A block unlike the others breaks the stack's run of folded blocks: the MILP decides.
         odd = copy.deepcopy(problem)
         for i in stacks[0][3]:
