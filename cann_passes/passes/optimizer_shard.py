@@ -433,15 +433,23 @@ def _expert_gradients(graph: TrainGraph, ctx: PassContext, names: list[str], gra
 
 @register_pass("optimizer_shard", preserves=())
 def optimizer_shard_pass(graph: TrainGraph, ctx: PassContext, *, stage: int = 1,
-                         bucket_mb: float = 25.0, master: Literal[MASTER_OPTIONS] = "whole",
+                         bucket_mb: float = 25.0, first_bucket_mb: float = 1.0,
+                         master: Literal[MASTER_OPTIONS] = "whole",
                          reduce_dtype: Literal[tuple(REDUCE_DTYPES)] = "fp32",
                          buffers: Literal[BUFFER_SYNC] = "broadcast") -> TrainGraph:
     """ZeRO stage 1/2/3 over the mesh's ``dp`` dimension (see the module docstring);
     ``reduce_dtype=bf16``: gradients reduce-scattered in bf16 (divided by the ranks first);
-    ``buffers``: as data_parallel's (dp rank 0's updated buffers broadcast, or ``local``)."""
+    ``buffers``: as data_parallel's (dp rank 0's updated buffers broadcast, or ``local``).
+    ``first_bucket_mb``: at stages 2 and 3, whose buckets are reduce-scattered as soon as they are
+    complete, the first bucket of gradients holds up to this much (as data_parallel's and torch
+    DDP's first bucket), so a reduction starts early in backward; new parameters are gathered in
+    ``bucket_mb`` buckets."""
     dtype = reduce_dtype_of(reduce_dtype, ORIGIN)
     if stage not in (1, 2, 3):
         raise DistributedRewriteError(f"optimizer_shard option stage={stage} must be 1, 2 or 3")
+    for name, value in (("bucket_mb", bucket_mb), ("first_bucket_mb", first_bucket_mb)):
+        if not value > 0:
+            raise DistributedRewriteError(f"optimizer_shard option {name}={value} must be > 0")
     group = mesh_dim(ctx, DP, ORIGIN)
     if group.size < 2:
         raise DistributedRewriteError("optimizer_shard needs a dp dimension of 2 or more ranks "
@@ -459,13 +467,15 @@ def optimizer_shard_pass(graph: TrainGraph, ctx: PassContext, *, stage: int = 1,
     layout = ShardLayout(graph, dense, group)
     sizes = {n: nbytes(grads[n].meta["val"]) for n in order}
     buckets = make_buckets(dense, sizes, bucket_bytes)
+    # Stage 1 reduces after backward: one split of its gradients would only add a collective.
+    reduced = buckets if stage == 1 else make_buckets(dense, sizes, bucket_bytes, first_bucket_mb * 2**20)
     sharded_master = _master_sharded(graph, stage, master, axis_size(ctx, "pp"))
     parts = graph.attrs.get(GraphAttr.CONTEXT_PARALLEL, {}).get("partial_gradients")
     parts_over = mesh_dim(ctx, "cp", ORIGIN) if parts else None
     if parts and experts:
         raise DistributedRewriteError("optimizer_shard: partial context-parallel gradients with expert "
                                       "parameters (rule: context_parallel{gradients=partial} is for dense models)")
-    for bucket in buckets:
+    for bucket in reduced:
         _reduce_scatter_bucket(graph, bucket, grads, layout, stage, "sum" if accumulating else "avg",
                                dtype=dtype, parts_over=parts_over)
     expert_layout = _expert_gradients(graph, ctx, [n for n in order if n in experts], grads, sizes,
@@ -503,7 +513,7 @@ def optimizer_shard_pass(graph: TrainGraph, ctx: PassContext, *, stage: int = 1,
                                    "gathered_for_step": gathered, "params": layout.to_json()}
     if expert_layout is not None:
         graph.attrs[GraphAttr.ZERO]["expert_params"] = expert_layout.to_json()
-    ctx.stat("buckets", len(buckets))
+    ctx.stat("buckets", len(reduced))
     ctx.stat("padding_elements", sum(padding.values()))
     for kind, elements in collective_elements(graph).items():
         ctx.stat(f"{kind}_elements", elements)

@@ -77,6 +77,18 @@ class TestOptimizerShard:
         assert len(scatters) == 4 and order[scatters[0]] < _last_own_backward(out)
         assert _input_shapes(out, InputKind.PARAM) == SHAPES
 
+    def test_a_small_first_bucket_starts_reducing_early_and_the_gathers_keep_whole_buckets(self, step):
+        # As DDP's: the first bucket of the gradients backward makes first, capped small, is
+        # reduced while backward goes on; the updated parameters are gathered in bucket_mb buckets.
+        out, record = _zero(step, "stage=2,bucket_mb=1,first_bucket_mb=0.001")
+        order = {n: i for i, n in enumerate(out.graph.nodes)}
+        scatters = _of(out, c10d.reduce_scatter_tensor.default)
+        assert len(scatters) == record.stats["buckets"] == 2 and order[scatters[0]] < _last_own_backward(out)
+        assert len(_of(out, c10d.all_gather_into_tensor.default)) == 1
+        # Stage 1 reduces after backward: a first bucket there would only add a collective.
+        out, record = _zero(step, "stage=1,bucket_mb=1,first_bucket_mb=0.001")
+        assert len(_of(out, c10d.reduce_scatter_tensor.default)) == record.stats["buckets"] == 1
+
     def test_stage_3_shards_parameters_and_gathers_them_for_forward_and_again_for_backward(self, step):
         out, _ = _zero(step, "stage=3,bucket_mb=1", rank=1)
         shards = {n: (SHARD[n],) for n in SHAPES}
@@ -121,6 +133,7 @@ class TestOptimizerShard:
 
     @pytest.mark.parametrize("text, dp, words", [
         ("optimizer_shard{stage=4}", 2, "stage=4 must be 1, 2 or 3"),
+        ("optimizer_shard{first_bucket_mb=0}", 2, "first_bucket_mb=0.0 must be > 0"),
         ("optimizer_shard", 1, "needs a dp dimension of 2 or more"),
         ("data_parallel,optimizer_shard", 2, "already synchronizes gradients"),
         ("grad_accumulation{microbatches=2},optimizer_shard{master=sharded}", 2, "gradient accumulation is not built"),
