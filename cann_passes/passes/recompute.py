@@ -48,13 +48,13 @@ from graph_ir.analysis.memory import aliases_input, buffer_bytes, memory_profile
 from graph_ir.analysis.structure import Structure, attention_cores, find_blocks
 from graph_ir.build import eliminate_dead_code, fake_value
 from graph_ir.meta import (MODULE_PATH, ORIGIN_PASS, RECOMPUTE, RECOMPUTE_OF, REGION, Region, module_path_of,
-                           nbytes, region_of, tensors_of)
+                           nbytes, region_of)
 from graph_ir.placement import RANDOM_PIECE
 
 from ..cost_model import get_profile, node_time
 from ..cost_model.profiles import DeviceProfile
 from ..pass_manager import PassContext, PassOptionError, register_pass
-from ..recompute_solver import NoFolding, Problem, Value, evaluate, min_bytes, solve
+from ..recompute_solver import NoFolding, Problem, Value, min_bytes, solve
 
 aten = torch.ops.aten
 POLICIES = ("none", "full", "selective", "every_n_layers", "budget")
