@@ -2,6 +2,8 @@
 
     python -m bench.recompute_as_run [--models gpt opt t5 whisper bart llama] [--budgets 0.1 0.25 0.5] [--with-7b]
 
+(``--models`` with no name: only the ``--with-7b`` shapes.)
+
 The rewriter recomputes a value once per block whose backward needs it. Per model and budget
 (the pass's ``budget`` option, a fraction of the saved bytes without recompute):
 
@@ -9,6 +11,9 @@ The rewriter recomputes a value once per block whose backward needs it. Per mode
   (``solve_milp``), what it says the answer costs, and what the answer costs as run
   (``evaluate``, block by block);
 - **block model**: what the pass's ``auto`` solver chooses, as run, and its solve time;
+- **open saves by MILP**: the same, with the saves the folded LP leaves open decided by a MILP
+  over the whole problem instead of the DP down the stack (``CHAIN_DP_OPEN = -1``): its cost
+  and solve time;
 - **pass reports**: the recompute pass run on the same graph, the cost of the nodes it added
   (``recompute_time_s``) next to the solver's (``solver_recompute_time_s``).
 
@@ -28,6 +33,7 @@ import torch
 
 from cann_passes.pass_manager import PassContext, PassManager
 from cann_passes.passes.recompute import _Builder, _budget_limit, _profile
+from cann_passes import recompute_solver
 from cann_passes.recompute_solver import _milp, evaluate, solve
 from graph_ir import capture_train_step
 from graph_ir.analysis.memory import saved_activations
@@ -63,18 +69,26 @@ def row(label: str, graph, budget: float, profile: str = "cpu") -> dict:
     start = time.perf_counter()
     block = solve(problem, limit, "auto", builder.stacks())
     seconds = time.perf_counter() - start
+    dp_open, recompute_solver.CHAIN_DP_OPEN = recompute_solver.CHAIN_DP_OPEN, -1
+    try:
+        start = time.perf_counter()
+        by_milp = solve(problem, limit, "auto", builder.stacks())
+        milp_seconds = time.perf_counter() - start
+    finally:
+        recompute_solver.CHAIN_DP_OPEN = dp_open
     manager = PassManager(f"recompute{{budget={budget},profile={profile}}}")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         manager.run(graph.copy(), PassContext())
     stats = next(r.stats for r in manager.records if r.name == "recompute")
     return {"model": label, "budget": budget, "said": said.cost, "as_run": as_run.cost, "block": block.cost,
-            "solve_s": seconds, "reported": stats["recompute_time_s"], "solver": stats["solver_recompute_time_s"]}
+            "solve_s": seconds, "reported": stats["recompute_time_s"], "solver": stats["solver_recompute_time_s"],
+            "by_milp": by_milp.cost, "milp_solve_s": milp_seconds}
 
 
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", nargs="+", default=["gpt", "opt", "t5", "whisper", "bart", "llama"])
+    p.add_argument("--models", nargs="*", default=["gpt", "opt", "t5", "whisper", "bart", "llama"])
     p.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.25, 0.5])
     p.add_argument("--with-7b", action="store_true", help="add the 32-layer 7B- and 80-layer 70B-shaped GPT")
     args = p.parse_args(argv)
@@ -83,14 +97,15 @@ def main(argv=None) -> list[dict]:
         graphs += [("gpt 7B 32L", *_gpt_7b(32, False)), ("gpt 70B 80L", *_gpt_7b(80, True))]
     rows = []
     print(f"{'model':>12} {'budget':>6} | {'one copy: said':>14} {'as run':>9} | {'block model':>11} "
-          f"{'solve s':>7} | {'pass reports':>12} {'(solver)':>9} | as run / block")
+          f"{'solve s':>7} | {'open by MILP':>12} {'solve s':>7} | {'pass reports':>12} {'(solver)':>9} | as run / block")
     for label, graph, unit in graphs:
         scale = 1e3 if unit == "ms" else 1.0
         for budget in args.budgets:
             r = row(label, graph, budget)
             rows.append(r)
             print(f"{label:>12} {budget:>6} | {r['said'] * scale:>11.3f} {unit:<2} {r['as_run'] * scale:>6.3f} {unit:<2}"
-                  f" | {r['block'] * scale:>8.3f} {unit:<2} {r['solve_s']:>7.2f} | {r['reported'] * scale:>9.3f} {unit:<2}"
+                  f" | {r['block'] * scale:>8.3f} {unit:<2} {r['solve_s']:>7.2f}"
+                  f" | {r['by_milp'] * scale:>9.3f} {unit:<2} {r['milp_solve_s']:>7.2f} | {r['reported'] * scale:>9.3f} {unit:<2}"
                   f" {r['solver'] * scale:>6.3f} {unit:<2} | {r['as_run'] / max(r['block'], 1e-30):.2f}x", flush=True)
     return rows
 
