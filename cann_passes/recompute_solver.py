@@ -394,7 +394,6 @@ class Folding:
     members: list[list[int]]
     blocks: int                      # blocks folded, over every stack
     groups: list[list[int]] = field(default_factory=list)   # per stack, the blocks folded
-    stack_of: dict[int, int] = field(default_factory=dict)  # folded value of a block -> its stack
 
     def unfold(self, saved: set[int]) -> set[int]:
         return {i for j in saved for i in self.members[j]}
@@ -473,8 +472,7 @@ def fold(problem: Problem, stacks: list[list[list[int]]], min_blocks: int = 3) -
         far = tuple(sorted({rep[d] for i in group for d in values[i].far}))
         folded.append(replace(v, deps=deps, bytes=v.bytes * n, cost=v.cost * n, flops=v.flops * n,
                               written=v.written * n, base=base, far=far))
-    return Folding(Problem(folded), members, sum(len(g) for g in groups), groups,
-                   {j: s for (s, _), j in first.items()})
+    return Folding(Problem(folded), members, sum(len(g) for g in groups), groups)
 
 
 def _round(problem: Problem, folding: Folding, budget: float, base: set[int], upgrade: list[int]) -> Solution | None:
@@ -597,26 +595,40 @@ def _chain_dp(problem: Problem, folding: Folding, budget: float, share: dict[int
     singles = [j for j in open_saves if len(members[j]) == 1]
     if len(opens) > CHAIN_DP_OPEN or len(singles) > 2:
         return None
-    whole = folding.unfold({j for j, f in share.items() if f > 1 - 1e-6})
-    if not opens:                       # only saves outside the stack left open: each way
-        best = None
-        for pick in range(1 << len(singles)):
-            try:
-                sol = evaluate(problem, whole | {members[j][0] for k, j in enumerate(singles) if pick >> k & 1},
-                               "folded")
-            except Infeasible:
-                continue
-            if sol.bytes <= budget and (best is None or (sol.cost, sol.bytes) < (best.cost, best.bytes)):
-                best = sol
-        return best
-    if len({folding.stack_of.get(j) for j in opens}) != 1 or folding.stack_of.get(opens[0]) is None:
+    down = _down_the_stack(problem, folding, budget, opens, stacks) if opens else (lambda base: base)
+    if down is None:
         return None
-    st = folding.stack_of[opens[0]]
-    chosen = folding.groups[st]
+    whole = folding.unfold({j for j, f in share.items() if f > 1 - 1e-6})
+    best = None
+    for pick in range(1 << len(singles)):
+        saved = down(whole | {members[j][0] for k, j in enumerate(singles) if pick >> k & 1})
+        if saved is None:
+            continue
+        try:
+            sol = evaluate(problem, saved, "folded")
+        except Infeasible:
+            continue
+        if sol.bytes <= budget and (best is None or (sol.cost, sol.bytes) < (best.cost, best.bytes)):
+            best = sol
+    return best
+
+
+def _down_the_stack(problem: Problem, folding: Folding, budget: float, opens: list[int],
+                    stacks: list[list[list[int]]]):
+    """:func:`_chain_dp`'s DP for the open saves ``opens`` of one stack: a function from the values
+    saved anyway to those plus each block's choice of open saves (None where nothing fits); None
+    where the open saves are not all of one stack's consecutive folded blocks."""
+    members, values = folding.members, problem.values
+    # the stack whose first folded block holds each open save's first member
+    stack_of = {i: s for s, g in enumerate(folding.groups) if g for i in stacks[s][g[0]]}
+    found = {stack_of.get(members[j][0]) for j in opens}
+    if len(found) != 1 or None in found:
+        return None
+    chosen = folding.groups[found.pop()]
     nb = len(chosen)
     if nb < 4 or chosen != list(range(chosen[0], chosen[0] + nb)) or any(len(members[j]) != nb for j in opens):
         return None
-    scope = [values[stacks[st][b][0]].home for b in chosen]
+    scope = [values[members[opens[0]][t]].home for t in range(nb)]
     starts = _starts(problem)
     outside = [sc for sc in starts if sc not in set(scope)]
     n = 1 << len(opens)
@@ -635,12 +647,10 @@ def _chain_dp(problem: Problem, folding: Folding, budget: float, share: dict[int
             return math.inf
         return cost
 
-    best = None
-    for pick in range(1 << len(singles)):
-        base = whole | {members[j][0] for k, j in enumerate(singles) if pick >> k & 1}
+    def down(base: set[int]) -> set[int] | None:
         room = budget - sum(values[i].bytes for i in base if values[i].savable)
         if room < 0:
-            continue
+            return None
         unit = math.gcd(*[values[members[j][0]].bytes for j in opens]) or 1
         steps = nb * max(weight) // unit           # every block saving every open save
         if math.isfinite(room):
@@ -675,7 +685,7 @@ def _chain_dp(problem: Problem, folding: Folding, budget: float, share: dict[int
         total = cost + tail[:, :, None]
         low = total.min()
         if not math.isfinite(low):
-            continue
+            return None
         # The least time; of equal times, the fewest bytes.
         b, c, used = min(zip(*np.nonzero(total <= low + 1e-12 * abs(low))), key=lambda x: (x[2], x[0], x[1]))
         states = [0] * nb
@@ -684,14 +694,8 @@ def _chain_dp(problem: Problem, folding: Folding, budget: float, share: dict[int
             a = int(back[t, states[t - 1], states[t], used])
             used -= size[states[t]]
             states[t - 2] = a
-        saved = base | {i for i, (t, k) in where.items() if states[t] >> k & 1}
-        try:
-            sol = evaluate(problem, saved, "folded")
-        except Infeasible:
-            continue
-        if sol.bytes <= budget and (best is None or (sol.cost, sol.bytes) < (best.cost, best.bytes)):
-            best = sol
-    return best
+        return base | {i for i, (t, k) in where.items() if states[t] >> k & 1}
+    return down
 
 
 def _round_shares(problem: Problem, folding: Folding, budget: float, share: dict[int, float]) -> Solution | None:

@@ -13,6 +13,7 @@ from cann_passes import (PassContext, PassFailure, PassManager, Pipeline, Pipeli
 from cann_passes.pass_manager import registered_passes
 from graph_ir import Region, TrainGraph, capture_train_step
 from tests.conftest import gpt_batches, make_optimizer, mlp_batches, tiny_gpt, tiny_mlp
+from tests.passes._tiny import negating_lr_per_parameter
 
 
 @register_pass("test_scale_loss")
@@ -40,18 +41,6 @@ def _mlp_graph():
     model, loss_fn = tiny_mlp()
     return capture_train_step(model, make_optimizer("sgd", model.parameters()), loss_fn,
                               mlp_batches(1)[0])[0]
-
-
-def _mlp_graph_with_a_duplicate():
-    """The MLP step with its ``-lr`` computed a second time, for the update of the last
-    parameter (as torch.optim computes it per parameter): the work of a first cleanup."""
-    graph = _mlp_graph()
-    neg = next(n for n in graph.graph.nodes if n.target is torch.ops.aten.neg.default)
-    user = list(neg.users)[-1]
-    with graph.graph.inserting_before(user):
-        copy = graph.graph.node_copy(neg)
-    user.replace_input_with(neg, copy)
-    return graph
 
 
 def test_pipeline_text_round_trips_with_typed_options():
@@ -132,7 +121,7 @@ def test_deep_verification_checks_values_once_per_graph_state(monkeypatch):
     real = verifier._check_values
     monkeypatch.setattr(verifier, "_check_values", lambda tg: checked.append(tg.num_nodes()) or real(tg))
     manager = PassManager("cleanup,cleanup,test_scale_loss,cleanup", verify_level="deep")
-    manager.run(_mlp_graph_with_a_duplicate(), PassContext())
+    manager.run(negating_lr_per_parameter(_mlp_graph()), PassContext())
     assert [r.changed for r in manager.records] == [True, False, True, False]
     assert len(checked) == 2           # after the first cleanup and after the loss was scaled
     assert all(r.verify_seconds > 0 for r in manager.records)     # each still verified structurally
@@ -147,7 +136,7 @@ def test_node_rules_are_checked_once_per_graph_state_and_kind(monkeypatch):
     monkeypatch.setattr(verifier, "_check_nodes", lambda tg: checked.append(tg.num_nodes()) or real(tg))
     manager = PassManager("cleanup,test_edit_one_thing{what=none},test_edit_one_thing{what=region}")
     with pytest.raises(PassFailure, match="(?s)test_edit_one_thing.*regions must flow forward"):
-        manager.run(_mlp_graph_with_a_duplicate(), PassContext())
+        manager.run(negating_lr_per_parameter(_mlp_graph()), PassContext())
     assert len(checked) == 2           # after cleanup and after the region edit, not after the no-op
     assert [r.changed for r in manager.records] == [True, False]
 

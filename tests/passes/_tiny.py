@@ -69,6 +69,19 @@ def mlp_step(make_optimizer: Callable = sgd, seed: int = 0, rows: int = 8) -> St
     return Step(model, optimizer, mlp_loss, batch, captured, layout, make_optimizer)
 
 
+def negating_lr_per_parameter(captured: TrainGraph) -> TrainGraph:
+    """A copy of a captured SGD step with ``-lr`` computed once per parameter, as torch.optim
+    computes it (capture traces it once per group): each update after the first reads its own
+    copy of the negation, duplicates for a cleanup to merge."""
+    graph = captured.copy()
+    neg = next(n for n in graph.graph.nodes if n.target is torch.ops.aten.neg.default)
+    for user in list(neg.users)[1:]:
+        with graph.graph.inserting_before(user):
+            duplicate = graph.graph.node_copy(neg)
+        user.replace_input_with(neg, duplicate)
+    return graph
+
+
 def fx_graph(fn: Callable, *args: torch.Tensor, region: str = "forward") -> TrainGraph:
     """``fn(*args) -> [scalar]`` traced with fake tensors; every computation in ``region``."""
     gm = make_fx(fn, tracing_mode="fake")(*args)

@@ -11,7 +11,7 @@ import torch
 from cann_passes.pass_manager import PassContext, PassManager
 from graph_ir.meta import RECOMPUTE, REGION
 from graph_ir.mesh import MeshDesc
-from tests.passes._tiny import aten, c10d, fx_graph, mlp_step, ops, run
+from tests.passes._tiny import aten, c10d, fx_graph, mlp_step, negating_lr_per_parameter, ops, run
 
 
 def _clean(graph, text: str = "cleanup"):
@@ -27,18 +27,6 @@ def _two_of_everything(x):
     reduced = (c10d.wait_tensor(c10d.all_reduce(x, "sum", "g")) *
                c10d.wait_tensor(c10d.all_reduce(x, "sum", "g")))
     return [(pure + draws + reduced).sum()]
-
-
-def _negating_lr_per_parameter(captured):
-    """A copy of the captured SGD step with ``-lr`` computed once per parameter, as torch.optim
-    computes it: each update after the first reads its own copy of the negation."""
-    graph = captured.copy()
-    neg = next(n for n in graph.graph.nodes if n.target is aten.neg.default)
-    for user in list(neg.users)[1:]:
-        with graph.graph.inserting_before(user):
-            copy = graph.graph.node_copy(neg)
-        user.replace_input_with(neg, copy)
-    return graph
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +108,7 @@ class TestCleanup:
         assert ops(step.captured)["aten.neg.default"] == 1
 
     def test_the_step_loses_its_duplicate_lr_negations_and_keeps_every_output(self, step):
-        graph = _negating_lr_per_parameter(step.captured)
+        graph = negating_lr_per_parameter(step.captured)
         assert ops(graph)["aten.neg.default"] == 6
         out, record = _clean(graph)
         assert ops(out)["aten.neg.default"] == 1
@@ -128,11 +116,11 @@ class TestCleanup:
         assert out.signature.outputs == step.captured.signature.outputs
 
     def test_without_cse_the_duplicates_stay(self, step):
-        out, record = _clean(_negating_lr_per_parameter(step.captured), "cleanup{cse=false}")
+        out, record = _clean(negating_lr_per_parameter(step.captured), "cleanup{cse=false}")
         assert ops(out)["aten.neg.default"] == 6 and not record.changed
 
     def test_the_cleaned_step_computes_bitwise_what_the_captured_step_computes(self, step):
-        out, _ = _clean(_negating_lr_per_parameter(step.captured))
+        out, _ = _clean(negating_lr_per_parameter(step.captured))
         want, got = run(step.captured, step), run(out, step)
         assert list(got) == list(want)
         for name in want:
@@ -140,6 +128,6 @@ class TestCleanup:
 
     def test_a_second_cleanup_finds_nothing_to_do(self, step):
         manager = PassManager("cleanup,cleanup", verify_level="deep")
-        manager.run(_negating_lr_per_parameter(step.captured), PassContext(mesh=MeshDesc.fake()))
+        manager.run(negating_lr_per_parameter(step.captured), PassContext(mesh=MeshDesc.fake()))
         first, second = manager.records
         assert first.changed and not second.changed and second.stats == {"cat_to_clone": 0, "merged": 0, "removed": 0}
