@@ -13,6 +13,8 @@
     sync_batch_norm              BatchNorm over the dp batch (plan.sync_batch_norm; statistics and their
                                                               gradients' sums all-reduced over dp)
     recompute{policy,budget}     activation recompute        (plan.recompute != none)
+    recompute_pointwise          fusible pointwise values    (backend inductor; computed again
+                                                              inside backward's kernels, not kept)
     grad_accumulation{...}       accumulate over microbatches (plan.microbatches > 1 or accumulate_target)
     data_parallel{...}           gradient all-reduce         (plan.dp > 1; in bf16 with
                                                               plan.grad_reduce_dtype)
@@ -148,6 +150,8 @@ def build_pipeline(plan: Plan, backend: str, *, optimizer_fused: bool = False) -
         steps.append("sync_batch_norm")
     if plan.recompute != "none":
         steps.append(recompute_spec(plan))
+    if backend == "inductor":
+        steps.append("recompute_pointwise")
     if accumulating:
         # Under ep an expert's gradient sums every group rank's loss: the samples weight the seed.
         weight = ",weight=seed" if plan.ep > 1 and plan.accumulate_target is not None else ""
