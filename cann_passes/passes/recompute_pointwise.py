@@ -15,9 +15,10 @@ What is recomputed, all of:
 
 - a forward op tagged ``torch.Tag.pointwise`` with one tensor result, drawing no
   random numbers;
-- every forward reader and every backward reader pointwise (a matmul or a
-  reduction reading it would make the compiler write it anyway, in forward, and
-  again in backward);
+- every reader a pointwise op of forward or backward (a matmul or the step's
+  outputs reading it would have the compiler write it anyway, in forward and
+  again in backward; a reduction reader is left out too, although inductor
+  may fuse into it: a narrower rule than the fusion itself);
 - every input a step input or a forward value backward reads already, at most
   the value's own bytes (the copy, placed before the first backward reader, may
   keep that input alive longer, never more bytes than the value it replaces).
@@ -52,7 +53,8 @@ def _recomputable(node: torch.fx.Node, kept: set[torch.fx.Node]) -> bool:
     val = node.meta.get("val")
     if not (_pointwise(node) and isinstance(val, torch.Tensor)) or draws_random(node) or communicates(node):
         return False
-    if not all(_pointwise(u) for u in node.users if region_of(u) in (Region.FORWARD, Region.BACKWARD)):
+    # (a reader elsewhere, the step's outputs among them, would have forward write it anyway)
+    if not all(_pointwise(u) and region_of(u) in (Region.FORWARD, Region.BACKWARD) for u in node.users):
         return False
     size = nbytes(val)
     for arg in node.all_input_nodes:
