@@ -293,7 +293,10 @@ def _make_step_fn(model, optimizer, loss_fn, layout: StepLayout, rule: UpdateRul
         with fx_traceback.annotate({REGION: Region.FORWARD.value}):
             loss, vjp_fn, new_buffers = torch.func.vjp(loss_of, *trainable, has_aux=True)
         with fx_traceback.annotate({REGION: Region.BACKWARD.value}):
-            grads = vjp_fn(torch.ones_like(loss))
+            # As eager's backward runs: without building a graph of itself. With one (vjp's
+            # default under grad mode) autograd spells some derivatives in an "infinitely
+            # differentiable" form, other kernels than eager's (SiLU's, group norm's, RMSNorm's).
+            grads = vjp_fn(torch.ones_like(loss), create_graph=False)
             grads = [_run_gradient_hooks(grad_hooks.get(name, ()), g) for name, g in zip(layout.trainable, grads)]
             # Two parameters can receive one tensor as their gradient (``x + b1 + b2``); eager gives
             # each its own ``.grad``, and so does the graph: every gradient is its parameter's value.

@@ -255,3 +255,31 @@ def test_a_generator_object_in_forward_is_refused_on_one_line_and_its_state_is_u
     assert "\n" not in text and "torch.Generator" in text and \
         _line(_NoisyWithGenerator.forward, "generator-line") in text and "torch.manual_seed" in text
     assert torch.equal(model.g.get_state(), before)
+
+
+def test_backward_is_captured_with_eagers_own_kernels_and_trains_bitwise_like_eager():
+    # Eager's backward runs without building a graph of itself, and some derivatives are spelled
+    # differently when it does (SiLU, group norm, RMSNorm: an "infinitely differentiable" form of
+    # several ops). The step's backward is traced as eager runs it: the same kernels, bitwise.
+    from cann_passes import Plan
+    from tests.zoo import compare
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.norm, self.down = torch.nn.Linear(8, 32), torch.nn.GroupNorm(4, 32), torch.nn.Linear(32, 1)
+            self.drop = torch.nn.Dropout(0.25)
+
+        def forward(self, x):
+            return self.down(self.drop(torch.nn.functional.silu(self.norm(self.up(x)))))
+
+    torch.manual_seed(0)
+    model = Block()
+    tg, _ = capture_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                               lambda m, b: m(b).square().mean(), torch.randn(16, 8))
+    backward = {n.target for n in tg.graph.nodes if n.op == "call_function" and n.meta[REGION] == "backward"}
+    aten = torch.ops.aten
+    assert {aten.silu_backward.default, aten.native_group_norm_backward.default} <= backward
+    assert aten.sigmoid.default not in backward
+    run = compare("phi3", Plan(backend="eager"), steps=2, layers=1)   # SiLU in a fused gate-up MLP
+    assert run.max_param_diff() == 0 and run.compiled_losses == run.eager_losses
