@@ -6,7 +6,7 @@ import torch
 
 from cann_passes import Plan
 from graph_ir import capture_train_step
-from tests.zoo import ZooModel, build, compare
+from tests.zoo import MODELS, ZooModel, build, compare
 
 
 def _no_attr_constants(tg) -> bool:
@@ -75,3 +75,12 @@ def test_every_zoo_models_block_prefixes_name_its_module_stacks():
         modules = dict(entry.model.named_modules())
         for prefix in entry.block_prefixes:
             assert prefix in modules and f"{prefix}.0" in modules and f"{prefix}.1" in modules, (name, prefix)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_every_family_trains_bitwise_like_eager_on_the_eager_backend(name):
+    # The eager backend runs the captured ops with torch's own kernels and the backward as eager
+    # runs it (no "infinitely differentiable" derivative forms), so nothing rounds differently.
+    run = compare(name, Plan(backend="eager"), steps=2, layers=1)
+    assert run.eager_losses == run.compiled_losses
+    assert run.max_param_diff() == 0.0, name
