@@ -16,9 +16,19 @@ from graph_ir.meta import REGION, Region
 
 aten = torch.ops.aten
 F64 = torch.float64
-# Steps of Adam (beta2 0.999) whose bias correction sqrt(1 - beta2 ** step) torch's 0-dim float64
-# pow(x, 0.5) rounds differently from Python's ``** 0.5`` (which torch.optim computes).
-DIFFERING_STEPS = (135, 138, 482, 704)
+
+
+def differing_steps(want: int = 4, limit: int = 20000) -> list[int]:
+    """Steps of Adam (beta2 0.999) whose bias correction sqrt(1 - beta2 ** step) torch's 0-dim float64
+    pow(x, 0.5) rounds differently from Python's ``** 0.5`` (which torch.optim computes). Which steps
+    depends on the vectorized sqrt torch dispatches to on this CPU (AVX2 and AVX512 differ)."""
+    beta2, found = torch.tensor(0.999, dtype=F64), []
+    for k in range(1, limit + 1):
+        if torch.pow(1 - torch.pow(beta2, torch.tensor(float(k)).to(F64)), 0.5).item() != (1 - 0.999 ** k) ** 0.5:
+            found.append(k)
+            if len(found) == want:
+                break
+    return found
 
 
 def _optimizer_graph(fn, *args) -> torch.fx.GraphModule:
@@ -59,8 +69,11 @@ def test_bias_corrections_are_python_floats_at_every_step():
     gm = _optimizer_graph(_bias_corrected, beta2, torch.tensor(1.0), x)
     reference = _optimizer_graph(_bias_corrected, beta2, torch.tensor(1.0), x)
     assert host_scalars(gm) == 4      # to float64, pow, rsub, pow 0.5; the step's own add stays
+    steps = differing_steps()
+    if not steps:
+        pytest.skip("torch's 0-dim float64 pow rounds like Python for Adam's first 20000 steps on this CPU")
     tensor_differs = False
-    for k in DIFFERING_STEPS:
+    for k in steps:
         step = torch.tensor(float(k - 1))
         out, new_step = gm(beta2, step, x)
         python = x / ((1 - 0.999 ** k) ** 0.5)       # torch.optim's single-tensor Adam
