@@ -19,6 +19,8 @@ with AdamW, every row from the same initial weights:
 - ``ours-eager-tensor-scalars``: ``ours-eager`` with the update's step-count arithmetic (bias
   corrections, step sizes) left as 0-dim tensor ops (``$CANN_PASSES_HOST_SCALARS=0``), as it ran
   before the eager lowering computed it as Python floats;
+- ``ours-eager-unplanned``: ``ours-eager`` without its buffer plan (``$CANN_PASSES_BUFFER_PLAN=0``:
+  no ``plan_buffers``, every intermediate allocated afresh each step, as before the plan);
 - ``ours-eager-fused``: the update as torch's fused AdamW kernel on eager (``optimizer_kernel:
   fused``: one ``cann::fused_adam`` call, in place; bitwise the ``fused`` row's update);
   ``ours-inductor-fused`` / ``-foreach`` the fused kernel (inductor's default for Adam: it then
@@ -58,13 +60,13 @@ from typing import Any, Callable
 import torch
 
 from cann_passes import Plan, compile_for_npu
-from cann_passes.lowering.base import HOST_SCALARS_ENV
+from cann_passes.lowering.base import BUFFER_PLAN_ENV, HOST_SCALARS_ENV
 
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise",
               "aten::_scaled_dot_product_flash_attention_for_cpu",
               "aten::_scaled_dot_product_flash_attention_for_cpu_backward")
 ROWS = ("eager", "foreach", "fused", "compile", "compile+opt", "ours-eager", "ours-eager-unguarded",
-        "ours-eager-foreach", "ours-eager-fused", "ours-eager-tensor-scalars", "ours-inductor", "ours-inductor-unfused", "ours-inductor-foreach", "ours-inductor-fused",
+        "ours-eager-foreach", "ours-eager-fused", "ours-eager-tensor-scalars", "ours-eager-unplanned", "ours-inductor", "ours-inductor-unfused", "ours-inductor-foreach", "ours-inductor-fused",
         "ours-inductor+onednn")
 _KERNELS = {"-unfused": "none", "-foreach": "foreach", "-fused": "fused"}
 
@@ -206,7 +208,8 @@ def make_row(name: str, case: Case) -> Row:
         opt = _adamw(model)
         backend, _, extra = name[len("ours-"):].partition("+")
         tensor_scalars = backend.endswith("-tensor-scalars")
-        backend = backend.removesuffix("-tensor-scalars")
+        unplanned = backend.endswith("-unplanned")
+        backend = backend.removesuffix("-tensor-scalars").removesuffix("-unplanned")
         unguarded = backend.endswith("-unguarded")
         suffix = next((k for k in _KERNELS if backend.endswith(k)), "")
         kernel = _KERNELS.get(suffix, "auto")
@@ -215,10 +218,14 @@ def make_row(name: str, case: Case) -> Row:
                     extra_passes=("linear_on_onednn",) if extra == "onednn" else (), optimizer_kernel=kernel)
         step = compile_for_npu(model, plan, optimizer=opt, loss_fn=case.loss_fn)
         t0 = time.perf_counter()
-        if tensor_scalars:    # the eager lowering reads it when it lowers, in compile()
+        # The eager backend's passes and lowering read these when the step compiles, in compile().
+        if tensor_scalars:
             os.environ[HOST_SCALARS_ENV] = "0"
+        if unplanned:
+            os.environ[BUFFER_PLAN_ENV] = "0"
         step.compile(case.batch)
         os.environ.pop(HOST_SCALARS_ENV, None)
+        os.environ.pop(BUFFER_PLAN_ENV, None)
         if unguarded:
             # The same step with its guards dropped: what checking them costs per call.
             for compilation in step._compiled.values():

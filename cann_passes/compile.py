@@ -32,7 +32,9 @@ log = logging.getLogger("cann_passes")
 
 
 # Passes that read marks valid only in the final node order: always the pipeline's last.
-LAST_PASSES = ("reuse_dead_operands",)
+# Passes whose marks hold only in the node order they were made in: they end every pipeline, in this
+# order (plan_buffers reads the in-place chains reuse_dead_operands marks).
+LAST_PASSES = ("reuse_dead_operands", "plan_buffers")
 
 
 def required(backend: str, mesh: MeshDesc | None = None) -> Pipeline:
@@ -48,11 +50,17 @@ def required(backend: str, mesh: MeshDesc | None = None) -> Pipeline:
 
 def with_required_passes(pipeline: Pipeline, backend: str, mesh: MeshDesc | None = None) -> Pipeline:
     """``pipeline`` with the passes ``backend`` and ``mesh`` need appended where they are missing;
-    a pass of :data:`LAST_PASSES` runs last even where the text has it earlier."""
-    have = {p.name for p in pipeline.passes}
-    missing = [p for p in required(backend, mesh).passes
-               if p.name not in have or (p.name in LAST_PASSES and pipeline.passes[-1].name != p.name)]
-    return Pipeline.of(*pipeline.passes, *missing) if missing else pipeline
+    the passes of :data:`LAST_PASSES` the backend needs end the pipeline, in that order, even where
+    the text has them earlier (with the text's options)."""
+    needed = required(backend, mesh).passes
+    have = {p.name: p for p in pipeline.passes}
+    last = [have.get(p.name, p) for p in needed if p.name in LAST_PASSES]
+    in_place = [p.name for p in pipeline.passes[len(pipeline.passes) - len(last):]] == [p.name for p in last] \
+        if len(last) <= len(pipeline.passes) else False
+    missing = [p for p in needed if p.name not in have and p.name not in LAST_PASSES]
+    if not missing and in_place:
+        return pipeline
+    return Pipeline.of(*pipeline.passes, *missing, *([] if in_place else last))
 
 
 def as_plan_error(failure: PassFailure, plan: Plan) -> PlanError | None:

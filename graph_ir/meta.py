@@ -43,6 +43,9 @@ HOST_OPERANDS = "host_operands"
 # On an add of x and (h * t1) / t2, or an addcmul of x, h * t1 and t2, with h such a float: the op the
 # eager lowering folds it into ("addcdiv" / "addcmul" with value=h: one pass over memory, not three).
 HOST_FOLD = "host_fold"
+# On a node whose buffer the eager backend holds across steps: its slot in the graph's buffer plan
+# (GraphAttr.BUFFER_PLAN); plan_buffers decides, the eager lowering writes the op's out= overload there.
+HELD_BUFFER = "held_buffer"
 # ``SHARDING`` holds a node's placement on the mesh (:mod:`graph_ir.placement`), as JSON.
 
 
@@ -71,6 +74,7 @@ class GraphAttr:
     RANK = "rank"                      # the global rank a per-rank graph belongs to
     STAGE = "stage"                    # a pipeline stage graph: {index, stages, rank, first, last}
     WRITTEN_INPUTS = "written_inputs"  # placeholders reuse_dead_operands lets the step write in place
+    BUFFER_PLAN = "buffer_plan"        # slot sizes in bytes of the buffers plan_buffers holds across steps
     GLOO_ORDERED = "gloo_ordered"      # True: gloo_all_gathers_alone ordered this graph's all-gathers
     # On a Program (program.attrs): the pipeline split (stages, stage -> rank, units, costs).
     PIPELINE_PARALLEL = "pipeline_parallel"

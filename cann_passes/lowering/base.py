@@ -64,6 +64,15 @@ def host_scalars_enabled() -> bool:
     return os.environ.get(HOST_SCALARS_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
+# "0" leaves the eager backend's buffer plan out (no ``plan_buffers``: every buffer allocated afresh
+# each step): what holding them is measured against (bench.step_time's ours-eager-unplanned row).
+BUFFER_PLAN_ENV = "CANN_PASSES_BUFFER_PLAN"
+
+
+def buffer_plan_enabled() -> bool:
+    return os.environ.get(BUFFER_PLAN_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
 def writable_inputs(graph: TrainGraph) -> dict[torch.fx.Node, int]:
     """Inputs of ``graph`` a lowering may update in place (``graph_ir.analysis.updates``); none with
     ``$CANN_PASSES_INPLACE_UPDATES=0``."""

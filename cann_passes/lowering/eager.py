@@ -23,6 +23,11 @@ place (``all_reduce_``), as DDP reduces its bucket, instead of by the
 functional ``all_reduce``, which copies the bucket first. The same kernels run
 on the same values, so results are bitwise those of the functional graph.
 
+Buffers whose sizes the step knows are allocated once per lowered step and reused by every call
+(``plan_buffers`` marks them and packs them into slots; the lowered copy calls each planned op's
+``out=`` overload on a view of its slot): no fresh pages per step for them
+(``$CANN_PASSES_BUFFER_PLAN=0`` leaves the pass out).
+
 The optimizer's step-count arithmetic (bias corrections, step sizes: 0-dim float64 chains, one per
 parameter) runs as Python floats, as torch.optim computes it, instead of as about eight 0-dim
 tensor ops per parameter: ``scalars_on_host`` marks it, the lowered copy applies the marks
@@ -33,9 +38,10 @@ from __future__ import annotations
 from graph_ir import TrainGraph
 from graph_ir.meta import GraphAttr
 
+from ..passes.plan_buffers import apply_buffer_plan
 from ..passes.reuse_dead_operands import apply_reuse, reuse_dead_operands
 from ..passes.scalars_on_host import apply_scalars_on_host
-from .base import GuardedRunner, host_scalars_enabled, inplace_updates_enabled
+from .base import GuardedRunner, buffer_plan_enabled, host_scalars_enabled, inplace_updates_enabled
 
 
 class EagerLowering:
@@ -47,15 +53,17 @@ class EagerLowering:
     @staticmethod
     def required_passes() -> tuple[str, ...]:
         scalars = ("scalars_on_host",) if host_scalars_enabled() else ()
+        held = ("plan_buffers",) if buffer_plan_enabled() else ()
         if inplace_updates_enabled():
-            return ("wait_for_reductions_first", *scalars, "reuse_dead_operands")
-        return (*scalars, "reuse_dead_operands{inputs=false}")
+            return ("wait_for_reductions_first", *scalars, "reuse_dead_operands", *held)
+        return (*scalars, "reuse_dead_operands{inputs=false}", *held)
 
     def compile(self, graph: TrainGraph, example_inputs, plan):
         # (how many nodes each pass marked is in its pass record's statistics)
         lowered = graph.copy()
         apply_scalars_on_host(lowered.gm)
         apply_reuse(lowered.gm)
+        apply_buffer_plan(lowered.gm, graph.attrs.get(GraphAttr.BUFFER_PLAN))
         names = set(graph.attrs.get(GraphAttr.WRITTEN_INPUTS, ()))
         lowered.recompile()
         written = [i for i, p in enumerate(lowered.placeholders()) if p.name in names]

@@ -15,7 +15,7 @@ from tests.eager_reference import eager_steps
 
 PLAN = Plan(backend="eager", precision="bf16", recompute="full", grad_clip_norm=1.0, compile_cache="off")
 PIPELINE = ["cleanup", "autocast", "recompute", "grad_clip", "wait_for_reductions_first", "scalars_on_host",
-            "reuse_dead_operands"]
+            "reuse_dead_operands", "plan_buffers"]
 
 
 class _Shared(torch.nn.Module):

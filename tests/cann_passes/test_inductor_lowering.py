@@ -54,7 +54,7 @@ def test_the_inductor_pipeline_names_its_rewrites_even_for_pipeline_text():
     text = build_pipeline(Plan(pipeline="cleanup"), "inductor")
     assert str(with_required_passes(text, "inductor")) == "cleanup," + INDUCTOR_TAIL
     assert str(with_required_passes(text, "eager")) == \
-        "cleanup,wait_for_reductions_first,scalars_on_host,reuse_dead_operands"
+        "cleanup,wait_for_reductions_first,scalars_on_host,reuse_dead_operands,plan_buffers"
 
 
 @pytest.mark.slow

@@ -45,7 +45,7 @@ def test_fp32_plan_lowers_completely(tmp_path, attention):
     data = _report(tmp_path)
     assert data["unsupported"] == [], data["unsupported"]
     entry = data["graphs"]["step"]
-    assert entry["ok"] and entry["source"].endswith("_reuse_dead_operands.json")
+    assert entry["ok"] and entry["source"].endswith("_plan_buffers.json")
     _assert_transformer_ops(entry["op_histogram"], n_layer=2)
     text = (tmp_path / "ge" / "step.ge.txt").read_text()
     assert text.startswith('name: "step"') and 'type: "LayerNormV4"' in text

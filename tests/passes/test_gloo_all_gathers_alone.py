@@ -73,7 +73,7 @@ def test_the_driver_appends_the_pass_for_a_mesh_with_a_gloo_axis_only():
         with_required_passes(Pipeline.parse("cleanup"), "eager", _live(mesh, "hccl")))
     eager = names(with_required_passes(Pipeline.parse("cleanup"), "eager", _live(mesh, "gloo")))
     # before the in-place marks, which are valid only in the final node order
-    assert eager[-2:] == ["gloo_all_gathers_alone", "reuse_dead_operands"]
+    assert eager[-3:] == ["gloo_all_gathers_alone", "reuse_dead_operands", "plan_buffers"]
 
 
 def test_the_pass_reads_each_group_backend_from_the_mesh():

@@ -80,4 +80,5 @@ def test_the_driver_appends_it_for_a_gloo_mesh_before_the_in_place_marks():
     assert "gloo_reduce_scatter_as_all_reduce" not in names(
         with_required_passes(Pipeline.parse("cleanup"), "eager", _live(mesh, "hccl")))
     eager = names(with_required_passes(Pipeline.parse("cleanup"), "eager", _live(mesh, "gloo")))
-    assert eager[-3:] == ["gloo_reduce_scatter_as_all_reduce", "gloo_all_gathers_alone", "reuse_dead_operands"]
+    assert eager[-4:] == ["gloo_reduce_scatter_as_all_reduce", "gloo_all_gathers_alone", "reuse_dead_operands",
+                          "plan_buffers"]

@@ -41,10 +41,11 @@ def _stdout(capsys, argv) -> str:
 
 class TestRunArtifacts:
     def test_default_pipeline_is_dumped_pass_by_pass(self, gpt_dump):
-        assert gpt_dump.pipeline == "cleanup,cleanup,wait_for_reductions_first,scalars_on_host,reuse_dead_operands"
+        assert gpt_dump.pipeline == \
+            "cleanup,cleanup,wait_for_reductions_first,scalars_on_host,reuse_dead_operands,plan_buffers"
         assert [p.stem for p in gpt_dump.passes] == ["000_capture", "001_cleanup", "002_cleanup",
                                                      "003_wait_for_reductions_first", "004_scalars_on_host",
-                                                     "005_reuse_dead_operands"]
+                                                     "005_reuse_dead_operands", "006_plan_buffers"]
         for p in gpt_dump.passes:
             for suffix in (".py", ".json", ".dot"):
                 assert os.path.getsize(p.path(suffix)) > 0, p.path(suffix)
@@ -155,7 +156,7 @@ class TestCommands:
         table = out.split("\n\n")[1].splitlines()
         assert table[0].split()[:2] == ["pass", "(A"]
         assert [row.split()[0] for row in table[2:]] == ["capture", "cleanup", "cleanup", "wait_for_reductions_first",
-                                                         "scalars_on_host", "reuse_dead_operands"]
+                                                         "scalars_on_host", "reuse_dead_operands", "plan_buffers"]
         assert table[3].split()[1:4] == ["|", "-", str(records[1]["nodes_after"])]
         # Op counts of the final graphs differ by what the cleanup removed.
         removed = records[1]["ops_removed"]
@@ -191,7 +192,7 @@ class TestCommands:
         assert re.search(r"^step 2: loss \d", out, re.M)
         assert [p.stem for p in DumpDir(str(tmp_path / "out")).passes] == [
             "000_capture", "001_cleanup", "002_wait_for_reductions_first", "003_scalars_on_host",
-            "004_reuse_dead_operands"]
+            "004_reuse_dead_operands", "005_plan_buffers"]
 
     def test_unknown_target_is_refused_with_the_recipes(self, tmp_path, capsys):
         assert main(["run", "resnet", "--out", str(tmp_path)]) == 2
@@ -290,7 +291,7 @@ def test_an_accumulation_dump_reports_each_graph_of_the_program_on_its_own_page(
         assert sub.passes[0].stem == "003_split_grad_apply" and (tmp_path / name / "index.html").exists()
     assert [p.stem for p in DumpDir(str(tmp_path / "apply")).passes] == [
         "003_split_grad_apply", "004_cleanup", "005_wait_for_reductions_first", "006_scalars_on_host",
-        "007_reuse_dead_operands"]
+        "007_reuse_dead_operands", "008_plan_buffers"]
     assert "graph apply: kind apply" in (tmp_path / "program.txt").read_text()
     page = (tmp_path / "index.html").read_text()
     assert 'href="grad/index.html"' in page and 'href="apply/index.html"' in page
@@ -343,7 +344,7 @@ class TestGeSection:
         page, report, section = _page_and_report(directory)
         last = DumpDir(directory).last
         assert report["ok"] and report["unsupported"] == []
-        assert report["graphs"]["step"]["source"] == f"{last.stem}.json" == "006_reuse_dead_operands.json"
+        assert report["graphs"]["step"]["source"] == f"{last.stem}.json" == "007_plan_buffers.json"
         assert "GE lowering (offline, torchair converters): ok" in stdout
         assert "not a compile on an NPU" in section and "0 unsupported" in section
         assert "ge-unsupported" not in section and "Possibly stale" not in section
