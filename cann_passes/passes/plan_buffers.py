@@ -13,7 +13,8 @@ are known when the step compiles, so this pass plans them as a compiler's memory
 - a buffer is *planned* when its op has an ``out=`` overload with a kernel of its own for the
   device (``mm.out``, ``add.out``, ``cat.out``, ``_softmax.out``...: the kernel the functional op
   runs, so the result is bitwise the same; an overload torch generates as "call the functional op,
-  then copy" is no gain and is left alone), its value is one dense tensor of static shape of at
+  then copy" is no gain and is left alone; a clone is a ``copy_`` into the slot, an all-gather
+  ``all_gather_into_tensor_out``), its value is one dense tensor of static shape of at
   least ``min_bytes``, it draws no random numbers, and nothing outside the step sees it: not an
   input, not an output or a view of one, not a list a multi-tensor op writes;
 - planned buffers are packed into *slots* in node order, best fit: a buffer takes the smallest
@@ -52,6 +53,10 @@ from .scalars_on_host import folded_reads
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 _CLONE = torch.ops.aten.clone.default
+_c10d = torch.ops._c10d_functional
+# out= forms the schema match cannot find (another op's name), registered for every device: the
+# functional collective's own implementation, given the tensor to write instead of allocating it.
+_OUT_OPS = {_c10d.all_gather_into_tensor.default: _c10d.all_gather_into_tensor_out.default}
 # The dispatch key an op's own kernel for a device type is registered under.
 _DEVICE_KEY = {"cpu": "CPU", "cuda": "CUDA", "xpu": "XPU"}
 
@@ -64,6 +69,8 @@ def _written_out(schema) -> list:
 def out_overload(op: torch._ops.OpOverload, device_type: str):
     """``op``'s ``out=`` overload (one written keyword argument, one result, the same other
     arguments), where the device has a kernel of its own for it; else None."""
+    if op in _OUT_OPS:
+        return _OUT_OPS[op]
     schema = op._schema
     if schema.is_mutable or len(schema.returns) != 1 or not hasattr(op, "overloadpacket"):
         return None

@@ -68,7 +68,10 @@ def _held(step, graph, spec, params, opt):
 
 
 def parity(world_size: int, out: str):
-    base = Plan(backend="eager", dp=world_size, bucket_mb=0.005, compile_cache="off")
+    # Every buffer plan_buffers may hold is held (no size floor): a slot handed on too early, or an
+    # all-gather's held output read late, shows as a mismatch with the functional step.
+    base = Plan(backend="eager", dp=world_size, bucket_mb=0.005, compile_cache="off",
+                extra_passes=("plan_buffers{min_bytes=0}",))
     result = {}
     with init_distributed(base) as world:
         for strategy, kind, clip in RUNS:
@@ -106,8 +109,11 @@ def parity(world_size: int, out: str):
                     kept = sum(a == b for a, b in zip(storage, held))
             result[run_name(strategy, kind, clip)] = {
                 "losses": losses, "mismatches": mismatches, "written": list(runner.written_inputs),
-                "storage_kept": kept, "held": len(held),
+                "storage_kept": kept,
                 "fused_calls": sum(n.target is FUSED_ADAM for n in graph.graph.nodes),
+                "held": sum(n.op == "get_attr" and n.target.startswith("_held_") for n in runner.run.graph.nodes),
+                "held_all_gathers": sum(n.target is torch.ops._c10d_functional.all_gather_into_tensor_out.default
+                                        for n in runner.run.graph.nodes),
                 "params": {n: p.detach().clone() for n, p in model.state_dict().items()}}
         torch.save(result, f"{out}/parity.rank{world.rank}.pt")
         failure(world, base.replace(zero_stage=1), out)

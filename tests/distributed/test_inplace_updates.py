@@ -5,7 +5,8 @@ ZeRO-2 with gradient clipping, a collective of the optimizer's own; under DP, Ze
 as torch's fused kernel, ``optimizer_kernel: fused``, against ``fused=True``). Every
 step equals the functional variant of the same graph bitwise, on every rank and for every value the
 step stores (``inplace_worker.parity``), and the run equals plain ``torch.optim`` on the global batches
-in this process (1e-5: ranks sum in another order). The storage of what is written in place stays
+in this process (1e-5: ranks sum in another order). Every buffer ``plan_buffers`` may hold is held
+(``min_bytes=0``), the all-gathered parameters of ZeRO-1/2 included. The storage of what is written in place stays
 the same from step to step. A step whose labels are out of the vocabulary on one rank leaves both
 ranks' parameters, parameter shards and optimizer state exactly as they were
 (``inplace_worker.failure``): every write comes after every op that can fail on data or on a peer.
@@ -69,6 +70,9 @@ def test_dp_and_every_zero_stage_update_in_place_bitwise_like_the_functional_ste
             assert len(got["written"]) == expected, f"{what}: {len(got['written'])} inputs written in place"
             assert got["storage_kept"] >= expected, f"{what}: a written value moved to new storage"
             assert got["fused_calls"] == (1 if kind == "adamw_fused" else 0), what
+            assert got["held"] > 0, f"{what}: no buffer held across steps"
+            # ZeRO-1/2 gather the new parameters after the update, ZeRO-3 before their uses: into held buffers
+            assert (got["held_all_gathers"] > 0) == (stage > 0), f"{what}: {got['held_all_gathers']}"
             want_losses, want_params = reference[(kind, clip)]
             for i, (a, b) in enumerate(zip(got["losses"], want_losses, strict=True)):
                 assert abs(a - b) <= 1e-5 * abs(b), f"{what}: step {i} loss {a} vs eager torch {b}"

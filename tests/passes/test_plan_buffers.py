@@ -34,6 +34,7 @@ def test_out_overloads_are_the_devices_own_kernels_or_none():
     assert out_overload(aten.add.Tensor, "cpu") is aten.add.out
     assert out_overload(aten.sum.dim_IntList, "cpu") is aten.sum.IntList_out
     assert out_overload(aten.gelu_backward.default, "cpu") is aten.gelu_backward.grad_input
+    assert out_overload(c10d.all_gather_into_tensor.default, "cpu") is c10d.all_gather_into_tensor_out.default
     # torch generates these as "the functional op, then a copy": no buffer saved, not used
     assert out_overload(aten.mul.Scalar, "cpu") is None
     assert out_overload(aten.embedding_dense_backward.default, "cpu") is None
