@@ -14,7 +14,11 @@ the concatenated new shards rebuilds them.
   backward ends (full gradients live until then, as in the paper's P_os and
   DeepSpeed's stage 1, which reduces into each rank's partition; an
   all-reduce would move twice the gradient bytes for halves no rank reads),
-  each rank updates its shards, new parameters are all-gathered.
+  each rank updates its shards, new parameters are all-gathered. A parameter whose flat shards fill
+  its column of the gathered table exactly (no padding) gets its new value as that column copied
+  over its own input, which the eager backend writes in place (``reuse_dead_operands``): the
+  gathered table then stays inside the step (``plan_buffers`` holds it across steps); a padded one
+  is a fresh copy of its column.
 - stage 2: as stage 1, but each bucket is reduce-scattered as soon as its
   last gradient exists, so full gradients die early; the graph's memory
   profile shows the lower peak.
@@ -202,14 +206,29 @@ def _gather_new_params(tg: TrainGraph, bucket: list[str], layout: ShardLayout) -
     table = receive(aten.view.default, receive(c10d.wait_tensor.default, gathered), [layout.group.size, -1])
     offset = 0
     for name in bucket:
-        full = _column_to_param(receive, table, offset, name, layout)
+        param = tg.input_node(InputKind.PARAM, name)
+        val = param.meta["val"]
+        if layout.padding(name) == 0 and val.is_contiguous() and val.dtype == table.meta["val"].dtype:
+            # The column fills the parameter exactly: its new value is the column copied over the
+            # parameter input, which the eager backend writes in place (reuse_dead_operands), so
+            # the gathered table stays inside the step and no parameter is allocated afresh.
+            whole = receive(aten.view.default, param, [layout.group.size, layout.shard[name]])
+            full = receive(aten.view.default, receive(aten.copy.default, whole,
+                                                      _column(receive, table, offset, name, layout)),
+                           list(layout.shape[name]))
+        else:
+            full = _column_to_param(receive, table, offset, name, layout)
         outputs[index[name]] = full
         offset += layout.shard[name]
     tg.set_outputs(outputs)
 
 
+def _column(build: NodeBuilder, table, offset: int, name: str, layout: ShardLayout):
+    return build(aten.slice.Tensor, table, 1, offset, offset + layout.shard[name])
+
+
 def _column_to_param(build: NodeBuilder, table, offset: int, name: str, layout: ShardLayout):
-    column = build(aten.slice.Tensor, table, 1, offset, offset + layout.shard[name])
+    column = _column(build, table, offset, name, layout)
     return build.unflat(build.flat(column), 0, layout.numel[name], layout.shape[name])
 
 

@@ -6,7 +6,8 @@ updates them in place instead, and with ~10 full-size temporaries per
 parameter the fresh allocations (page faults on every step) cost more than
 the arithmetic. So this pass marks, for the eager lowering to run in place
 (``add`` -> ``add_``), a pointwise op whose first operand's buffer dies at
-that op: the reuse eager code does by hand.
+that op: the reuse eager code does by hand. ``aten.copy`` counts as pointwise here (each element its
+source's): ZeRO's gathered parameter columns are copied over the parameter inputs in place.
 
 - a buffer the graph allocated, when nothing reads it (through any alias)
   later;
@@ -98,6 +99,10 @@ from .scalars_on_host import folded_reads
 c10d = torch.ops._c10d_functional
 # Collectives with an in-place form the eager lowering runs where their input dies.
 IN_PLACE_COLLECTIVES = {c10d.all_reduce.default: c10d.all_reduce_.default}
+# Ops that compute each element of the result from the same element of their operands, as the
+# pointwise-tagged ones do, without the tag: a copy over a dying buffer (ZeRO's gathered parameter
+# columns copied over the parameter inputs) is a copy_ into it.
+ELEMENTWISE = {torch.ops.aten.copy.default}
 # torch's reinplace match of an op to its in-place overload, remembered per op: it compares
 # schemas afresh on every call, a third of this pass's time on a 7B-shaped step.
 _maybe_get_inplace_op = functools.cache(_match_inplace_op)
@@ -176,7 +181,7 @@ def _plan(graph: torch.fx.Graph, writable: dict[torch.fx.Node, int]) -> ReusePla
         if n.target in IN_PLACE:
             _plan_lists(n, IN_PLACE[n.target], writable, position, fence, last_use, roots, find, parent, plan)
             continue
-        if torch.Tag.pointwise not in n.target.tags or random_op(n.target):
+        if (torch.Tag.pointwise not in n.target.tags and n.target not in ELEMENTWISE) or random_op(n.target):
             continue
         x = n.args[0]
         if not isinstance(x, torch.fx.Node):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from cann_passes import Plan
 from cann_passes.compile import compile_program
@@ -69,6 +70,24 @@ class TestOptimizerShard:
         assert all(n.args[1:] == ("avg", 2, MeshDesc.fake(dp=2).group_name("dp")) for n in scatters)
         assert all(order[n] > _last_own_backward(out) for n in scatters)
         assert all(str(n.meta[REGION]) == "optimizer" for n in gathers)
+
+    def test_stage_1_copies_the_gathered_columns_over_the_parameters_they_fill(self, step):
+        # fc3.bias (5 elements, a padded shard) comes fresh from its column; every other parameter's
+        # new value is its column copied over its own input, which the eager backend writes in place.
+        out, _ = _zero(step, "stage=1,bucket_mb=1", before="cleanup")
+        outputs = dict(zip([s.name for s in out.signature.outputs], out.output_values()))
+        for name in SHAPES:
+            copy = outputs[name].args[0]
+            if name == "fc3.bias":
+                assert copy.target is not torch.ops.aten.copy.default
+                continue
+            assert copy.target is torch.ops.aten.copy.default, name
+            assert copy.args[0].args[0] is out.input_node(InputKind.PARAM, name), name
+        marked = PassManager("reuse_dead_operands", verify_level="deep").run(out.copy(), PassContext(
+            mesh=MeshDesc.fake(dp=2, rank=0)))
+        assert {f"param:{n}" for n in SHAPES if n != "fc3.bias"} <= {
+            f"param:{s.name}" for s, p in zip(marked.signature.inputs, marked.placeholders())
+            if p.name in marked.attrs[GraphAttr.WRITTEN_INPUTS]}
 
     def test_stage_2_reduce_scatters_each_bucket_as_soon_as_its_last_gradient_exists(self, step):
         out, _ = _zero(step, "stage=2,bucket_mb=0.001")
