@@ -17,6 +17,8 @@ rows per rank) with AdamW from the same initial weights:
   ZeRO shard's, as torch's fused kernel, in place);
 - ``...-tensor-scalars``: the same plan with the update's step-count arithmetic left as 0-dim
   tensor ops (``CANN_PASSES_HOST_SCALARS=0``: no ``scalars_on_host``);
+- ``...-unplanned``: the same plan without the eager backend's buffer plan
+  (``CANN_PASSES_BUFFER_PLAN=0``: no ``plan_buffers``, every intermediate allocated afresh each step);
 - ``...-functional``: the same plan lowered with ``CANN_PASSES_INPLACE_UPDATES=0``
   (no input written, fresh parameters and state each step, stored by the
   runtime): what the DP and ZeRO steps did before they updated in place (then
@@ -53,9 +55,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 ROWS = ("ddp", "ddp-fused", "fsdp2", "ours-dp", "ours-dp-functional", "ours-dp-fused", "ours-dp-tensor-scalars",
-        "ours-zero1", "ours-zero1-tensor-scalars",
+        "ours-dp-unplanned", "ours-zero1", "ours-zero1-tensor-scalars", "ours-zero1-unplanned",
         "ours-zero1-functional", "ours-zero1-fused", "ours-zero2", "ours-zero2-functional", "ours-zero3",
-        "ours-zero3-functional", "ours-zero3-fused")
+        "ours-zero3-functional", "ours-zero3-fused", "ours-zero3-unplanned")
 STAGES = {"dp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
 BIG = 1 << 20
 
@@ -114,7 +116,7 @@ def adamw(params, fused: bool = False):
 
 def make_row(name: str, layers: int, world, batch) -> Row:
     from cann_passes import Plan, compile_for_npu
-    from cann_passes.lowering.base import HOST_SCALARS_ENV, INPLACE_UPDATES_ENV
+    from cann_passes.lowering.base import BUFFER_PLAN_ENV, HOST_SCALARS_ENV, INPLACE_UPDATES_ENV
     from recipes.models.gpt import gpt_loss
     model = make_model(layers)
     t0 = time.perf_counter()
@@ -124,7 +126,8 @@ def make_row(name: str, layers: int, world, batch) -> Row:
                     optimizer_kernel="fused" if name.endswith("-fused") else "auto")
         step = compile_for_npu(model, plan, optimizer=adamw(model.parameters()), loss_fn=gpt_loss)
         with env(INPLACE_UPDATES_ENV, "0" if name.endswith("-functional") else None), \
-                env(HOST_SCALARS_ENV, "0" if name.endswith("-tensor-scalars") else None):
+                env(HOST_SCALARS_ENV, "0" if name.endswith("-tensor-scalars") else None), \
+                env(BUFFER_PLAN_ENV, "0" if name.endswith("-unplanned") else None):
             step.compile(batch)
         step(batch)
         return Row(name, step, time.perf_counter() - t0)

@@ -135,6 +135,9 @@ def plan_buffers(graph: torch.fx.Graph, min_bytes: int = 65536) -> tuple[dict[to
     the rules). Returns (planned node -> slot, slot sizes in bytes, the peak of the planned
     buffers' live bytes)."""
     nodes = list(graph.nodes)
+    if not any(isinstance(v, torch.Tensor) and v.device.type != "meta"
+               for v in (n.meta.get("val") for n in nodes if n.op == "placeholder")):
+        return _pack([])                 # a step traced on meta (costing, planning) never runs
     position = {n: i for i, n in enumerate(nodes)}
     roots = storage_roots(graph)
     for n in nodes:                      # wait_tensor returns the collective's result itself
