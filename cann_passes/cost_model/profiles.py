@@ -15,6 +15,13 @@ elementwise and RNG ops, row reductions, attention-shaped softmax, chains of
 that a recompute choice made with it is judged by what the ops cost here, not
 by a single matmul rate. For predicting a given graph, ``calibrate.measure_ops``
 adds the measured time of each of its op signatures (``op_seconds``).
+
+Each figure is the best of several timed runs of this thread's CPU time, but a machine busy with
+other work still inflates them (memory bandwidth and page faults are shared): a measurement taken
+while the load average exceeds half the cores is used by this process and not cached.
+``$CANN_PASSES_CPU_PROFILE`` names a JSON file of one-thread figures (the keys of a cached
+measurement) to price with instead of measuring: the same plans on every machine and run (the
+test suite pins one).
 """
 from __future__ import annotations
 
@@ -215,9 +222,14 @@ def _measure_cpu() -> dict:
         one = _measure_one_thread()
     finally:
         torch.set_num_threads(threads)
+    return _scaled(one, threads)
+
+
+def _scaled(one: dict, threads: int) -> dict:
     # ESTIMATE: throughput scales with the intra-op threads (the per-op cost does not). Measured on
     # one thread because on a machine shared with other work a multi-threaded op waits at OpenMP
     # barriers for descheduled threads, and the figures would say more about the load than the ops.
+    one = {k: v for k, v in one.items() if k != "threads_scaled_from_one"}
     scaled = {k: v * threads for k, v in one.items() if k in ("matmul_flops", "vector_flops", "bandwidth")}
     return {**one, **scaled, "class_bandwidth": {k: v * threads for k, v in one["class_bandwidth"].items()},
             "threads_scaled_from_one": threads}
@@ -239,12 +251,12 @@ def _measure_one_thread() -> dict:
     # (what graph_ir.analysis.cost counts).
     m = 2**18
     u, v = x[:m].clone(), z[:m].clone()
-    elementwise = 12 * m / _best_of(lambda: torch.mul(u, v), 3)
+    elementwise = 12 * m / _best_of(lambda: torch.mul(u, v), 10)
     rows = u.view(256, 1024)
-    reduction = (4 * m + 4 * 256) / _best_of(lambda: rows.sum(-1), 3)
+    reduction = (4 * m + 4 * 256) / _best_of(lambda: rows.sum(-1), 10)
     scores = u.view(2 * 4 * 128, 256)
-    softmax = 8 * m / _best_of(lambda: torch.softmax(scores, -1), 3)
-    rng = 8 * m / _best_of(lambda: torch.ops.aten.bernoulli.p(u, 0.9), 3)   # what dropout draws
+    softmax = 8 * m / _best_of(lambda: torch.softmax(scores, -1), 10)
+    rng = 8 * m / _best_of(lambda: torch.ops.aten.bernoulli.p(u, 0.9), 10)   # what dropout draws
     overhead, view = launch_costs()
     return {"matmul_flops": matmul, "vector_flops": max(vec, x.numel() / add),
             "bandwidth": max(12 * x.numel() / add, 8 * x.numel() / copy), "op_overhead": overhead,
@@ -298,8 +310,31 @@ def _cache_path() -> str:
 _SHARED: dict | None = None
 
 
+PROFILE_ENV = "CANN_PASSES_CPU_PROFILE"
+
+
+def _pinned() -> dict | None:
+    """The one-thread figures ``$CANN_PASSES_CPU_PROFILE`` names, scaled to this process's threads."""
+    path = os.environ.get(PROFILE_ENV)
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            one = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"${PROFILE_ENV}={path}: cannot read a CPU measurement from it ({exc})") from exc
+    missing = [k for k in _MEASURED_KEYS if k not in one]
+    if missing:
+        raise ValueError(f"${PROFILE_ENV}={path}: a CPU measurement needs {', '.join(missing)}")
+    return _scaled(one, torch.get_num_threads())
+
+
 def measured_cpu() -> dict:
-    """This machine's CPU measurement: the on-disk cache's, else measured now (and cached)."""
+    """This machine's CPU measurement: the pinned one (``$CANN_PASSES_CPU_PROFILE``), else the
+    on-disk cache's, else measured now (cached unless the machine was busy)."""
+    pinned = _pinned()
+    if pinned is not None:
+        return pinned
     path = _cache_path()
     try:
         with open(path, encoding="utf-8") as f:
@@ -308,6 +343,8 @@ def measured_cpu() -> dict:
             raise ValueError("written by an older version: measure again")
     except (OSError, ValueError):
         measured = _measure_cpu()
+        if os.getloadavg()[0] > 0.5 * (os.cpu_count() or 1):
+            return measured              # other work inflated the figures: measure again next time
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "w", encoding="utf-8") as f:

@@ -1,6 +1,7 @@
 """Cost model: profiles carry sources, the roofline picks the right unit, alpha-beta is sane."""
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -34,6 +35,8 @@ class TestProfiles:
     def test_a_cache_from_an_older_version_is_measured_again(self, tmp_path, monkeypatch):
         from cann_passes.cost_model import profiles
         monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+        monkeypatch.delenv(profiles.PROFILE_ENV, raising=False)
+        monkeypatch.setattr(profiles.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
         path = profiles._cache_path()
         import json
         import os
@@ -48,6 +51,30 @@ class TestProfiles:
                 assert "class_bandwidth" in json.load(f)
         finally:
             profiles.cpu_profile.cache_clear()
+
+    def test_a_measurement_on_a_busy_machine_is_used_but_not_cached(self, tmp_path, monkeypatch):
+        from cann_passes.cost_model import profiles
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+        monkeypatch.delenv(profiles.PROFILE_ENV, raising=False)
+        monkeypatch.setattr(profiles.os, "getloadavg", lambda: (float(os.cpu_count() or 1), 0.0, 0.0))
+        measured = profiles.measured_cpu()
+        assert measured["matmul_flops"] > 1e8 and not os.path.exists(profiles._cache_path())
+
+    def test_a_pinned_measurement_is_priced_with_and_scaled_to_the_threads(self, tmp_path, monkeypatch):
+        import json
+        from cann_passes.cost_model import profiles
+        one = {"matmul_flops": 1e10, "vector_flops": 1e9, "bandwidth": 2e10, "op_overhead": 2e-6,
+               "view_overhead": 1e-6, "class_bandwidth": {"elementwise": 1e10, "reduction": 1e10,
+                                                          "softmax": 1e9, "rng": 1e9}}
+        path = tmp_path / "cpu.json"
+        path.write_text(json.dumps(one))
+        monkeypatch.setenv(profiles.PROFILE_ENV, str(path))
+        threads = torch.get_num_threads()
+        measured = profiles.measured_cpu()
+        assert measured["matmul_flops"] == 1e10 * threads and measured["op_overhead"] == 2e-6
+        path.write_text(json.dumps({"matmul_flops": 1.0}))
+        with pytest.raises(ValueError, match="CANN_PASSES_CPU_PROFILE.*needs vector_flops"):
+            profiles.measured_cpu()
 
     def test_a_measurement_shared_by_rank_0_prices_every_rank_alike(self):
         # init_distributed hands rank 0's measurement to every rank (through the rendezvous store),
