@@ -64,8 +64,16 @@ def test_padded_and_all_ones_masks_share_one_compilation_and_match_eager():
     assert not bool(batches[0]["attention_mask"].all()) and bool(batches[1]["attention_mask"].all())
     run = compare(entry, Plan(backend="eager"), batches=batches)
     assert len(run.step._compiled) == 1
-    assert run.eager_losses == run.compiled_losses
-    assert run.max_param_diff() == 0.0
+    # On the all-ones batch eager's transformers takes its shortcut (SDPA with is_causal=True and no
+    # mask) where the one step keeps the causal mask it traced: two paths of the CPU flash-attention
+    # kernel, which round alike on an AVX2 CPU and differ by about 1e-11 in the gradients on an
+    # AVX512 one (Adam's first steps make that 4e-7 in the parameters).
+    assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(run.compiled_losses, run.eager_losses))
+    assert run.max_param_diff() <= 1e-6
+    # Where eager masks as well (every batch padded), the step is bitwise eager's.
+    padded = [entry.make_batch(seed, pad=True) for seed in (1, 3)]
+    run = compare(build("llama"), Plan(backend="eager"), batches=padded)
+    assert run.eager_losses == run.compiled_losses and run.max_param_diff() == 0.0
 
 
 def test_every_zoo_models_block_prefixes_name_its_module_stacks():
