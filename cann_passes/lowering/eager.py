@@ -23,10 +23,10 @@ place (``all_reduce_``), as DDP reduces its bucket, instead of by the
 functional ``all_reduce``, which copies the bucket first. The same kernels run
 on the same values, so results are bitwise those of the functional graph.
 
-Buffers whose sizes the step knows are allocated once per lowered step and reused by every call
-(``plan_buffers`` marks them and packs them into slots; the lowered copy calls each planned op's
-``out=`` overload on a view of its slot): no fresh pages per step for them
-(``$CANN_PASSES_BUFFER_PLAN=0`` leaves the pass out).
+Buffers whose sizes the step knows live in slots allocated once and reused by every call
+(``plan_buffers`` marks them and packs them into slots; ``held_buffers`` calls each planned op's
+``out=`` overload on a view of its slot, slot ``i`` shared by every graph the process lowers):
+no fresh pages per step for them (``$CANN_PASSES_BUFFER_PLAN=0`` leaves the pass out).
 
 The optimizer's step-count arithmetic (bias corrections, step sizes: 0-dim float64 chains, one per
 parameter) runs as Python floats, as torch.optim computes it, instead of as about eight 0-dim
@@ -38,10 +38,10 @@ from __future__ import annotations
 from graph_ir import TrainGraph
 from graph_ir.meta import GraphAttr
 
-from ..passes.plan_buffers import apply_buffer_plan
 from ..passes.reuse_dead_operands import apply_reuse, reuse_dead_operands
 from ..passes.scalars_on_host import apply_scalars_on_host
 from .base import GuardedRunner, buffer_plan_enabled, host_scalars_enabled, inplace_updates_enabled
+from .held_buffers import apply_buffer_plan
 
 
 class EagerLowering:
@@ -63,9 +63,9 @@ class EagerLowering:
         lowered = graph.copy()
         apply_scalars_on_host(lowered.gm)
         apply_reuse(lowered.gm)
-        apply_buffer_plan(lowered.gm, graph.attrs.get(GraphAttr.BUFFER_PLAN))
         names = set(graph.attrs.get(GraphAttr.WRITTEN_INPUTS, ()))
         lowered.recompile()
+        run = apply_buffer_plan(lowered.gm, graph.attrs.get(GraphAttr.BUFFER_PLAN))
         written = [i for i, p in enumerate(lowered.placeholders()) if p.name in names]
         def functional():
             # Writes no input: the marks are made again for the graph's own buffers only.
@@ -74,4 +74,4 @@ class EagerLowering:
             reuse_dead_operands(copy.gm)
             return copy.gm
 
-        return GuardedRunner(lowered.gm, lowered, written, functional)
+        return GuardedRunner(run, lowered, written, functional)

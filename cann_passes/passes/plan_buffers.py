@@ -24,11 +24,14 @@ are known when the step compiles, so this pass plans them as a compiler's memory
   holds its slot (``graph_ir.meta.HELD_BUFFER``).
 
 The pass only marks, as ``reuse_dead_operands`` does, and comes after it (its in-place chains
-decide the lives) and after every pass that reorders. The eager lowering allocates the slots once
-per lowered step and calls each planned op's ``out=`` overload on a view of its slot.
-A step's slots are its own: two calls of one step must not run at once (the runtime never does).
-The slots stay allocated between steps, as a caching allocator keeps its blocks: at most the
-peak of the planned buffers' live bytes plus best fit's slack (the pass's ``held_bytes`` and
+decide the lives) and after every pass that reorders. The eager lowering
+(``cann_passes.lowering.held_buffers``) calls each planned op's ``out=`` overload on a view of
+its slot. Slot ``i`` of every graph the process lowers is one tensor, sized for the largest: a
+planned buffer lives only inside its graph's call, and calls run one at a time (a lock makes
+threads take turns), so a step recompiled for another shape, a pipeline stage's graphs or the
+accumulation's grad and apply graphs share the slots instead of each holding its own. The slots
+stay allocated between steps, as a caching allocator keeps its blocks: for one graph, the peak
+of its planned buffers' live bytes plus best fit's slack (the pass's ``held_bytes`` and
 ``peak_planned_bytes`` statistics).
 """
 from __future__ import annotations
@@ -52,7 +55,7 @@ from ..pass_manager import PassContext, register_pass
 from .scalars_on_host import folded_reads
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
-_CLONE = torch.ops.aten.clone.default
+CLONE = torch.ops.aten.clone.default
 _c10d = torch.ops._c10d_functional
 # out= forms the schema match cannot find (another op's name), registered for every device: the
 # functional collective's own implementation, given the tensor to write instead of allocating it.
@@ -61,7 +64,7 @@ _OUT_OPS = {_c10d.all_gather_into_tensor.default: _c10d.all_gather_into_tensor_o
 _DEVICE_KEY = {"cpu": "CPU", "cuda": "CUDA", "xpu": "XPU"}
 
 
-def _written_out(schema) -> list:
+def written_out(schema) -> list:
     return [a for a in schema.arguments if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write]
 
 
@@ -79,7 +82,7 @@ def out_overload(op: torch._ops.OpOverload, device_type: str):
     for name in op.overloadpacket.overloads():
         candidate = getattr(op.overloadpacket, name)
         cs = candidate._schema
-        written = _written_out(cs)
+        written = written_out(cs)
         if len(written) != 1 or len(cs.returns) != 1:
             continue
         if [(a.name, str(a.type)) for a in cs.arguments if a not in written] != signature:
@@ -90,9 +93,9 @@ def out_overload(op: torch._ops.OpOverload, device_type: str):
     return None
 
 
-def _writes_into(node: torch.fx.Node) -> bool:
+def writes_into(node: torch.fx.Node) -> bool:
     """Whether the lowering can make ``node`` write its result into a held tensor of its layout."""
-    if node.target is _CLONE:            # torch generates clone.out as clone-then-copy: copy_ is the kernel
+    if node.target is CLONE:            # torch generates clone.out as clone-then-copy: copy_ is the kernel
         return node.kwargs.get("memory_format") in (None, torch.preserve_format, torch.contiguous_format)
     return out_overload(node.target, node.meta["val"].device.type) is not None
 
@@ -104,7 +107,7 @@ def _plannable_value(node: torch.fx.Node, min_bytes: int) -> bool:
     if not isinstance(val, torch.Tensor) or any(not isinstance(s, int) for s in (*val.shape, *val.stride())):
         return False
     if not val.is_contiguous() and not (is_non_overlapping_and_dense(val)
-                                        and (torch.Tag.pointwise in node.target.tags or node.target is _CLONE)):
+                                        and (torch.Tag.pointwise in node.target.tags or node.target is CLONE)):
         return False
     return val.numel() * val.element_size() >= min_bytes
 
@@ -189,7 +192,7 @@ def plan_buffers(graph: torch.fx.Graph, min_bytes: int = 65536) -> tuple[dict[to
         # (an op scalars_on_host hands a Python number keeps its target: its out= overload takes it too)
         if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload) \
                 or any(k in n.meta for k in (ON_HOST, HOST_FOLD)) or random_op(n.target) \
-                or not _plannable_value(n, min_bytes) or not _writes_into(n):
+                or not _plannable_value(n, min_bytes) or not writes_into(n):
             continue
         planned.append((n, position[n], end.get(g, position[n]), val.numel() * val.element_size()))
     return _pack(planned)
@@ -222,38 +225,6 @@ def _pack(planned: list[tuple[torch.fx.Node, int, int, int]]) -> tuple[dict[torc
         busy_until[slot] = stop
         slot_of[node] = slot
     return slot_of, sizes, peak
-
-
-def apply_buffer_plan(gm: torch.fx.GraphModule, sizes: list[int] | None) -> int:
-    """Allocate the slots of ``sizes`` and switch every planned node of ``gm`` to its ``out=``
-    overload writing a view of its slot (held by ``gm``); a clone becomes ``copy_`` into the view.
-    Returns how many nodes now write a slot."""
-    marked = [n for n in gm.graph.nodes if n.op == "call_function" and n.meta.get(HELD_BUFFER) is not None
-              and isinstance(n.target, torch._ops.OpOverload)]
-    slots: dict[tuple[str, int], torch.Tensor] = {}
-    count = 0
-    for n in marked:
-        val, slot = n.meta["val"], n.meta[HELD_BUFFER]
-        if not sizes or slot >= len(sizes) or not _writes_into(n):
-            continue
-        key = (str(val.device), slot)
-        if key not in slots:
-            slots[key] = torch.empty(sizes[slot], dtype=torch.uint8, device=val.device)
-        held = slots[key][: val.numel() * val.element_size()].view(val.dtype).as_strided(val.shape, val.stride())
-        name = f"_held_{n.name}"
-        gm.register_buffer(name, held, persistent=False)
-        with gm.graph.inserting_before(n):
-            out = gm.graph.get_attr(name)
-        if n.target is _CLONE:
-            n.target, n.args, n.kwargs = torch.ops.aten.copy_.default, (out, n.args[0]), {}
-        else:
-            op = out_overload(n.target, val.device.type)
-            n.target = op
-            n.kwargs = {**n.kwargs, _written_out(op._schema)[0].name: out}
-        count += 1
-    if count:
-        gm.recompile()
-    return count
 
 
 @register_pass("plan_buffers", preserves=("cost", "memory", "networkx", "collectives", "state_bytes"))
