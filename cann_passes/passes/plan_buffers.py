@@ -2,8 +2,8 @@
 
 Run op by op, a step allocates every intermediate afresh: a 6-layer model's step makes a few
 hundred buffers of 64 KiB to tens of MiB. glibc serves the large ones with fresh ``mmap`` pages,
-or from a heap top it trims between steps, so each step pays their page faults again (about 4% of
-a small LLaMA's step on this machine, ``bench.step_time``'s ``ours-eager-unplanned`` row). Sizes
+or from a heap top it trims between steps, so each step pays their page faults again (3-4% of a
+6-layer LLaMA's step on a 2-core CPU: ``bench.step_time``'s ``ours-eager-unplanned`` row). Sizes
 are known when the step compiles, so this pass plans them as a compiler's memory planner does:
 
 - a *buffer* is what an op allocates, followed through its views, ``wait_tensor`` (which returns
