@@ -23,10 +23,10 @@ place (``all_reduce_``), as DDP reduces its bucket, instead of by the
 functional ``all_reduce``, which copies the bucket first. The same kernels run
 on the same values, so results are bitwise those of the functional graph.
 
-Buffers whose sizes the step knows live in slots allocated once and reused by every call
-(``plan_buffers`` marks them and packs them into slots; ``held_buffers`` calls each planned op's
-``out=`` overload on a view of its slot, slot ``i`` shared by every graph the process lowers):
-no fresh pages per step for them (``$CANN_PASSES_BUFFER_PLAN=0`` leaves the pass out).
+Buffers whose sizes the step knows live in slots allocated once per lowered graph and reused by
+every call (``plan_buffers`` marks them and packs them into slots; ``held_buffers`` calls each
+planned op's ``out=`` overload on a view of its slot): no fresh pages per step for them
+(``$CANN_PASSES_BUFFER_PLAN=0`` leaves the pass out).
 
 The optimizer's step-count arithmetic (bias corrections, step sizes: 0-dim float64 chains, one per
 parameter) runs as Python floats, as torch.optim computes it, instead of as about eight 0-dim
@@ -65,7 +65,7 @@ class EagerLowering:
         apply_reuse(lowered.gm)
         names = set(graph.attrs.get(GraphAttr.WRITTEN_INPUTS, ()))
         lowered.recompile()
-        run = apply_buffer_plan(lowered.gm, graph.attrs.get(GraphAttr.BUFFER_PLAN))
+        apply_buffer_plan(lowered.gm, graph.attrs.get(GraphAttr.BUFFER_PLAN))
         written = [i for i, p in enumerate(lowered.placeholders()) if p.name in names]
         def functional():
             # Writes no input: the marks are made again for the graph's own buffers only.
@@ -74,4 +74,4 @@ class EagerLowering:
             reuse_dead_operands(copy.gm)
             return copy.gm
 
-        return GuardedRunner(run, lowered, written, functional)
+        return GuardedRunner(lowered.gm, lowered, written, functional)

@@ -25,14 +25,12 @@ are known when the step compiles, so this pass plans them as a compiler's memory
 
 The pass only marks, as ``reuse_dead_operands`` does, and comes after it (its in-place chains
 decide the lives) and after every pass that reorders. The eager lowering
-(``cann_passes.lowering.held_buffers``) calls each planned op's ``out=`` overload on a view of
-its slot. Slot ``i`` of every graph the process lowers is one tensor, sized for the largest: a
-planned buffer lives only inside its graph's call, and calls run one at a time (a lock makes
-threads take turns), so a step recompiled for another shape, a pipeline stage's graphs or the
-accumulation's grad and apply graphs share the slots instead of each holding its own. The slots
-stay allocated between steps, as a caching allocator keeps its blocks: for one graph, the peak
-of its planned buffers' live bytes plus best fit's slack (the pass's ``held_bytes`` and
-``peak_planned_bytes`` statistics).
+(``cann_passes.lowering.held_buffers``) allocates the slots once per lowered graph and calls each
+planned op's ``out=`` overload on a view of its slot, so two calls of one graph must not run at
+once (the runtime never does). The slots stay allocated between steps, as a caching allocator
+keeps its blocks: the peak of the planned buffers' live bytes plus best fit's slack (the pass's
+``held_bytes`` and ``peak_planned_bytes`` statistics), per lowered graph: a step recompiled for
+another shape, or a pipeline stage's forward, backward and apply graphs, each hold their own.
 """
 from __future__ import annotations
 
