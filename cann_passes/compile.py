@@ -54,7 +54,9 @@ def with_required_passes(pipeline: Pipeline, backend: str, mesh: MeshDesc | None
     the text has them earlier (with the text's options)."""
     needed = required(backend, mesh).passes
     have = {p.name: p for p in pipeline.passes}
-    last = [have.get(p.name, p) for p in needed if p.name in LAST_PASSES]
+    wanted = {p.name: p for p in needed if p.name in LAST_PASSES}
+    # one the text names but the backend does not need still goes last: its marks read the final order
+    last = [have.get(name, wanted.get(name)) for name in LAST_PASSES if name in wanted or name in have]
     in_place = [p.name for p in pipeline.passes[len(pipeline.passes) - len(last):]] == [p.name for p in last] \
         if len(last) <= len(pipeline.passes) else False
     missing = [p for p in needed if p.name not in have and p.name not in LAST_PASSES]

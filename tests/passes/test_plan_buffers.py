@@ -138,6 +138,9 @@ def test_the_eager_backend_plans_its_buffers_unless_told_not_to(monkeypatch):
     assert "plan_buffers" not in names(with_required_passes(Pipeline.parse("cleanup"), "inductor"))
     monkeypatch.setenv(BUFFER_PLAN_ENV, "0")
     assert "plan_buffers" not in names(with_required_passes(Pipeline.parse("cleanup"), "eager"))
+    # named by the text though the backend does not ask for it: still after the in-place marks it reads
+    assert names(with_required_passes(Pipeline.parse("plan_buffers,cleanup"), "eager"))[-2:] == \
+        ["reuse_dead_operands", "plan_buffers"]
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
