@@ -31,7 +31,6 @@ from .plan import Plan, PlanError
 log = logging.getLogger("cann_passes")
 
 
-# Passes that read marks valid only in the final node order: always the pipeline's last.
 # Passes whose marks hold only in the node order they were made in: they end every pipeline, in this
 # order (plan_buffers reads the in-place chains reuse_dead_operands marks).
 LAST_PASSES = ("reuse_dead_operands", "plan_buffers")
@@ -57,8 +56,7 @@ def with_required_passes(pipeline: Pipeline, backend: str, mesh: MeshDesc | None
     wanted = {p.name: p for p in needed if p.name in LAST_PASSES}
     # one the text names but the backend does not need still goes last: its marks read the final order
     last = [have.get(name, wanted.get(name)) for name in LAST_PASSES if name in wanted or name in have]
-    in_place = [p.name for p in pipeline.passes[len(pipeline.passes) - len(last):]] == [p.name for p in last] \
-        if len(last) <= len(pipeline.passes) else False
+    in_place = not last or [p.name for p in pipeline.passes[-len(last):]] == [p.name for p in last]
     missing = [p for p in needed if p.name not in have and p.name not in LAST_PASSES]
     if not missing and in_place:
         return pipeline

@@ -40,6 +40,7 @@ import operator
 
 import torch
 import torch.fx
+from networkx.utils import UnionFind
 from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense
 
 from graph_ir import TrainGraph
@@ -52,9 +53,9 @@ from graph_ir.multi_tensor_ops import IN_PLACE
 from ..pass_manager import PassContext, register_pass
 from .scalars_on_host import folded_reads
 
-_WAIT = torch.ops._c10d_functional.wait_tensor.default
 CLONE = torch.ops.aten.clone.default
 _c10d = torch.ops._c10d_functional
+_WAIT = _c10d.wait_tensor.default
 # out= forms the schema match cannot find (another op's name), registered for every device: the
 # functional collective's own implementation, given the tensor to write instead of allocating it.
 _OUT_OPS = {_c10d.all_gather_into_tensor.default: _c10d.all_gather_into_tensor_out.default}
@@ -110,27 +111,6 @@ def _plannable_value(node: torch.fx.Node, min_bytes: int) -> bool:
     return val.numel() * val.element_size() >= min_bytes
 
 
-class _Groups:
-    """Union-find over buffers (storage roots) that one chain of in-place ops carries."""
-
-    def __init__(self):
-        self.parent: dict[torch.fx.Node, torch.fx.Node] = {}
-
-    def find(self, n: torch.fx.Node) -> torch.fx.Node:
-        chain = []
-        while n in self.parent:
-            chain.append(n)
-            n = self.parent[n]
-        for m in chain:
-            self.parent[m] = n
-        return n
-
-    def union(self, a: torch.fx.Node, b: torch.fx.Node) -> None:
-        a, b = self.find(a), self.find(b)
-        if a is not b:
-            self.parent[a] = b
-
-
 def plan_buffers(graph: torch.fx.Graph, min_bytes: int = 65536) -> tuple[dict[torch.fx.Node, int], list[int], int]:
     """Slots for the buffers of ``graph`` that can be held across steps (the module docstring has
     the rules). Returns (planned node -> slot, slot sizes in bytes, the peak of the planned
@@ -144,7 +124,7 @@ def plan_buffers(graph: torch.fx.Graph, min_bytes: int = 65536) -> tuple[dict[to
     for n in nodes:                      # wait_tensor returns the collective's result itself
         roots[n] = roots[n.args[0]] if n.target is _WAIT and isinstance(n.args[0], torch.fx.Node) \
             else roots[roots[n]]
-    groups = _Groups()
+    groups = UnionFind()                 # buffers one chain of in-place ops carries
     excluded: set[torch.fx.Node] = set()
     for n in nodes:
         if not n.meta.get(REUSES_OPERAND):
@@ -161,7 +141,7 @@ def plan_buffers(graph: torch.fx.Graph, min_bytes: int = 65536) -> tuple[dict[to
     for n in nodes:
         reads = [*n.all_input_nodes, *folded_reads(n)] if n.meta.get(HOST_FOLD) else n.all_input_nodes
         if n.op == "output":
-            excluded.update(groups.find(roots[a]) for a in reads)
+            excluded.update(groups[roots[a]] for a in reads)
             continue
         done = position[n]
         if is_collective(n):
@@ -169,18 +149,18 @@ def plan_buffers(graph: torch.fx.Graph, min_bytes: int = 65536) -> tuple[dict[to
             items = [u for u in n.users if u.target is operator.getitem]
             done = max([done, *(position[w] for i in items for w in waits_of(i))])
         for a in reads:
-            g = groups.find(roots[a])
+            g = groups[roots[a]]
             end[g] = max(end.get(g, -1), done)
-        g = groups.find(roots[n])
+        g = groups[roots[n]]
         end[g] = max(end.get(g, -1), position[n])
         if n.op != "call_function":
             excluded.add(g)
-    excluded = {groups.find(r) for r in excluded}
+    excluded = {groups[r] for r in excluded}
     # The node allocating each group's buffer: its root that is not itself an in-place op.
     allocators: dict[torch.fx.Node, list[torch.fx.Node]] = {}
     for n in nodes:
         if roots[n] is n and not n.meta.get(REUSES_OPERAND):
-            allocators.setdefault(groups.find(n), []).append(n)
+            allocators.setdefault(groups[n], []).append(n)
     planned: list[tuple[torch.fx.Node, int, int, int]] = []   # node, start, end, bytes
     for g, members in allocators.items():
         if g in excluded or len(members) != 1:
