@@ -327,9 +327,7 @@ class CompiledStep:
         # A lowering still compiling in the background must finish first: torch's tracing keeps
         # its node-annotation state per process, not per thread, so a capture beside it would
         # record another trace's region tags (a recompile after step 1: a guard that failed).
-        for comp in self._compiled.values():
-            if comp.background is not None:
-                comp.background.wait()
+        self.wait_for_lowering()
         t0 = time.perf_counter()
         # A process's first compile of a model and plan already compiled once: the captured step and
         # the program come from the compile cache (single process; cann_passes/compile_cache.py).
@@ -497,6 +495,16 @@ class CompiledStep:
                    for t in state.values() if isinstance(t, torch.Tensor))
 
     # -- what compilation did -----------------------------------------------------------------
+    def wait_for_lowering(self) -> None:
+        """Wait for every lowering still compiling in the background (``plan.background_lowering``).
+
+        While it traces, torch's FX tracing state is process-wide: ``torch.compile`` called
+        elsewhere in the process refuses to run ("FX to symbolically trace a dynamo-optimized
+        function"). A script that compiles other code during its first steps calls this first."""
+        for comp in self._compiled.values():
+            if comp.background is not None:
+                comp.background.wait()
+
     @property
     def last(self) -> Compilation:
         if not self._compiled:

@@ -30,6 +30,18 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) >= torch.get_num_thread
     torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def _no_lowering_outlives_its_test():
+    """A background lowering (plan.background_lowering) still running when its test ends would
+    trace beside the next tests: torch's FX tracing state is process-wide, so their torch.compile
+    calls refuse and their captures take its node annotations. Each test's lowerings are waited for."""
+    yield
+    import threading
+    for thread in threading.enumerate():
+        if thread.name.endswith(" lowering") and thread is not threading.current_thread():
+            thread.join(600)
+
+
 @pytest.fixture(scope="module")
 def one_intra_op_thread():
     """Tiny models' ops take microseconds: on a shared machine (the suite runs one pytest worker

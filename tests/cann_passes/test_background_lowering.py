@@ -108,6 +108,39 @@ def test_a_recompile_waits_for_the_lowering_in_the_background(held_inductor, mon
     threading.Timer(0.5, release.set).start()
     step(mlp_batch(9, rows=4))             # another batch shape: a second capture
     assert captures == [0, 1]               # the second began once the first lowering was done
+    # the second lowering must end while the stand-in is still patched in: after the teardown the
+    # thread would run real inductor, whose tracing state is process-wide (the next test's
+    # torch.compile would refuse to run, "FX to symbolically trace a dynamo-optimized function")
+    step.last.background.wait()
+
+
+def test_torch_compile_elsewhere_refuses_while_the_lowering_traces_and_runs_after_wait_for_lowering(monkeypatch):
+    # torch's FX tracing state is process-wide: the lowering thread's trace is seen by the step's
+    # thread, whose torch.compile calls refuse until the lowering ends
+    from torch.fx.experimental.proxy_tensor import make_fx
+    inside, release = threading.Event(), threading.Event()
+
+    def compile(self, graph, example_inputs, plan):
+        def traced(x):
+            inside.set()
+            assert release.wait(60), "the test never released the background lowering"
+            return x + 1
+        make_fx(traced)(torch.ones(2))
+        return EagerLowering().compile(graph, example_inputs, plan)
+    monkeypatch.setattr(InductorLowering, "compile", compile)
+    tiny = mlp_step()
+    model, opt = tiny.fresh()
+    step = compile_for_npu(model, Plan(backend="inductor", background_lowering=True), optimizer=opt,
+                           loss_fn=tiny.loss_fn)
+    step(BATCHES[0])
+    assert inside.wait(60)
+    doubled = torch.compile(lambda x: x * 2, backend="eager")
+    with pytest.raises(RuntimeError, match="FX to symbolically trace a dynamo-optimized function"):
+        doubled(torch.ones(2))
+    release.set()
+    step.wait_for_lowering()
+    assert step.last.background.done() and step.last.background.error is None
+    assert torch.equal(doubled(torch.ones(2)), torch.full((2,), 2.0))
 
 
 def test_the_field_is_a_boolean_and_applies_only_without_pipeline_stages():
