@@ -20,8 +20,9 @@ A recipe keeps its own model, data, loss, optimizer and evaluation; this module 
   says what that takes);
 - :func:`write_convergence`: ``loss.png`` and ``metrics.json``.
 
-MFU is not shown: the CPU has no peak FLOP figure to divide by; GFLOP/s (the cost model's FLOPs of
-the compiled step over the step's seconds) is.
+GFLOP/s is the cost model's FLOPs of the compiled step over the step's seconds; MFU divides it by the
+plan's device profile's matrix rate (on a CPU, a 512x256x1024 fp32 matmul measured once per CPU and
+thread count, so an estimate: steps whose matmuls run faster than that one show above 100%).
 """
 from __future__ import annotations
 

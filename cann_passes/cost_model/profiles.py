@@ -6,7 +6,7 @@ structured sparsity), per device (one chip / one GPU), in FLOP/s; bandwidths
 in bytes/s; latencies in seconds.
 
 The ``cpu`` profile is measured, not looked up: a short microbenchmark run
-once per machine, thread count and torch version, cached on disk. It runs on
+once per CPU (its model and vector ISA), core and thread count and torch version, cached on disk. It runs on
 one thread and scales throughputs by the thread count (see ``_measure_cpu``).
 It times one op of each class the roofline tells apart, at the sizes of a
 small transformer's activations (a 512x256x1024 matmul, 256k-element
@@ -26,6 +26,7 @@ test suite pins one).
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import platform
@@ -299,9 +300,24 @@ def launch_costs(chain: int = 200, repeats: int = 7) -> tuple[float, float]:
     return per_call(adds), per_call(views)
 
 
+def _cpu_identity() -> str:
+    """The CPU a measurement belongs to: the vector ISA torch's kernels use and the model name. A
+    home directory can move to another machine of the same architecture and core count: there a
+    cached AVX2 measurement would price an AVX-512 CPU (and put a recipe's MFU above 100%)."""
+    name = platform.processor()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    digest = hashlib.sha1(name.encode()).hexdigest()[:8]
+    return f"{torch.backends.cpu.get_cpu_capability()}-{digest}"
+
+
 def _cache_path() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    key = f"{platform.machine()}-{os.cpu_count()}-{torch.get_num_threads()}-{torch.__version__}"
+    key = (f"{platform.machine()}-{_cpu_identity()}-{os.cpu_count()}-{torch.get_num_threads()}-"
+           f"{torch.__version__}")
     key = "".join(c if c.isalnum() or c in "-._" else "_" for c in key)
     return os.path.join(base, "cann_passes", f"cpu_profile-{key}.json")
 

@@ -52,6 +52,20 @@ class TestProfiles:
         finally:
             profiles.cpu_profile.cache_clear()
 
+    def test_a_measurement_cached_for_another_cpu_is_not_read(self, monkeypatch):
+        # same architecture and core count, another vector ISA or model: its own cache entry
+        from cann_passes.cost_model import profiles
+        here = profiles._cache_path()
+        assert torch.backends.cpu.get_cpu_capability() in os.path.basename(here)
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2-elsewhere")
+        assert profiles._cache_path() != here
+        monkeypatch.undo()
+        monkeypatch.setattr(profiles.platform, "processor", lambda: "another model")
+        real_open = open
+        monkeypatch.setattr("builtins.open", lambda path, *a, **k: (_ for _ in ()).throw(OSError("no cpuinfo"))
+                            if path == "/proc/cpuinfo" else real_open(path, *a, **k))
+        assert profiles._cache_path() != here
+
     def test_a_measurement_on_a_busy_machine_is_used_but_not_cached(self, tmp_path, monkeypatch):
         from cann_passes.cost_model import profiles
         monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
