@@ -461,7 +461,7 @@ def _compiled_part(plan: Plan, batch):
 
 def peak_flops(step) -> float:
     """FLOP/s of the plan's device profile's matrix unit at the plan's precision (the CPU's is
-    measured once per machine, then read from its cache): the denominator of MFU."""
+    measured once per CPU and thread count, then read from its cache): the denominator of MFU."""
     from cann_passes.cost_model import get_profile
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(step.plan.precision, torch.float32)
     try:
