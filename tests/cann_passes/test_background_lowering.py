@@ -26,6 +26,13 @@ def _eager_losses(step):
     return eager_steps(model, opt, step.loss_fn, BATCHES).losses, model
 
 
+def _in_the_background(tiny):
+    """The tiny step compiled for inductor with background lowering, and its model."""
+    model, opt = tiny.fresh()
+    return compile_for_npu(model, Plan(backend="inductor", background_lowering=True), optimizer=opt,
+                           loss_fn=tiny.loss_fn), model
+
+
 @pytest.fixture
 def held_inductor(monkeypatch):
     """Inductor's lowering replaced by eager's, run only once the test sets the event."""
@@ -43,9 +50,7 @@ def test_steps_run_on_eager_until_the_backend_is_lowered_then_on_its_runners(hel
     release, lowered = held_inductor
     tiny = mlp_step()
     want, ref = _eager_losses(tiny)
-    model, opt = tiny.fresh()
-    step = compile_for_npu(model, Plan(backend="inductor", background_lowering=True), optimizer=opt,
-                           loss_fn=tiny.loss_fn)
+    step, model = _in_the_background(tiny)
     got = [float(step(b)) for b in BATCHES[:3]]
     background = step.last.background
     assert background.switched_at is None and lowered == []       # still held: three steps ran on eager
@@ -57,7 +62,7 @@ def test_steps_run_on_eager_until_the_backend_is_lowered_then_on_its_runners(hel
     assert background.switched_at == 3 and step.last.runners["step"] is not eager_runner
     assert background.runners["step"] is step.last.runners["step"]
     # the thread lowered from tensors of the inputs' layout, never the parameters the steps update
-    live = {p.data_ptr() for p in model.parameters()} | {t.data_ptr() for s in opt.state.values()
+    live = {p.data_ptr() for p in model.parameters()} | {t.data_ptr() for s in step.optimizer.state.values()
                                                          for t in s.values() if isinstance(t, torch.Tensor)}
     examples = [t for inputs in lowered for t in inputs if isinstance(t, torch.Tensor) and t.numel()]
     assert examples and not {t.data_ptr() for t in examples} & live
@@ -73,9 +78,7 @@ def test_a_failed_background_lowering_warns_and_the_step_stays_on_eager(monkeypa
     monkeypatch.setattr(InductorLowering, "compile", fail)
     tiny = mlp_step()
     want, ref = _eager_losses(tiny)
-    model, opt = tiny.fresh()
-    step = compile_for_npu(model, Plan(backend="inductor", background_lowering=True), optimizer=opt,
-                           loss_fn=tiny.loss_fn)
+    step, model = _in_the_background(tiny)
     # the failure is reported between two steps: before the first (it failed at once) or the second
     with pytest.warns(RuntimeWarning, match="the inductor lowering failed in the background "
                                             r"\(RuntimeError: the C\+\+ compiler is missing\); the step keeps"):
@@ -101,9 +104,7 @@ def test_a_recompile_waits_for_the_lowering_in_the_background(held_inductor, mon
         return real(*args, **kwargs)
     monkeypatch.setattr(step_module, "capture_train_step", capture)
     tiny = mlp_step()
-    model, opt = tiny.fresh()
-    step = compile_for_npu(model, Plan(backend="inductor", background_lowering=True), optimizer=opt,
-                           loss_fn=tiny.loss_fn)
+    step, model = _in_the_background(tiny)
     step(BATCHES[0])
     threading.Timer(0.5, release.set).start()
     step(mlp_batch(9, rows=4))             # another batch shape: a second capture
@@ -129,9 +130,7 @@ def test_torch_compile_elsewhere_refuses_while_the_lowering_traces_and_runs_afte
         return EagerLowering().compile(graph, example_inputs, plan)
     monkeypatch.setattr(InductorLowering, "compile", compile)
     tiny = mlp_step()
-    model, opt = tiny.fresh()
-    step = compile_for_npu(model, Plan(backend="inductor", background_lowering=True), optimizer=opt,
-                           loss_fn=tiny.loss_fn)
+    step, model = _in_the_background(tiny)
     step(BATCHES[0])
     assert inside.wait(60)
     doubled = torch.compile(lambda x: x * 2, backend="eager")
@@ -155,9 +154,7 @@ def test_real_inductor_takes_over_and_matches_eager():
     pytest.importorskip("torch._inductor")
     tiny = mlp_step(sgd)
     want, ref = _eager_losses(tiny)
-    model, opt = tiny.fresh()
-    step = compile_for_npu(model, Plan(backend="inductor", background_lowering=True), optimizer=opt,
-                           loss_fn=tiny.loss_fn)
+    step, model = _in_the_background(tiny)
     got = [float(step(BATCHES[0]))]
     step.last.background.wait()
     got += [float(step(b)) for b in BATCHES[1:]]
