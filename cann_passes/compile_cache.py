@@ -257,7 +257,8 @@ def _layout_from_json(data: dict) -> StepLayout:
     return StepLayout(**data)
 
 
-def _constants(tg: TrainGraph) -> dict[str, torch.Tensor]:
+def graph_constants(tg: TrainGraph) -> dict[str, torch.Tensor]:
+    """The tensors a graph reads by `get_attr`, by target: what its JSON form leaves out."""
     return {n.target: getattr(tg.gm, n.target) for n in tg.graph.nodes if n.op == "get_attr"}
 
 
@@ -365,8 +366,8 @@ class CompileCache:
                     "records": [r.to_json() | {"explanation": r.explanation} for r in program.records],
                     "guards": [g.descriptor() | {"fingerprint": f} for g, f in zip(guards, fingerprints)]}
             text = json.dumps(data, default=str)
-            constants = {name: c for name, c in (("captured", _constants(captured)),
-                                                 *((n, _constants(g)) for n, g in program.graphs.items())) if c}
+            constants = {name: c for name, c in (("captured", graph_constants(captured)),
+                                                 *((n, graph_constants(g)) for n, g in program.graphs.items())) if c}
             os.makedirs(os.path.dirname(path), exist_ok=True)
             tmp = tempfile.mkdtemp(prefix=f".{key[:12]}-", dir=os.path.dirname(path))
             with open(os.path.join(tmp, "entry.json"), "w", encoding="utf-8") as f:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -53,74 +54,11 @@ from .pass_manager import PassContext, PassRecord, Pipeline
 from .plan import Plan
 from .planning import compile_planned
 from .runtime import accumulation, distributed, pipeline_parallel, user_state
+from .runtime import background_lowering
+from .runtime.background_lowering import BackgroundLowering
 from .runtime.binding import ShardStore, StepState, autocast_off, bind_inputs, source_token, write_back
 
 log = logging.getLogger("cann_passes")
-
-
-class BackgroundLowering:
-    """A backend's lowering of a program's graphs, in a thread, while the step runs the same graphs
-    on the eager lowering: the first step runs within seconds instead of after the backend's
-    compile (inductor's takes a minute on two cores). Its runners replace the eager ones between
-    two steps, so a step runs wholly on one lowering; the parameters and state they read and write
-    are the same tensors. The lowering gets empty tensors of the example inputs' layout (not the
-    live parameters the steps update meanwhile). A failed lowering is a warning: the step keeps
-    the eager runners, and ``summary()`` says so.
-
-    The thread is not a daemon: a process whose steps end before the lowering does waits for it
-    at exit (its kernels land in the compile cache for the next run). A daemon thread would be
-    stopped by the interpreter's shutdown inside torch's C++ code, which aborts the process."""
-
-    def __init__(self, backend: str, lowering, graphs: dict, examples: dict, plan: Plan):
-        import threading
-        self.backend = backend
-        self.runners: dict | None = None
-        self.error: BaseException | None = None
-        self.seconds: float | None = None
-        self.switched_at: int | None = None       # the steps run when the backend's runners took over
-        layouts = {name: [torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
-                          if isinstance(t, torch.Tensor) else t for t in inputs] for name, inputs in examples.items()}
-        self._thread = threading.Thread(target=self._lower, args=(lowering, dict(graphs), layouts, plan),
-                                        name=f"{backend} lowering", daemon=False)
-        self._thread.start()
-
-    def _lower(self, lowering, graphs: dict, layouts: dict, plan: Plan) -> None:
-        t0 = time.perf_counter()
-        try:
-            with compile_cache.lowering_context(self.backend):
-                self.runners = {name: lowering.compile(graph, layouts[name], plan) for name, graph in graphs.items()}
-        except BaseException as exc:      # reported on the step's thread, at the next step
-            self.error = exc
-        self.seconds = time.perf_counter() - t0
-
-    def done(self) -> bool:
-        return not self._thread.is_alive()
-
-    def wait(self) -> None:
-        self._thread.join()
-
-    def take_over(self, comp: "Compilation", steps_run: int) -> None:
-        """Between two steps: the backend's runners replace the eager ones once they are compiled."""
-        if self.switched_at is not None or not self.done():
-            return
-        self.switched_at = steps_run
-        if self.error is not None:
-            import warnings
-            warnings.warn(f"the {self.backend} lowering failed in the background "
-                          f"({type(self.error).__name__}: {str(self.error).splitlines()[0] if str(self.error) else ''}); "
-                          "the step keeps running on the eager lowering", RuntimeWarning, stacklevel=3)
-            return
-        comp.runners.update(self.runners)
-        comp.compile_seconds += self.seconds
-
-    def describe(self) -> str:
-        if self.switched_at is None:
-            return ("compiling in the background; the steps so far ran on the eager lowering (the process waits "
-                    "for it at exit)")
-        if self.error is not None:
-            return f"background lowering failed ({type(self.error).__name__}); every step ran on the eager lowering"
-        return (f"lowered in the background in {self.seconds:.1f}s; steps 1-{self.switched_at} ran on the eager "
-                "lowering")
 
 
 @dataclass
@@ -229,6 +167,7 @@ class CompiledStep:
     def __init__(self, model: torch.nn.Module, plan: Plan, *, optimizer: torch.optim.Optimizer,
                  loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]):
         self.model, self.plan, self.optimizer, self.loss_fn = model, plan, optimizer, loss_fn
+        self._warned_background = False
         self.rule = rule_for(optimizer)  # refuses unsupported optimizers before any work
         # Expert parallelism runs on the eager backend only (the plan refuses the others by name).
         self.backend = "eager" if plan.ep > 1 and plan.backend == "auto" else resolve_backend(plan.backend)
@@ -324,10 +263,6 @@ class CompiledStep:
         return "the step's specialisation changed"
 
     def _compile(self, batch: Any) -> Compilation:
-        # A lowering still compiling in the background must finish first: torch's tracing keeps
-        # its node-annotation state per process, not per thread, so a capture beside it would
-        # record another trace's region tags (a recompile after step 1: a guard that failed).
-        self.wait_for_lowering()
         t0 = time.perf_counter()
         # A process's first compile of a model and plan already compiled once: the captured step and
         # the program come from the compile cache (single process; cann_passes/compile_cache.py).
@@ -357,7 +292,17 @@ class CompiledStep:
         t1 = time.perf_counter()
         lowering = get_lowering(self.backend)
         background = None
-        if self.plan.background_lowering and self.backend != "eager":
+        # Only inductor keeps what a child process compiled in caches this process can read.
+        off = None if self.backend != "inductor" else background_lowering.caches_off()
+        in_background = self.plan.background_lowering and self.backend == "inductor" and off is None
+        if self.plan.background_lowering and self.backend != "eager" and not in_background \
+                and not self._warned_background:
+            self._warned_background = True
+            why = f"{off} is off" if off else f"backend {self.backend!r} keeps no such caches"
+            warnings.warn("background_lowering needs inductor's on-disk caches, which let this process take over "
+                          f"what a child process compiled: {why}, so the step is lowered before it first runs",
+                          RuntimeWarning, stacklevel=4)
+        if in_background:
             # Run at once on the eager lowering of this very program; the backend's runners take
             # over between two steps once compiled (BackgroundLowering).
             examples = {name: self._inputs(graph, batch) for name, graph in program.graphs.items()}
@@ -496,11 +441,8 @@ class CompiledStep:
 
     # -- what compilation did -----------------------------------------------------------------
     def wait_for_lowering(self) -> None:
-        """Wait for every lowering still compiling in the background (``plan.background_lowering``).
-
-        While it traces, torch's FX tracing state is process-wide: ``torch.compile`` called
-        elsewhere in the process refuses to run ("FX to symbolically trace a dynamo-optimized
-        function"). A script that compiles other code during its first steps calls this first."""
+        """Wait for every lowering still compiling in the background (``plan.background_lowering``,
+        a child process each); the backend's runners take over at the next step."""
         for comp in self._compiled.values():
             if comp.background is not None:
                 comp.background.wait()

@@ -32,14 +32,11 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) >= torch.get_num_thread
 
 @pytest.fixture(autouse=True)
 def _no_lowering_outlives_its_test():
-    """A background lowering (plan.background_lowering) still running when its test ends would
-    trace beside the next tests: torch's FX tracing state is process-wide, so their torch.compile
-    calls refuse and their captures take its node annotations. Each test's lowerings are waited for."""
+    """A background lowering's child process (plan.background_lowering) still compiling when its
+    test ends would take a core from the next tests: each test's children are waited for."""
     yield
-    import threading
-    for thread in threading.enumerate():
-        if thread.name.endswith(" lowering") and thread is not threading.current_thread():
-            thread.join(600)
+    from cann_passes.runtime.background_lowering import wait_for_children
+    wait_for_children()
 
 
 @pytest.fixture(scope="module")

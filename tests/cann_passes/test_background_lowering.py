@@ -1,12 +1,14 @@
 """plan.background_lowering: the first steps run on the eager lowering of the program while the
-backend's lowering compiles in a thread; its runners take over between two steps. Steps before and
-after the switch match eager PyTorch; a lowering that fails is a warning and the step stays eager.
+backend's lowering compiles in a child process; once it has exited, the parent lowers from the caches
+it filled and its runners take over between two steps. Steps before and after the switch match eager
+PyTorch; a lowering that fails is a warning and the step stays eager.
 
-The backend's compile is held by an event here (a stand-in that lowers through eager once
-released), so which steps ran before the switch is decided by the test, not by timing; one test
-runs real inductor."""
+The child is held by an event here (a stand-in process object), and the parent's lowering is eager's,
+so which steps ran before the switch is decided by the test, not by timing; the child's own work runs
+in-process once, and one test runs real inductor in a real child."""
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -15,6 +17,7 @@ import torch
 from cann_passes import Plan, PlanError, compile_for_npu
 from cann_passes.lowering.eager import EagerLowering
 from cann_passes.lowering.inductor import InductorLowering
+from cann_passes.runtime import background_lowering
 from tests.eager_reference import eager_steps
 from tests.passes._tiny import mlp_batch, mlp_step, sgd
 
@@ -33,16 +36,40 @@ def _in_the_background(tiny):
                            loss_fn=tiny.loss_fn), model
 
 
-@pytest.fixture
-def held_inductor(monkeypatch):
-    """Inductor's lowering replaced by eager's, run only once the test sets the event."""
-    release, lowered = threading.Event(), []
+class HeldChild:
+    """Stands in for the lowering process: running until ``release`` is set, then exited with
+    ``returncode`` (and, failing, the error line a child writes)."""
 
+    def __init__(self, directory: str, release: threading.Event, returncode: int = 0, error: str = ""):
+        self.directory, self.release, self.code, self.error = directory, release, returncode, error
+        self.returncode = None
+
+    def poll(self):
+        if self.release.is_set() and self.returncode is None:
+            if self.error:
+                with open(os.path.join(self.directory, background_lowering.ERROR), "w") as f:
+                    f.write(self.error)
+            self.returncode = self.code
+        return self.returncode
+
+    def wait(self):
+        assert self.release.wait(60), "the test never released the background lowering"
+        return self.poll()
+
+
+def _eager_for_inductor(monkeypatch, lowered: list):
     def compile(self, graph, example_inputs, plan):
-        assert release.wait(60), "the test never released the background lowering"
         lowered.append(list(example_inputs))
         return EagerLowering().compile(graph, example_inputs, plan)
     monkeypatch.setattr(InductorLowering, "compile", compile)
+
+
+@pytest.fixture
+def held_inductor(monkeypatch):
+    """The child held until the test sets the event; the parent's lowering eager's."""
+    release, lowered = threading.Event(), []
+    monkeypatch.setattr(background_lowering, "start_child", lambda directory: HeldChild(directory, release))
+    _eager_for_inductor(monkeypatch, lowered)
     return release, lowered
 
 
@@ -61,7 +88,7 @@ def test_steps_run_on_eager_until_the_backend_is_lowered_then_on_its_runners(hel
     got += [float(step(b)) for b in BATCHES[3:]]
     assert background.switched_at == 3 and step.last.runners["step"] is not eager_runner
     assert background.runners["step"] is step.last.runners["step"]
-    # the thread lowered from tensors of the inputs' layout, never the parameters the steps update
+    # lowered from tensors of the inputs' layout, never the parameters the steps update
     live = {p.data_ptr() for p in model.parameters()} | {t.data_ptr() for s in step.optimizer.state.values()
                                                          for t in s.values() if isinstance(t, torch.Tensor)}
     examples = [t for inputs in lowered for t in inputs if isinstance(t, torch.Tensor) and t.numel()]
@@ -72,10 +99,18 @@ def test_steps_run_on_eager_until_the_backend_is_lowered_then_on_its_runners(hel
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
-def test_a_failed_background_lowering_warns_and_the_step_stays_on_eager(monkeypatch):
-    def fail(self, graph, example_inputs, plan):
-        raise RuntimeError("the C++ compiler is missing")
-    monkeypatch.setattr(InductorLowering, "compile", fail)
+@pytest.mark.parametrize("where", ["child", "parent"])
+def test_a_failed_background_lowering_warns_and_the_step_stays_on_eager(monkeypatch, where):
+    release = threading.Event()
+    release.set()
+    if where == "child":
+        monkeypatch.setattr(background_lowering, "start_child", lambda directory: HeldChild(
+            directory, release, returncode=1, error="RuntimeError: the C++ compiler is missing"))
+    else:       # the child exits 0, the parent's lowering from the caches fails
+        def fail(self, graph, example_inputs, plan):
+            raise RuntimeError("the C++ compiler is missing")
+        monkeypatch.setattr(background_lowering, "start_child", lambda directory: HeldChild(directory, release))
+        monkeypatch.setattr(InductorLowering, "compile", fail)
     tiny = mlp_step()
     want, ref = _eager_losses(tiny)
     step, model = _in_the_background(tiny)
@@ -90,10 +125,10 @@ def test_a_failed_background_lowering_warns_and_the_step_stays_on_eager(monkeypa
     assert "background lowering failed (RuntimeError); every step ran on the eager lowering" in step.summary()
 
 
-def test_a_recompile_waits_for_the_lowering_in_the_background(held_inductor, monkeypatch):
-    # torch's tracing keeps its node-annotation state per process: a capture beside a lowering
-    # in flight would take the other trace's region tags (transformers' image classifiers set
-    # config.problem_type in their first forward, so their second step recompiles)
+def test_a_recompile_does_not_wait_for_the_lowering_in_the_background(held_inductor, monkeypatch):
+    # the child has its own interpreter, so a capture beside it cannot take its trace's state
+    # (transformers' image classifiers set config.problem_type in their first forward, so their
+    # second step recompiles while the first lowering is in flight)
     import cann_passes.step as step_module
     release, lowered = held_inductor
     captures = []
@@ -106,40 +141,48 @@ def test_a_recompile_waits_for_the_lowering_in_the_background(held_inductor, mon
     tiny = mlp_step()
     step, model = _in_the_background(tiny)
     step(BATCHES[0])
-    threading.Timer(0.5, release.set).start()
+    first = step.last.background
     step(mlp_batch(9, rows=4))             # another batch shape: a second capture
-    assert captures == [0, 1]               # the second began once the first lowering was done
-    # the second lowering must end while the stand-in is still patched in: after the teardown the
-    # thread would run real inductor, whose tracing state is process-wide (the next test's
-    # torch.compile would refuse to run, "FX to symbolically trace a dynamo-optimized function")
-    step.last.background.wait()
-
-
-def test_torch_compile_elsewhere_refuses_while_the_lowering_traces_and_runs_after_wait_for_lowering(monkeypatch):
-    # torch's FX tracing state is process-wide: the lowering thread's trace is seen by the step's
-    # thread, whose torch.compile calls refuse until the lowering ends
-    from torch.fx.experimental.proxy_tensor import make_fx
-    inside, release = threading.Event(), threading.Event()
-
-    def compile(self, graph, example_inputs, plan):
-        def traced(x):
-            inside.set()
-            assert release.wait(60), "the test never released the background lowering"
-            return x + 1
-        make_fx(traced)(torch.ones(2))
-        return EagerLowering().compile(graph, example_inputs, plan)
-    monkeypatch.setattr(InductorLowering, "compile", compile)
-    tiny = mlp_step()
-    step, model = _in_the_background(tiny)
-    step(BATCHES[0])
-    assert inside.wait(60)
-    doubled = torch.compile(lambda x: x * 2, backend="eager")
-    with pytest.raises(RuntimeError, match="FX to symbolically trace a dynamo-optimized function"):
-        doubled(torch.ones(2))
+    assert captures == [0, 0] and not first.done()     # the second began with the first still lowering
     release.set()
     step.wait_for_lowering()
-    assert step.last.background.done() and step.last.background.error is None
-    assert torch.equal(doubled(torch.ones(2)), torch.full((2,), 2.0))
+    step(mlp_batch(9, rows=4))
+    step(BATCHES[1])
+    assert first.switched_at is not None and step.last.background.switched_at is not None
+
+
+def test_the_child_lowers_every_graph_of_the_request_from_the_inputs_layouts(tmp_path, monkeypatch):
+    # the child's own work, run here: the program's graphs and the inputs' layouts read back from
+    # the request, each graph lowered once, from fresh tensors of the same layout
+    lowered = []
+    _eager_for_inductor(monkeypatch, lowered)
+    tiny = mlp_step()
+    model, opt = tiny.fresh()
+    step = compile_for_npu(model, Plan(backend="eager"), optimizer=opt, loss_fn=tiny.loss_fn)
+    step.compile(BATCHES[0])
+    graphs = step.last.program.graphs
+    examples = {name: step._inputs(graph, BATCHES[0]) for name, graph in graphs.items()}
+    background_lowering.write_request(str(tmp_path), "inductor", graphs, examples, step.plan)
+    background_lowering.lower_request(str(tmp_path))
+    assert len(lowered) == len(graphs) == 1
+    want = [(tuple(t.shape), t.stride(), t.dtype) for t in examples["step"] if isinstance(t, torch.Tensor)]
+    got = [(tuple(t.shape), t.stride(), t.dtype) for t in lowered[0] if isinstance(t, torch.Tensor)]
+    live = {t.data_ptr() for t in examples["step"] if isinstance(t, torch.Tensor)}
+    assert got == want and not {t.data_ptr() for t in lowered[0] if isinstance(t, torch.Tensor) and t.numel()} & live
+
+
+def test_with_inductors_caches_off_the_step_is_lowered_before_it_first_runs(monkeypatch):
+    # the take-over would compile all over again on the training thread: refused with a warning
+    from torch._inductor import config as inductor_config
+    lowered = []
+    _eager_for_inductor(monkeypatch, lowered)
+    monkeypatch.setattr(background_lowering, "start_child", lambda directory: pytest.fail("a child was started"))
+    step, model = _in_the_background(mlp_step())
+    with inductor_config.patch(fx_graph_cache=False), pytest.warns(RuntimeWarning, match=r"background_lowering needs inductor's on-disk caches.*FX graph cache "
+                                            r"\(torch._inductor.config.fx_graph_cache\) is off, so the step is lowered "
+                                            "before it first runs"):
+        step(BATCHES[0])
+    assert step.last.background is None and len(lowered) == 1
 
 
 def test_the_field_is_a_boolean_and_applies_only_without_pipeline_stages():
@@ -156,9 +199,14 @@ def test_real_inductor_takes_over_and_matches_eager():
     want, ref = _eager_losses(tiny)
     step, model = _in_the_background(tiny)
     got = [float(step(BATCHES[0]))]
-    step.last.background.wait()
+    # nothing of the lowering runs in this process: torch.compile works while the child compiles
+    doubled = torch.compile(lambda x: x * 2, backend="eager")
+    assert torch.equal(doubled(torch.ones(2)), torch.full((2,), 2.0))
+    assert "compiling in the background (a child process)" in step.summary()
+    step.wait_for_lowering()
     got += [float(step(b)) for b in BATCHES[1:]]
-    assert step.last.background.error is None and step.last.background.switched_at in (0, 1)
+    assert step.last.background.error is None and step.last.background.switched_at == 1
+    assert step.last.runners["step"] is step.last.background.runners["step"]
     assert got == pytest.approx(want, rel=1e-5)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
@@ -182,29 +230,21 @@ def test_a_foreground_lowering_that_fails_is_named_with_the_backend_that_runs_th
 
 
 def test_a_process_whose_steps_end_first_waits_for_the_lowering_and_exits_cleanly(tmp_path):
-    # A daemon thread would be stopped by the interpreter's shutdown; inside inductor's C++ that
-    # aborts the process (SIGABRT) after the last step. The stand-in lowering sleeps, then marks
-    # that it finished: the process exits 0 only after it.
-    import os
+    # An orphaned child would go on using a core after the run; its kernels are for the next run.
+    # The stand-in child sleeps, then marks that it finished: the parent exits 0 only after it.
     import subprocess
     import sys
 
     from tests.gloo_scenarios import REPO, RANK_ENV
     done = tmp_path / "lowered"
     script = f"""
-import time
-from pathlib import Path
+import subprocess, sys
 from cann_passes import Plan, compile_for_npu
-from cann_passes.lowering.eager import EagerLowering
-from cann_passes.lowering.inductor import InductorLowering
+from cann_passes.runtime import background_lowering
 from tests.passes._tiny import mlp_batch, mlp_step
 
-def compile(self, graph, example_inputs, plan):
-    time.sleep(1.0)
-    runner = EagerLowering().compile(graph, example_inputs, plan)
-    Path({str(done)!r}).write_text("done")
-    return runner
-InductorLowering.compile = compile
+background_lowering.start_child = lambda directory: subprocess.Popen(
+    [sys.executable, "-c", "import time, pathlib; time.sleep(1.0); pathlib.Path({str(done)!r}).write_text('done')"])
 tiny = mlp_step()
 model, opt = tiny.fresh()
 step = compile_for_npu(model, Plan(backend="inductor", background_lowering=True), optimizer=opt, loss_fn=tiny.loss_fn)
