@@ -306,10 +306,17 @@ class CompiledStep:
             # Run at once on the eager lowering of this very program; the backend's runners take
             # over between two steps once compiled (BackgroundLowering).
             examples = {name: self._inputs(graph, batch) for name, graph in program.graphs.items()}
-            runners = {name: get_lowering("eager").compile(graph, examples[name], self.plan)
-                       for name, graph in program.graphs.items()}
-            background = BackgroundLowering(self.backend, lowering, program.graphs, examples, self.plan)
-        else:
+            try:
+                background = BackgroundLowering(self.backend, lowering, program.graphs, examples, self.plan)
+            except Exception as exc:     # the request could not be written or the child not started
+                first = str(exc).splitlines()[0] if str(exc) else ""
+                warnings.warn(f"background lowering could not start ({type(exc).__name__}: {first}); the step is "
+                              "lowered before it first runs", RuntimeWarning, stacklevel=4)
+                in_background = False
+            else:
+                runners = {name: get_lowering("eager").compile(graph, examples[name], self.plan)
+                           for name, graph in program.graphs.items()}
+        if not in_background:
             with compile_cache.lowering_context(self.backend):
                 runners = {name: lowering.compile(graph, self._inputs(graph, batch), self.plan)
                            for name, graph in program.graphs.items()}

@@ -191,8 +191,12 @@ class BackgroundLowering:
         self.switched_at: int | None = None      # the steps run when the backend's runners took over
         self._start = time.perf_counter()
         self._dir = tempfile.mkdtemp(prefix="cann-lowering-")
-        write_request(self._dir, backend, self.graphs, examples, plan)
-        self._child = start_child(self._dir)
+        try:
+            write_request(self._dir, backend, self.graphs, examples, plan)
+            self._child = start_child(self._dir)
+        except BaseException:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
         _CHILDREN.add(self._child)
 
     def done(self) -> bool:

@@ -185,6 +185,24 @@ def test_with_inductors_caches_off_the_step_is_lowered_before_it_first_runs(monk
     assert step.last.background is None and len(lowered) == 1
 
 
+def test_a_child_that_cannot_start_is_a_warning_and_the_step_is_lowered_before_it_first_runs(monkeypatch):
+    lowered = []
+    _eager_for_inductor(monkeypatch, lowered)
+
+    def cannot(directory):
+        raise OSError("Resource temporarily unavailable")
+    monkeypatch.setattr(background_lowering, "start_child", cannot)
+    tiny = mlp_step()
+    want, _ = _eager_losses(tiny)
+    step, model = _in_the_background(tiny)
+    with pytest.warns(RuntimeWarning, match=r"background lowering could not start \(OSError: Resource "
+                                            "temporarily unavailable\); the step is lowered before it first runs"):
+        got = [float(step(BATCHES[0]))]
+    got += [float(step(b)) for b in BATCHES[1:]]
+    assert step.last.background is None and len(lowered) == 1
+    assert got == pytest.approx(want, rel=1e-6)
+
+
 def test_the_field_is_a_boolean_and_applies_only_without_pipeline_stages():
     with pytest.raises(PlanError, match="background_lowering.*must be true or false"):
         Plan(background_lowering="yes")
