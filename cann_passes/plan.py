@@ -107,7 +107,7 @@ class Plan:
     # auto: foreach on inductor and torchair, none on eager (whose in-place updates need per-tensor ops).
     optimizer_kernel: str = "auto"
     # Inductor's lowering in a child process while the first steps run on the eager lowering of the
-    # same program; its runners take over between two steps (pp = 1; cann_passes.runtime.background_lowering).
+    # same program; its runners take over between two steps (pp = 1; cann_passes.background_lowering).
     background_lowering: bool = False
     pipeline_schedule: str = "1f1b"            # cann_passes.schedules; dynamic = chosen by simulation
     pipeline_virtual_stages: int = 1           # stages per rank (interleaved_1f1b >= 2, zb1p any, dualpipev 2)

@@ -54,8 +54,8 @@ from .pass_manager import PassContext, PassRecord, Pipeline
 from .plan import Plan
 from .planning import compile_planned
 from .runtime import accumulation, distributed, pipeline_parallel, user_state
-from .runtime import background_lowering
-from .runtime.background_lowering import BackgroundLowering
+from . import background_lowering
+from .background_lowering import BackgroundLowering
 from .runtime.binding import ShardStore, StepState, autocast_off, bind_inputs, source_token, write_back
 
 log = logging.getLogger("cann_passes")

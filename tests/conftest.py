@@ -35,7 +35,7 @@ def _no_lowering_outlives_its_test():
     """A background lowering's child process (plan.background_lowering) still compiling when its
     test ends would take a core from the next tests: each test's children are waited for."""
     yield
-    from cann_passes.runtime.background_lowering import wait_for_children
+    from cann_passes.background_lowering import wait_for_children
     wait_for_children()
 
 

@@ -17,7 +17,7 @@ import torch
 from cann_passes import Plan, PlanError, compile_for_npu
 from cann_passes.lowering.eager import EagerLowering
 from cann_passes.lowering.inductor import InductorLowering
-from cann_passes.runtime import background_lowering
+from cann_passes import background_lowering
 from tests.eager_reference import eager_steps
 from tests.passes._tiny import mlp_batch, mlp_step, sgd
 
@@ -196,7 +196,7 @@ def test_a_child_that_cannot_start_is_a_warning_and_the_step_is_lowered_before_i
     want, _ = _eager_losses(tiny)
     step, model = _in_the_background(tiny)
     with pytest.warns(RuntimeWarning, match=r"background lowering could not start \(OSError: Resource "
-                                            "temporarily unavailable\); the step is lowered before it first runs"):
+                                            r"temporarily unavailable\); the step is lowered before it first runs"):
         got = [float(step(BATCHES[0]))]
     got += [float(step(b)) for b in BATCHES[1:]]
     assert step.last.background is None and len(lowered) == 1
@@ -258,7 +258,7 @@ def test_a_process_whose_steps_end_first_waits_for_the_lowering_and_exits_cleanl
     script = f"""
 import subprocess, sys
 from cann_passes import Plan, compile_for_npu
-from cann_passes.runtime import background_lowering
+from cann_passes import background_lowering
 from tests.passes._tiny import mlp_batch, mlp_step
 
 background_lowering.start_child = lambda directory: subprocess.Popen(

@@ -36,7 +36,7 @@ import torch
 
 from graph_ir.serialize import from_json, to_json
 
-from .. import compile_cache
+from . import compile_cache
 
 REQUEST = "request.pkl"
 ERROR = "error.txt"
@@ -125,8 +125,8 @@ def lower_request(directory: str) -> None:
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
 
-    from .. import passes  # noqa: F401  (ops a pass defines, which the graphs may call)
-    from ..lowering import get_lowering
+    from . import passes  # noqa: F401  (ops a pass defines, which the graphs may call)
+    from .lowering import get_lowering
     inductor_config.load_config(request["inductor_config"])
     functorch_config.load_config(request["functorch_config"])
     torch.set_num_threads(request["threads"])
@@ -153,7 +153,7 @@ def start_child(directory: str) -> subprocess.Popen:
     """The child process lowering the request in ``directory``, importing what this process can; its
     output goes to a log there."""
     code = (f"import sys; sys.path[:0] = {list(sys.path)!r}; "
-            "from cann_passes.runtime.background_lowering import _child_main; "
+            "from cann_passes.background_lowering import _child_main; "
             f"sys.exit(_child_main({directory!r}))")
     log = open(os.path.join(directory, LOG), "wb")
     try:
