@@ -22,6 +22,7 @@ the next run), as it would for a thread.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import pickle
 import shutil
@@ -163,17 +164,16 @@ def start_child(directory: str) -> subprocess.Popen:
         log.close()
 
 
-# Children still lowering: a process that ends first waits for them (their kernels land in the
-# caches for the next run; an orphan would go on using a core after the run had ended).
-_CHILDREN: set[subprocess.Popen] = set()
+# Lowerings whose child is still running: a process that ends first waits for them (their kernels
+# land in the caches for the next run; an orphan would go on using a core after the run had ended).
+_RUNNING: set["BackgroundLowering"] = set()
 
 
 @atexit.register
 def wait_for_children() -> None:
     """Until every lowering child of this process has exited."""
-    for child in list(_CHILDREN):
-        child.wait()
-        _CHILDREN.discard(child)
+    for lowering in list(_RUNNING):
+        lowering.wait()
 
 
 class BackgroundLowering:
@@ -197,7 +197,7 @@ class BackgroundLowering:
         except BaseException:
             shutil.rmtree(self._dir, ignore_errors=True)
             raise
-        _CHILDREN.add(self._child)
+        _RUNNING.add(self)
 
     def done(self) -> bool:
         return self._child.poll() is not None
@@ -208,9 +208,17 @@ class BackgroundLowering:
         self._finished()
 
     def _finished(self) -> None:
-        _CHILDREN.discard(self._child)
-        if self.seconds is None:
-            self.seconds = time.perf_counter() - self._start
+        """Once the child has exited: its request is no longer needed (a failed child's log and error
+        stay, for the warning that names them)."""
+        if self.seconds is not None:
+            return
+        _RUNNING.discard(self)
+        self.seconds = time.perf_counter() - self._start
+        if self._child.returncode == 0:
+            shutil.rmtree(self._dir, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(self._dir, REQUEST))
 
     def take_over(self, comp, steps_run: int) -> None:
         """Between two steps: once the child has exited, lower here from the caches it filled and
@@ -238,11 +246,11 @@ class BackgroundLowering:
                 self.error = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
             self.take_over_seconds = time.perf_counter() - t0
         if self.error is not None:
+            log = os.path.join(self._dir, LOG)
+            where = f" (the lowering's output: {log})" if os.path.exists(log) else ""
             warnings.warn(f"the {self.backend} lowering failed in the background ({self.error}); the step keeps "
-                          f"running on the eager lowering (the lowering's output: {os.path.join(self._dir, LOG)})",
-                          RuntimeWarning, stacklevel=3)
+                          f"running on the eager lowering{where}", RuntimeWarning, stacklevel=3)
             return
-        shutil.rmtree(self._dir, ignore_errors=True)
         comp.runners.update(self.runners)
         comp.compile_seconds += self.take_over_seconds
 

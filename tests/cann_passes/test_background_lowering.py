@@ -85,6 +85,7 @@ def test_steps_run_on_eager_until_the_backend_is_lowered_then_on_its_runners(hel
     eager_runner = step.last.runners["step"]
     release.set()
     background.wait()
+    assert not os.path.exists(background._dir)          # the child's request goes once it has exited
     got += [float(step(b)) for b in BATCHES[3:]]
     assert background.switched_at == 3 and step.last.runners["step"] is not eager_runner
     assert background.runners["step"] is step.last.runners["step"]
@@ -123,6 +124,13 @@ def test_a_failed_background_lowering_warns_and_the_step_stays_on_eager(monkeypa
     got += [float(step(b)) for b in BATCHES[2:]]
     assert got == pytest.approx(want, rel=1e-6)
     assert "background lowering failed (RuntimeError); every step ran on the eager lowering" in step.summary()
+    # a failed child's error (and log) stay for the user, its request does not; a child that
+    # succeeded leaves nothing
+    directory = step.last.background._dir
+    if where == "child":
+        assert os.listdir(directory) == [background_lowering.ERROR]
+    else:
+        assert not os.path.exists(directory)
 
 
 def test_a_recompile_does_not_wait_for_the_lowering_in_the_background(held_inductor, monkeypatch):
