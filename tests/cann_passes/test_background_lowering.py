@@ -9,6 +9,7 @@ in-process once, and one test runs real inductor in a real child."""
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 
 import pytest
@@ -129,6 +130,7 @@ def test_a_failed_background_lowering_warns_and_the_step_stays_on_eager(monkeypa
     directory = step.last.background._dir
     if where == "child":
         assert os.listdir(directory) == [background_lowering.ERROR]
+        shutil.rmtree(directory)
     else:
         assert not os.path.exists(directory)
 
