@@ -44,6 +44,12 @@ ERROR = "error.txt"
 LOG = "child.log"
 
 
+def describe_error(exc: BaseException) -> str:
+    """``Type: first line``, as the warnings and the child's error file name a failure."""
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
 def caches_off() -> str | None:
     """Which of the caches the parent's take-over reads is off in this process, or None: with one
     off, the parent would compile all over again on the training thread."""
@@ -56,6 +62,11 @@ def caches_off() -> str | None:
     if not functorch_config.enable_autograd_cache:
         return "AOTAutograd's cache (torch._functorch.config.enable_autograd_cache)"
     return None
+
+
+def layouts(examples: dict) -> dict:
+    """Each graph's inputs as layouts (a tensor's size, stride, dtype, device; any other value itself)."""
+    return {name: [_layout(v) for v in inputs] for name, inputs in examples.items()}
 
 
 def _layout(value: Any) -> Any:
@@ -101,7 +112,7 @@ def _stand_in_groups(world: int, rank: int, groups: list[tuple[str, list[int]]])
         _register_process_group(name, dist.new_group(ranks, use_local_synchronization=True))
 
 
-def write_request(directory: str, backend: str, graphs: dict, examples: dict, plan) -> None:
+def write_request(directory: str, backend: str, graphs: dict, input_layouts: dict, plan) -> None:
     """What the child needs to lower ``graphs`` as this process would, in ``directory``."""
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
@@ -111,7 +122,7 @@ def write_request(directory: str, backend: str, graphs: dict, examples: dict, pl
         if torch.distributed.is_available() and torch.distributed.is_initialized() else (1, 0),
         "graphs": {name: (to_json(graph, with_cost=False, layouts=True),
                           compile_cache.graph_constants(graph)) for name, graph in graphs.items()},
-        "layouts": {name: [_layout(v) for v in inputs] for name, inputs in examples.items()},
+        "layouts": input_layouts,
         "inductor_config": inductor_config.save_config(),
         "functorch_config": functorch_config.save_config(),
     }
@@ -143,9 +154,8 @@ def _child_main(directory: str) -> int:
     try:
         lower_request(directory)
     except BaseException as exc:  # noqa: BLE001  (reported to the parent, which keeps running on eager)
-        first = str(exc).splitlines()[0] if str(exc) else ""
         with open(os.path.join(directory, ERROR), "w", encoding="utf-8") as f:
-            f.write(f"{type(exc).__name__}: {first}" if first else type(exc).__name__)
+            f.write(describe_error(exc))
         raise
     return 0
 
@@ -183,7 +193,7 @@ class BackgroundLowering:
     def __init__(self, backend: str, lowering, graphs: dict, examples: dict, plan):
         self.backend, self.lowering, self.plan = backend, lowering, plan
         self.graphs = dict(graphs)
-        self.layouts = {name: [_layout(v) for v in inputs] for name, inputs in examples.items()}
+        self.layouts = layouts(examples)
         self.runners: dict | None = None
         self.error: str | None = None
         self.seconds: float | None = None        # the child's lowering, start to exit
@@ -192,7 +202,7 @@ class BackgroundLowering:
         self._start = time.perf_counter()
         self._dir = tempfile.mkdtemp(prefix="cann-lowering-")
         try:
-            write_request(self._dir, backend, self.graphs, examples, plan)
+            write_request(self._dir, backend, self.graphs, self.layouts, plan)
             self._child = start_child(self._dir)
         except BaseException:
             shutil.rmtree(self._dir, ignore_errors=True)
@@ -242,8 +252,7 @@ class BackgroundLowering:
                                                                 self.plan)
                                     for name, graph in self.graphs.items()}
             except Exception as exc:
-                first = str(exc).splitlines()[0] if str(exc) else ""
-                self.error = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+                self.error = describe_error(exc)
             self.take_over_seconds = time.perf_counter() - t0
         if self.error is not None:
             log = os.path.join(self._dir, LOG)

@@ -293,7 +293,8 @@ class CompiledStep:
         lowering = get_lowering(self.backend)
         background = None
         # Only inductor keeps what a child process compiled in caches this process can read.
-        off = None if self.backend != "inductor" else background_lowering.caches_off()
+        off = background_lowering.caches_off() if self.plan.background_lowering and self.backend == "inductor" \
+            else None
         in_background = self.plan.background_lowering and self.backend == "inductor" and off is None
         if self.plan.background_lowering and self.backend != "eager" and not in_background \
                 and not self._warned_background:
@@ -309,9 +310,8 @@ class CompiledStep:
             try:
                 background = BackgroundLowering(self.backend, lowering, program.graphs, examples, self.plan)
             except Exception as exc:     # the request could not be written or the child not started
-                first = str(exc).splitlines()[0] if str(exc) else ""
-                warnings.warn(f"background lowering could not start ({type(exc).__name__}: {first}); the step is "
-                              "lowered before it first runs", RuntimeWarning, stacklevel=4)
+                warnings.warn(f"background lowering could not start ({background_lowering.describe_error(exc)}); "
+                              "the step is lowered before it first runs", RuntimeWarning, stacklevel=4)
                 in_background = False
             else:
                 runners = {name: get_lowering("eager").compile(graph, examples[name], self.plan)

@@ -172,7 +172,8 @@ def test_the_child_lowers_every_graph_of_the_request_from_the_inputs_layouts(tmp
     step.compile(BATCHES[0])
     graphs = step.last.program.graphs
     examples = {name: step._inputs(graph, BATCHES[0]) for name, graph in graphs.items()}
-    background_lowering.write_request(str(tmp_path), "inductor", graphs, examples, step.plan)
+    background_lowering.write_request(str(tmp_path), "inductor", graphs, background_lowering.layouts(examples),
+                                      step.plan)
     background_lowering.lower_request(str(tmp_path))
     assert len(lowered) == len(graphs) == 1
     want = [(tuple(t.shape), t.stride(), t.dtype) for t in examples["step"] if isinstance(t, torch.Tensor)]
