@@ -611,7 +611,8 @@ class Statistics(Instrument):
                 old = graph.version
                 graph.version = old + 1
                 ctx.analyses.advance(graph, old, run.info.preserves)
-        after_ops = _op_counts(result)
+        # An unchanged graph has the same nodes with the same targets: its counts are the ones before.
+        after_ops = before_ops if not changed else _op_counts(result)
         self._last[id(result)] = (result, _version(result), after_state, after_ops, _num_nodes(result))
         if isinstance(result, Program):     # its graphs are what the next graph pass is given
             for graph in result.graphs.values():

@@ -54,7 +54,7 @@ from graph_ir.placement import RANDOM_PIECE
 from ..cost_model import get_profile, node_time
 from ..cost_model.profiles import DeviceProfile
 from ..pass_manager import PassContext, PassOptionError, register_pass
-from ..recompute_solver import NoFolding, Problem, Value, min_bytes, solve
+from ..recompute_solver import NoFolding, Problem, Value, floor_bytes, solve
 
 aten = torch.ops.aten
 POLICIES = ("none", "full", "selective", "every_n_layers", "budget")
@@ -631,7 +631,7 @@ def _budget_limit(saved: dict[str, int], builder: _Builder, problem: Problem, bu
     kept = {builder.node_of[i].name for i, v in enumerate(problem.values) if v.kept and i in builder.node_of}
     kept_bytes = sum(b for name, b in saved.items() if name in kept)
     start = time.perf_counter()
-    floor = min_bytes(problem).bytes + kept_bytes
+    floor = floor_bytes(problem) + kept_bytes
     ctx.stat("floor_seconds", time.perf_counter() - start)
     limit = _budget_bytes(budget, before)
     if limit < floor:

@@ -13,8 +13,8 @@ from cann_passes import Plan, compile_for_npu
 from cann_passes.cost_model import get_profile
 from cann_passes.pass_manager import PassContext, PassManager, is_registered
 from cann_passes.passes.recompute import _Builder
-from cann_passes.recompute_solver import (evaluate, fold, lower_bound, min_bytes, solve, solve_folded, solve_greedy,
-                                          solve_milp, solve_mincut)
+from cann_passes.recompute_solver import (evaluate, floor_bytes, fold, lower_bound, min_bytes, solve, solve_folded,
+                                          solve_greedy, solve_milp, solve_mincut)
 from graph_ir import capture_train_step, gather_inputs
 from graph_ir.analysis import graph_cost, memory_profile
 from graph_ir.analysis.memory import aliases_input
@@ -321,18 +321,18 @@ class TestRecomputeSolvers:
 
         def whole_cut(p):
             return evaluate(p, _cut(p, relevant(p), 1e9, 1.0)).bytes
-        assert min_bytes(problem).bytes == whole_cut(problem) > 0   # the masks' bits
+        assert min_bytes(problem).bytes == floor_bytes(problem) == whole_cut(problem) > 0   # the masks' bits
         # Values that may not be recomputed (as a ban makes them) anywhere in the graph.
         savable = [i for i, v in enumerate(problem.values) if v.savable and v.recomputable and not v.kept]
         for start in range(0, 12, 3):
             banned = copy.deepcopy(problem)
             for i in savable[start::7]:
                 banned.values[i].recomputable = False
-            assert min_bytes(banned).bytes == whole_cut(banned)
+            assert min_bytes(banned).bytes == floor_bytes(banned) == whole_cut(banned)
         free = copy.deepcopy(problem)
         for v in free.values:
             v.recomputable = v.recomputable or not v.kept
-        assert min_bytes(free).bytes == 0
+        assert min_bytes(free).bytes == floor_bytes(free) == 0
 
     def test_choosing_the_mask_form_is_never_worse_than_compact_masks_and_better_when_loose(self):
         torch.manual_seed(0)
