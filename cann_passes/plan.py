@@ -107,7 +107,7 @@ class Plan:
     # auto: foreach on inductor and torchair, none on eager (whose in-place updates need per-tensor ops).
     optimizer_kernel: str = "auto"
     # Inductor's lowering in a child process while the first steps run on the eager lowering of the
-    # same program; its runners take over between two steps (pp = 1; cann_passes.background_lowering).
+    # same program; its runners take over between two steps (cann_passes.background_lowering).
     background_lowering: bool = False
     pipeline_schedule: str = "1f1b"            # cann_passes.schedules; dynamic = chosen by simulation
     pipeline_virtual_stages: int = 1           # stages per rank (interleaved_1f1b >= 2, zb1p any, dualpipev 2)
@@ -358,9 +358,6 @@ class Plan:
                             "and needs dp > 1 (dp = 1)", True)
         if not isinstance(self.background_lowering, bool):
             raise PlanError("background_lowering", "must be true or false", self.background_lowering)
-        if self.background_lowering and self.pp > 1:
-            raise PlanError("background_lowering", "applies only at pp = 1 (the pipeline's stages are "
-                            f"bound to their runners when the schedule is built; pp = {self.pp})", True)
         if self._changed("zero_master") and self.zero_stage not in (1, 2):
             raise PlanError("zero_master", "applies only to zero_stage 1 or 2 (stage 3 always shards the "
                             f"parameters; zero_stage = {self.zero_stage})", self.zero_master)

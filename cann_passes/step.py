@@ -303,23 +303,26 @@ class CompiledStep:
             warnings.warn("background_lowering needs inductor's on-disk caches, which let this process take over "
                           f"what a child process compiled: {why}, so the step is lowered before it first runs",
                           RuntimeWarning, stacklevel=4)
+        here = pipeline_parallel.graphs_run_here(self, program)
         if in_background:
             # Run at once on the eager lowering of this very program; the backend's runners take
             # over between two steps once compiled (BackgroundLowering).
-            examples = {name: self._inputs(graph, batch) for name, graph in program.graphs.items()}
+            examples = {name: self._inputs(graph, batch) for name, graph in here.items()}
             try:
-                background = BackgroundLowering(self.backend, lowering, program.graphs, examples, self.plan)
+                background = BackgroundLowering(self.backend, lowering, here, examples, self.plan)
             except Exception as exc:     # the request could not be written or the child not started
                 warnings.warn(f"background lowering could not start ({background_lowering.describe_error(exc)}); "
                               "the step is lowered before it first runs", RuntimeWarning, stacklevel=4)
                 in_background = False
             else:
                 runners = {name: get_lowering("eager").compile(graph, examples[name], self.plan)
-                           for name, graph in program.graphs.items()}
+                           for name, graph in here.items()}
         if not in_background:
             with compile_cache.lowering_context(self.backend):
                 runners = {name: lowering.compile(graph, self._inputs(graph, batch), self.plan)
-                           for name, graph in program.graphs.items()}
+                           for name, graph in here.items()}
+        runners.update({name: pipeline_parallel.ElsewhereRunner(name, program)
+                        for name in program.graphs if name not in here})
         compile_seconds = time.perf_counter() - t1
         ctx = program.context
         main = program.main

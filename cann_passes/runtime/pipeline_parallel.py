@@ -35,6 +35,7 @@ split without processes.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,7 +68,7 @@ class StageExecutor:
 
     index: int
     graphs: dict[str, Any]          # part -> TrainGraph (forward, backward, backward_input, ...)
-    runners: dict[str, Any]         # part -> callable
+    runners: Mapping[str, Any]      # part -> callable
     step: Any                       # the CompiledStep (model, optimizer, step state, shards)
     values: dict[int, dict] = field(default_factory=dict)   # microbatch -> spec -> tensor
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -161,6 +162,51 @@ def _as_recorded(value: torch.Tensor, recorded) -> torch.Tensor:
     return out.copy_(value)
 
 
+class _StageRunners(Mapping):
+    """One stage's runners, read from the compilation's at each call: runners that replace them
+    (plan.background_lowering's take-over between two steps) run from the next action on, although
+    the schedule and its stages were built once."""
+
+    def __init__(self, runners: dict[str, Any], index: int):
+        self._runners, self._prefix = runners, f"stage{index}."
+
+    def __getitem__(self, part: str):
+        return self._runners[self._prefix + part]
+
+    def __iter__(self):
+        return (name[len(self._prefix):] for name in self._runners if name.startswith(self._prefix))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def graphs_run_here(step, program: Program) -> dict[str, Any]:
+    """The graphs of ``program`` this process runs, to be lowered: under processes, a pipelined
+    program's stages of this pipeline rank only (the others' are run by their ranks: lowering them
+    here would cost each rank every stage's compile); otherwise every graph."""
+    if step.world is None or not is_pipelined(program):
+        return dict(program.graphs)
+    ranks = pipeline_split_of(program).stage_to_rank
+    mine = {s for s, r in enumerate(ranks) if r == step.mesh.local_rank("pp")}
+    return {name: g for name, g in program.graphs.items() if _stage_of(name) in mine or _stage_of(name) is None}
+
+
+def _stage_of(name: str) -> int | None:
+    head, dot, _ = name.partition(".")
+    return int(head[len("stage"):]) if dot and head.startswith("stage") and head[len("stage"):].isdigit() else None
+
+
+class ElsewhereRunner:
+    """Stands for a stage graph another pipeline rank runs (see :func:`graphs_run_here`)."""
+
+    def __init__(self, name: str, program: Program):
+        self.name, self.rank = name, pipeline_split_of(program).stage_to_rank[_stage_of(name)]
+
+    def __call__(self, *args):
+        raise PipelineRuntimeError(f"graph '{self.name}' is run by pipeline rank {self.rank}, which lowered it; "
+                                   "this process did not")
+
+
 def stage_graphs(program: Program, index: int) -> dict[str, Any]:
     prefix = f"stage{index}."
     return {name[len(prefix):]: g for name, g in program.graphs.items() if name.startswith(prefix)}
@@ -238,7 +284,8 @@ def takes_stage_values(graph) -> bool:
 
 def example_inputs(step, graph, batch: Any) -> list[torch.Tensor]:
     """Inputs to compile a stage graph with: the model's and batch's where they exist, zeros of the
-    recorded shape for values another stage graph hands it."""
+    recorded shape and strides for values another stage graph hands it (the runner is given them so
+    laid out, :func:`_as_recorded`, and a lowering such as inductor's specialises on the strides)."""
     standard = [s for s in graph.signature.inputs if s.kind not in StageValue.KINDS]
     store = shards_for(step, graph)
     bound = iter(bind_inputs(_Inputs(graph, standard), step.model, step.optimizer, batch, step.step_state,
@@ -247,7 +294,7 @@ def example_inputs(step, graph, batch: Any) -> list[torch.Tensor]:
     for spec, node in zip(graph.signature.inputs, graph.placeholders()):
         if spec.kind in StageValue.KINDS:
             val = node.meta["val"]
-            out.append(torch.zeros(val.shape, dtype=val.dtype, device="cpu"))
+            out.append(torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="cpu").zero_())
         else:
             out.append(next(bound))
     return out
@@ -347,9 +394,8 @@ class PipelineRuntime:
         self.apply_order = [s for s in info.apply_order or range(self.n) if s in self.mine]
         self.handed = {f.input.name for f in self.program.flows
                        if f.source.endswith(".apply") and f.target.endswith(".apply")}
-        self.executors = {s: StageExecutor(s, stage_graphs(self.program, s),
-                                           {p: comp.runners[f"stage{s}.{p}"] for p in stage_graphs(self.program, s)},
-                                           step) for s in self.mine}
+        self.executors = {s: StageExecutor(s, stage_graphs(self.program, s), _StageRunners(comp.runners, s), step)
+                          for s in self.mine}
         self.stages = {}
         for s in self.mine:
             graphs = self.executors[s].graphs

@@ -214,11 +214,10 @@ def test_a_child_that_cannot_start_is_a_warning_and_the_step_is_lowered_before_i
     assert got == pytest.approx(want, rel=1e-6)
 
 
-def test_the_field_is_a_boolean_and_applies_only_without_pipeline_stages():
+def test_the_field_is_a_boolean():
     with pytest.raises(PlanError, match="background_lowering.*must be true or false"):
         Plan(background_lowering="yes")
-    with pytest.raises(PlanError, match="background_lowering.*applies only at pp = 1"):
-        Plan(background_lowering=True, pp=2, microbatches=2)
+    assert Plan(background_lowering=True, pp=2, microbatches=2).background_lowering   # (tests/pipeline)
 
 
 @pytest.mark.slow

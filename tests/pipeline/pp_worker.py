@@ -2,9 +2,10 @@
 
 Each CONFIG is ``[model/]schedule:optimizer[:option...]`` (``1f1b:sgd``, ``interleaved_1f1b:adamw:2``,
 ``llama/gpipe:adamw``: another model than MODEL); an option is the number of virtual stages per rank,
-``clip=X`` (``plan.grad_clip_norm``), ``zeroN`` (ZeRO stage N over dp) or ``fp16`` (fp16 autocast with
+``clip=X`` (``plan.grad_clip_norm``), ``zeroN`` (ZeRO stage N over dp), ``fp16`` (fp16 autocast with
 dynamic loss scaling; ``scale=X`` its initial scale, ``grow=N`` its growth interval; such a config
-runs ``FP16_STEPS`` steps). All configs run in this process one after the other under
+runs ``FP16_STEPS`` steps), ``inductor`` (the backend) or ``background`` (``plan.background_lowering``,
+waited for after the second step). All configs run in this process one after the other under
 one ``(pp, dp, tp)`` mesh, each from the same initial weights.
 Each rank writes OUTDIR/rank<R>.pt: per config the losses, the full parameters of the stages this
 rank holds (gathered over tp by ``model.state_dict()``), the measured per-action events of the
@@ -24,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from cann_passes import Plan, compile_for_npu  # noqa: E402
 from cann_passes.runtime.distributed import init_distributed, shard_batch  # noqa: E402
+from cann_passes.runtime.pipeline_parallel import ElsewhereRunner  # noqa: E402
 from graph_ir.meta import GraphAttr  # noqa: E402
 from recipes.models.gpt import GPT, gpt_loss, gpt_tiny  # noqa: E402
 
@@ -98,6 +100,10 @@ def plan_for(config: str, pp: int, dp: int, tp: int) -> Plan:
             fields["accumulate_target"] = int(option.removeprefix("target="))
         elif option.startswith("zero"):
             fields["zero_stage"] = int(option.removeprefix("zero"))
+        elif option == "inductor":
+            fields["backend"] = "inductor"
+        elif option == "background":
+            fields["background_lowering"] = True
         else:
             raise ValueError(f"unknown config option {option!r}")
     return Plan(**fields)
@@ -114,6 +120,8 @@ def main(out: str, model_name: str, pp: int, dp: int, tp: int, configs: list[str
             losses, scaling = [], []
             for i in range(steps_for(plan)):
                 losses.append(float(step(shard_batch(global_batch(name, i), world.dp_rank, world.dp_size))))
+                if i == 1 and plan.background_lowering:   # the backend's runners take over from the third step
+                    step.wait_for_lowering()
                 if plan.effective_loss_scale != "none":
                     scaling.append((bool(step.metrics["loss_scale:found_inf"]),
                                     float(step.step_state.values["loss_scale:scale"])))
@@ -132,7 +140,15 @@ def main(out: str, model_name: str, pp: int, dp: int, tp: int, configs: list[str
             every = {n: state[n].detach().clone() for n, _ in model.named_parameters()}
             # ZeRO-3: the parameter shards this rank keeps between steps (its stages' parameters over dp)
             shard_numel = sum(t.numel() for t in step.param_shards.values())
+            comp = step.last
+            lowering = {"lowered": sorted(n for n, r in comp.runners.items() if not isinstance(r, ElsewhereRunner))}
+            if comp.background is not None:
+                runtime = comp.pipeline_runtime
+                lowering.update(switched_at=comp.background.switched_at, error=comp.background.error,
+                                runs_background=all(ex.runners[p] is comp.background.runners[f"stage{s}.{p}"]
+                                                    for s, ex in runtime.executors.items() for p in ex.graphs))
             results[config] = {"losses": losses, "params": params, "every": every, "events": events,
+                               "lowering": lowering, "stage_to_rank": info["stage_to_rank"],
                                "shard_numel": shard_numel,
                                "stage_seconds": info["stage_seconds"], "stages": info["stages"],
                                "shared": info.get("shared_params", {}), "scaling": scaling}
