@@ -26,13 +26,15 @@ cache (``compile_cache.lowering_context`` gives them a ShapeEnv); the lowered
 copy drops the tracer class so that the graph loaded from the compile cache
 and the freshly captured one have one AOTAutograd key.
 
-The pipeline ends with two passes for this backend (``required_passes``; the
+The pipeline ends with three passes for this backend (``required_passes``; the
 compile driver appends them to any pipeline, one given as text included):
 ``spell_out_alpha`` (torch 2.13's post-grad ``addmm`` pattern drops the
 ``alpha`` of ``add(mm(a, b), c, alpha=k)``) and ``tanh_gelu_as_sigmoid``
 (inductor's C++ kernels evaluate ``tanh`` at six times the cost of
 ``sigmoid``; tanh-GELU and its gradient are spelled with ``sigmoid``, float32
-CPU tensors only, a few ulps of rounding). ``linear_on_onednn`` (float32 CPU
+CPU tensors only, a few ulps of rounding), and ``bool_collectives_as_bytes`` (inductor
+types a collective's result on a boolean tensor int64 on CPU and then fails on a mask built from it:
+context parallelism's gathered attention mask). ``linear_on_onednn`` (float32 CPU
 matmuls on oneDNN instead of MKL) is opt-in, ``Plan(extra_passes=
 ("linear_on_onednn",))``: inductor calls its op as an extern kernel.
 """
@@ -148,7 +150,7 @@ def _static_example_inputs(example_inputs) -> list:
 
 class InductorLowering:
     name = "inductor"
-    required_passes = ("spell_out_alpha", "tanh_gelu_as_sigmoid")
+    required_passes = ("spell_out_alpha", "tanh_gelu_as_sigmoid", "bool_collectives_as_bytes")
 
     def available(self) -> tuple[bool, str]:
         return cxx_compiler_available()

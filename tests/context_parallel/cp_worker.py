@@ -9,7 +9,7 @@ rows of the global batch, whole (the graph cuts its part of the sequence). Optio
 (gradient clipping at 1.0), ``mb2`` (two microbatches accumulated per step), ``full`` (full
 recompute: K and V gathered again in backward), ``ring`` (``cp_attention="ring"``), ``rescale``
 (the attention scale halved after step 5: the guards recompile), ``zero1`` /
-``zero2`` / ``zero3`` (ZeRO over dp). Rank 0 writes the losses, the parameters as ``model.state_dict()``
+``zero2`` / ``zero3`` (ZeRO over dp), ``inductor`` (the backend; eager otherwise). Rank 0 writes the losses, the parameters as ``model.state_dict()``
 gives them (under pp gathered from the stage owning each), the graph's collectives and the number of
 pipeline stages to OUT/<scenario>.<mesh>.pt.
 """
@@ -58,7 +58,8 @@ def main(out: str, mesh: str, *scenarios: str):
         for scenario in scenarios:
             name, opt, *options = scenario.split(":")
             entry, optimizer = make(name, opt)
-            plan = Plan(backend="eager", verify=verify_level(scenarios, scenario),
+            plan = Plan(backend="inductor" if "inductor" in options else "eager",
+                        verify=verify_level(scenarios, scenario),
                         grad_clip_norm=1.0 if "clip" in options else None,
                         microbatches=2 if "mb2" in options else staged,
                         recompute="full" if "full" in options else "none",

@@ -72,6 +72,15 @@ def test_cp2_matches_single_process(tmp_path):
     assert collectives["backward.all_reduce"] == params
 
 
+def test_cp2_on_inductor_matches_single_process(tmp_path):
+    """Inductor compiles each rank's cp step: the attention mask all-gathered over the sequence
+    crosses as bytes (bool_collectives_as_bytes), padded rows, gathered and ring attention."""
+    scenarios = ["llama:sgd:pad:inductor", "llama:adamw:pad:clip:ring:inductor"]
+    got = launch(tmp_path, 2, "cp=2", scenarios)
+    for scenario in scenarios:
+        assert_matches(scenario, got[scenario])
+
+
 def test_cp2_on_more_transformers_models_matches_single_process(tmp_path):
     """The balanced chunks on models with other positional and attention code: GPT-NeoX (partial
     rotary, parallel residual), Phi-3 (fused qkv), Qwen2 (qkv bias), Gemma (one kv head), BERT
