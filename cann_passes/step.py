@@ -321,7 +321,7 @@ class CompiledStep:
             with compile_cache.lowering_context(self.backend):
                 runners = {name: lowering.compile(graph, self._inputs(graph, batch), self.plan)
                            for name, graph in here.items()}
-        runners.update({name: pipeline_parallel.ElsewhereRunner(name, program)
+        runners.update({name: pipeline_parallel.NotRunHere(self, name, program)
                         for name in program.graphs if name not in here})
         compile_seconds = time.perf_counter() - t1
         ctx = program.context

@@ -180,31 +180,58 @@ class _StageRunners(Mapping):
         return sum(1 for _ in self)
 
 
+_PART_OF_KIND = {"F": "forward", "B": "backward", "I": "backward_input", "W": "backward_weight"}
+
+
 def graphs_run_here(step, program: Program) -> dict[str, Any]:
-    """The graphs of ``program`` this process runs, to be lowered: under processes, a pipelined
-    program's stages of this pipeline rank only (the others' are run by their ranks: lowering them
-    here would cost each rank every stage's compile); otherwise every graph."""
-    if step.world is None or not is_pipelined(program):
+    """The graphs of ``program`` this process runs, to be lowered; the others are never called.
+
+    A pipelined program cuts every stage into forward, backward, backward_input, backward_weight and
+    apply graphs, and its schedule runs some of them: 1F1B a stage's backward whole, zero-bubble
+    schedules its two parts, DualPipeV both. Under processes each pipeline rank runs its own
+    stages' actions (``schedules.action_lists``) and their apply graphs; in one process
+    (:func:`run_local`) every stage's forward and apply, and its backward whole or split as the
+    schedule splits it. Lowering the rest would cost a compile each (inductor: seconds apiece)."""
+    if not is_pipelined(program):
         return dict(program.graphs)
-    ranks = pipeline_split_of(program).stage_to_rank
-    mine = {s for s, r in enumerate(ranks) if r == step.mesh.local_rank("pp")}
-    return {name: g for name, g in program.graphs.items() if _stage_of(name) in mine or _stage_of(name) is None}
+    return {name: program.graphs[name] for name in program.graphs if _why_not_here(step, program, name) is None}
 
 
-def _stage_of(name: str) -> int | None:
-    head, dot, _ = name.partition(".")
-    return int(head[len("stage"):]) if dot and head.startswith("stage") and head[len("stage"):].isdigit() else None
+def _why_not_here(step, program: Program, name: str) -> str | None:
+    from ..schedules import SPLIT_BACKWARD, action_lists
+    stage, part = _stage_part(name)
+    if stage is None:
+        return None
+    info = pipeline_split_of(program)
+    if step.world is None:
+        backward = ("backward_input", "backward_weight") if info.schedule in SPLIT_BACKWARD else ("backward",)
+        return None if part in ("forward", *backward, "apply") else \
+            f"{info.schedule} runs stage {stage}'s backward as {' and '.join(backward)} in one process"
+    rank, pp = step.mesh.local_rank("pp"), max(info.stage_to_rank) + 1
+    if info.stage_to_rank[stage] != rank:
+        return f"stage {stage} is run by pipeline rank {info.stage_to_rank[stage]}"
+    if part == "apply":
+        return None
+    actions = action_lists(info.schedule, pp, info.microbatches, info.stages // pp)[rank]
+    if any(a.stage == stage and _PART_OF_KIND[a.kind] == part for a in actions):
+        return None
+    return f"the {info.schedule} schedule runs no {part} of stage {stage}"
 
 
-class ElsewhereRunner:
-    """Stands for a stage graph another pipeline rank runs (see :func:`graphs_run_here`)."""
+def _stage_part(name: str) -> tuple[int | None, str]:
+    head, dot, part = name.partition(".")
+    index = head[len("stage"):]
+    return (int(index), part) if dot and head.startswith("stage") and index.isdigit() else (None, name)
 
-    def __init__(self, name: str, program: Program):
-        self.name, self.rank = name, pipeline_split_of(program).stage_to_rank[_stage_of(name)]
+
+class NotRunHere:
+    """Stands for a stage graph this process does not run, and so did not lower (:func:`graphs_run_here`)."""
+
+    def __init__(self, step, name: str, program: Program):
+        self.name, self.why = name, _why_not_here(step, program, name)
 
     def __call__(self, *args):
-        raise PipelineRuntimeError(f"graph '{self.name}' is run by pipeline rank {self.rank}, which lowered it; "
-                                   "this process did not")
+        raise PipelineRuntimeError(f"graph '{self.name}' was not lowered in this process ({self.why})")
 
 
 def stage_graphs(program: Program, index: int) -> dict[str, Any]:

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from cann_passes import Plan, compile_for_npu  # noqa: E402
 from cann_passes.runtime.distributed import init_distributed, shard_batch  # noqa: E402
-from cann_passes.runtime.pipeline_parallel import ElsewhereRunner  # noqa: E402
+from cann_passes.runtime.pipeline_parallel import NotRunHere  # noqa: E402
 from graph_ir.meta import GraphAttr  # noqa: E402
 from recipes.models.gpt import GPT, gpt_loss, gpt_tiny  # noqa: E402
 
@@ -141,12 +141,13 @@ def main(out: str, model_name: str, pp: int, dp: int, tp: int, configs: list[str
             # ZeRO-3: the parameter shards this rank keeps between steps (its stages' parameters over dp)
             shard_numel = sum(t.numel() for t in step.param_shards.values())
             comp = step.last
-            lowering = {"lowered": sorted(n for n, r in comp.runners.items() if not isinstance(r, ElsewhereRunner))}
+            lowering = {"lowered": sorted(n for n, r in comp.runners.items() if not isinstance(r, NotRunHere))}
             if comp.background is not None:
                 runtime = comp.pipeline_runtime
                 lowering.update(switched_at=comp.background.switched_at, error=comp.background.error,
                                 runs_background=all(ex.runners[p] is comp.background.runners[f"stage{s}.{p}"]
-                                                    for s, ex in runtime.executors.items() for p in ex.graphs))
+                                                    for s, ex in runtime.executors.items() for p in ex.graphs
+                                                    if f"stage{s}.{p}" in lowering["lowered"]))
             results[config] = {"losses": losses, "params": params, "every": every, "events": events,
                                "lowering": lowering, "stage_to_rank": info["stage_to_rank"],
                                "shard_numel": shard_numel,
