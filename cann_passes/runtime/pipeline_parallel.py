@@ -34,6 +34,7 @@ split without processes.
 """
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -198,7 +199,7 @@ def graphs_run_here(step, program: Program) -> dict[str, Any]:
 
 
 def _why_not_here(step, program: Program, name: str) -> str | None:
-    from ..schedules import SPLIT_BACKWARD, action_lists
+    from ..schedules import SPLIT_BACKWARD
     stage, part = _stage_part(name)
     if stage is None:
         return None
@@ -212,10 +213,16 @@ def _why_not_here(step, program: Program, name: str) -> str | None:
         return f"stage {stage} is run by pipeline rank {info.stage_to_rank[stage]}"
     if part == "apply":
         return None
-    actions = action_lists(info.schedule, pp, info.microbatches, info.stages // pp)[rank]
-    if any(a.stage == stage and _PART_OF_KIND[a.kind] == part for a in actions):
+    if (stage, part) in _parts_run(info.schedule, pp, info.microbatches, info.stages // pp, rank):
         return None
     return f"the {info.schedule} schedule runs no {part} of stage {stage}"
+
+
+@functools.lru_cache(maxsize=32)
+def _parts_run(schedule: str, pp: int, microbatches: int, virtual: int, rank: int) -> frozenset:
+    """(stage, part) of every compute action of ``rank`` under the schedule."""
+    from ..schedules import action_lists
+    return frozenset((a.stage, _PART_OF_KIND[a.kind]) for a in action_lists(schedule, pp, microbatches, virtual)[rank])
 
 
 def _stage_part(name: str) -> tuple[int | None, str]:
