@@ -142,9 +142,10 @@ def test_tp2_with_gradient_accumulation_and_gqa_kv_shards_under_sequence_paralle
     # microbatch on the tp shards, the apply graph once per step; the recipe GPT (fused qkv, tied
     # head) and LLaMA (GQA). Then LLaMA with 8 query / 4 kv heads on one unmasked row under
     # sequence parallelism: each rank's own kv heads, the weights never gathered. Phi-3: its fused
-    # qkv_proj and gate_up_proj sliced apart, split per part by the built-in phi3 rules
+    # qkv_proj and gate_up_proj sliced apart, split per part by the built-in phi3 rules. LLaMA
+    # under sequence parallelism compiled by inductor.
     scenarios = ["step:gpt:sgd:mb2", "step:llama:adamw:mb2", "step:llama8:sgd:sp:row", "step:phi3:sgd",
-                 "step:phi3:adamw"]
+                 "step:phi3:adamw", "step:llama:sgd:sp:inductor"]
     results = launch(tmp_path, 2, scenarios)
     for scenario, got in results.items():
         assert_matches(scenario, got)

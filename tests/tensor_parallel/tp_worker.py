@@ -138,7 +138,7 @@ def run_compiled_step(out: str, scenario: str, world, verify: str = "deep"):
 
     Options: ``zeroN`` (ZeRO stage N over dp), ``ckpt`` (save a checkpoint after step 5 and go on),
     ``mbN`` (N microbatches accumulated per step), ``sp`` (sequence parallelism and the
-    vocab-parallel loss), ``row`` (one-row batches, see ``batches``).
+    vocab-parallel loss), ``row`` (one-row batches, see ``batches``), ``inductor`` (the backend).
     """
     from cann_passes import Plan, compile_for_npu
     from cann_passes.runtime import checkpoint
@@ -148,8 +148,8 @@ def run_compiled_step(out: str, scenario: str, world, verify: str = "deep"):
     tp, dp = world.info.size("tp"), world.info.size("dp")
     zero = next((int(o.removeprefix("zero")) for o in options if o.startswith("zero")), 0)
     sp = "sp" in options
-    plan = Plan(backend="eager", tp=tp, dp=dp, zero_stage=zero, verify=verify, microbatches=microbatches_of(options),
-                sequence_parallel=sp, vocab_parallel_loss=sp)
+    plan = Plan(backend="inductor" if "inductor" in options else "eager", tp=tp, dp=dp, zero_stage=zero,
+                verify=verify, microbatches=microbatches_of(options), sequence_parallel=sp, vocab_parallel_loss=sp)
     step = compile_for_npu(entry.model, plan, optimizer=optimizer, loss_fn=entry.loss_fn)
     data = batches(entry, pad=padded(dp, options), row="row" in options)
     losses = []
