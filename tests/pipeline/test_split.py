@@ -429,3 +429,23 @@ def test_the_split_names_two_ranks_whose_all_reduces_over_a_group_would_not_pair
     rw.nodes.optimizer = list(stage)
     assert _unpaired_reductions(rw, [0, 3, 1, 2], ranks, 2, "pp", {"pp.sub": [0, 1]}) == (
         "over group pp.sub, pipeline rank 0 would all-reduce ['sum of [8]'] while rank 1 all-reduces []")
+
+
+@pytest.mark.parametrize("schedule, runs, skips", [("1f1b", "backward", ("backward_input", "backward_weight")),
+                                                   ("zb1p", "backward_input", ("backward",))])
+def test_one_process_lowers_only_the_stage_graphs_its_schedule_runs(schedule, runs, skips):
+    from cann_passes.runtime.pipeline_parallel import NotRunHere, PipelineRuntimeError
+    plan = Plan(backend="eager", pp=2, microbatches=2, pipeline_schedule=schedule)
+    losses, _, step = _train(_gpt(), plan)
+    want, _, _ = _train(_gpt(), Plan(backend="eager", microbatches=2))
+    assert losses == pytest.approx(want, rel=1e-5)
+    runners = step.last.runners
+    for s in range(2):
+        assert not isinstance(runners[f"stage{s}.{runs}"], NotRunHere)
+        assert not isinstance(runners[f"stage{s}.forward"], NotRunHere)
+        for part in skips:
+            skipped = runners[f"stage{s}.{part}"]
+            assert isinstance(skipped, NotRunHere)
+            with pytest.raises(PipelineRuntimeError, match=f"'stage{s}.{part}' was not lowered in this process "
+                                                           f"\\({schedule} runs stage {s}'s backward as"):
+                skipped()
