@@ -57,6 +57,39 @@ from .base import GuardedRunner, LoweringFailed, cxx_compiler_available, writabl
 aten = torch.ops.aten
 
 
+def memory_format(name: str) -> torch.memory_format:
+    """``torch.<name>``: what a memory format pickles as while inductor keys its caches here."""
+    return getattr(torch, name)
+
+
+def _reduce_memory_format(fmt: torch.memory_format):
+    return memory_format, (str(fmt).removeprefix("torch."),)
+
+
+@contextlib.contextmanager
+def stable_cache_keys():
+    """Inductor's and AOTAutograd's cache keys the same in every process for the same graph.
+
+    Their keys pickle the inputs' metadata, whose memory format (``torch.contiguous_format``)
+    pickles by name with no module: pickle takes the first module in ``sys.modules`` that reaches
+    ``torch`` from its attributes, which depends on what the process imported first (a rank run
+    by multiprocessing: its ``__mp_main__``; a child process: ``torch._utils``). The key then
+    differs between the training process and background lowering's child, and the training
+    process missed the child's caches and compiled again (gloo ranks holding several pipeline
+    stages). While a graph is lowered here a memory format pickles as a call of
+    :func:`memory_format` by name: the same bytes in every process."""
+    import copyreg
+    previous = copyreg.dispatch_table.get(torch.memory_format)
+    copyreg.dispatch_table[torch.memory_format] = _reduce_memory_format
+    try:
+        yield
+    finally:
+        if previous is None:
+            copyreg.dispatch_table.pop(torch.memory_format, None)
+        else:
+            copyreg.dispatch_table[torch.memory_format] = previous
+
+
 def _keep_gloo_order(graph: TrainGraph):
     """Inductor's node reordering (for peak memory, for locality) off for a graph whose collectives
     ``gloo_all_gathers_alone`` ordered: it would issue all-gathers beside other collectives again
@@ -176,7 +209,7 @@ class InductorLowering:
         copy, gm, mutated = lowered(True)
         inputs = _static_example_inputs(example_inputs)
         try:
-            with _keep_gloo_order(graph), cpp_kernel_batches.batched():
+            with _keep_gloo_order(graph), cpp_kernel_batches.batched(), stable_cache_keys():
                 run = compile_fx(gm, inputs)
         except Exception as exc:
             first = str(exc).splitlines()[0] if str(exc) else ""
@@ -190,7 +223,7 @@ class InductorLowering:
 
         def functional():
             gm = lowered(False)[1]
-            with _keep_gloo_order(graph), cpp_kernel_batches.batched():
+            with _keep_gloo_order(graph), cpp_kernel_batches.batched(), stable_cache_keys():
                 return compile_fx(gm, inputs)
 
         return GuardedRunner(run, copy, sorted(positions[n] for n in mutated), functional)

@@ -44,7 +44,7 @@ def test_inductor_keeps_alpha_of_an_add_after_a_matmul():
     torch.testing.assert_close(runner(*args)[0], expected, rtol=1e-5, atol=1e-5)
 
 
-INDUCTOR_TAIL = "spell_out_alpha,tanh_gelu_as_sigmoid"
+INDUCTOR_TAIL = "spell_out_alpha,tanh_gelu_as_sigmoid,bool_collectives_as_bytes"
 
 
 def test_the_inductor_pipeline_names_its_rewrites_even_for_pipeline_text():

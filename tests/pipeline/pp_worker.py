@@ -122,6 +122,8 @@ def main(out: str, model_name: str, pp: int, dp: int, tp: int, configs: list[str
                 losses.append(float(step(shard_batch(global_batch(name, i), world.dp_rank, world.dp_size))))
                 if i == 1 and plan.background_lowering:   # the backend's runners take over from the third step
                     step.wait_for_lowering()
+                    from torch._dynamo.utils import counters
+                    hits_before = counters["aot_autograd"]["autograd_cache_hit"]
                 if plan.effective_loss_scale != "none":
                     scaling.append((bool(step.metrics["loss_scale:found_inf"]),
                                     float(step.step_state.values["loss_scale:scale"])))
@@ -143,11 +145,13 @@ def main(out: str, model_name: str, pp: int, dp: int, tp: int, configs: list[str
             comp = step.last
             lowering = {"lowered": sorted(n for n, r in comp.runners.items() if not isinstance(r, NotRunHere))}
             if comp.background is not None:
+                from torch._dynamo.utils import counters
                 runtime = comp.pipeline_runtime
                 lowering.update(switched_at=comp.background.switched_at, error=comp.background.error,
                                 runs_background=all(ex.runners[p] is comp.background.runners[f"stage{s}.{p}"]
                                                     for s, ex in runtime.executors.items() for p in ex.graphs
-                                                    if f"stage{s}.{p}" in lowering["lowered"]))
+                                                    if f"stage{s}.{p}" in lowering["lowered"]),
+                                take_over_hits=counters["aot_autograd"]["autograd_cache_hit"] - hits_before)
             results[config] = {"losses": losses, "params": params, "every": every, "events": events,
                                "lowering": lowering, "stage_to_rank": info["stage_to_rank"],
                                "shard_numel": shard_numel,

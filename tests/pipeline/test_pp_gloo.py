@@ -328,9 +328,10 @@ def test_pp2_on_encoder_decoders_windows_and_alibi_matches_single_process_traini
 def test_pp2_on_inductor_lowers_each_ranks_own_stages_and_takes_over_from_the_background(tmp_path_factory, subtests):
     """Inductor specialises a stage graph on its inputs' strides: a value handed between stage graphs
     is compiled for, and given in, the layout it was traced with (a saved transposed weight). Each rank
-    lowers only the graphs its schedule runs of its own stages. With background_lowering the first steps run on the
+    lowers only the graphs its schedule runs of its own stages. With background_lowering (two stages
+    a rank) the first steps run on the
     eager lowering while a child process compiles; the schedule's stages then run inductor's runners."""
-    configs = ["1f1b:adamw:inductor", "zb1p:sgd:inductor:background"]
+    configs = ["1f1b:adamw:inductor", "zb1p:sgd:inductor", "interleaved_1f1b:sgd:2:inductor:background"]
     ranks = _launch(tmp_path_factory, "pp2_inductor", 2, "gpt4", 2, 1, configs)
     for config in configs:
         with subtests.test(config=config):
@@ -339,9 +340,12 @@ def test_pp2_on_inductor_lowers_each_ranks_own_stages_and_takes_over_from_the_ba
                 got = result[config]["lowering"]
                 own = [s for s, r in enumerate(result[config]["stage_to_rank"]) if r == rank]
                 # what the schedule runs of them: 1F1B the backward whole, ZB1P in its two parts
-                parts = {"1f1b": ("forward", "backward", "apply"),
+                parts = {"1f1b": ("forward", "backward", "apply"), "interleaved_1f1b": ("forward", "backward", "apply"),
                          "zb1p": ("forward", "backward_input", "backward_weight", "apply")}[config.split(":")[0]]
                 assert set(got["lowered"]) == {f"stage{s}.{p}" for s in own for p in parts}, (rank, got)
                 if "background" in config:
                     assert got["error"] is None and got["switched_at"] == 2, (rank, got)
                     assert got["runs_background"]
+                    # two stages on a rank: the take-over found every graph the child compiled in the
+                    # caches (stable_cache_keys; before, their keys differed and it compiled them again)
+                    assert got["take_over_hits"] == len(got["lowered"]), (rank, got)
