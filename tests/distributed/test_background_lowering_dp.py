@@ -1,7 +1,8 @@
 """plan.background_lowering under data parallelism: each rank's child process compiles the dp
 step with inductor, whose compile resolves the graph's process groups by name, so the child stands
 in groups of the parent's ranks under the parent's names. Both ranks take inductor's runners over
-after two steps on the eager lowering and train like single-process eager PyTorch on the same batch.
+after two steps on the eager lowering, from the caches the child filled, and train like
+single-process eager PyTorch on the same batch.
 
 This file is also the per-rank program: ``python tests/distributed/test_background_lowering_dp.py OUTDIR``.
 """
@@ -31,13 +32,16 @@ def rank_main(out: str) -> None:
     tiny = mlp_step()
     model, opt = tiny.fresh()
     step = compile_for_npu(model, plan, optimizer=opt, loss_fn=tiny.loss_fn)
+    from torch._dynamo.utils import counters
     losses = []
     for i, batch in enumerate(BATCHES):        # every rank the same batch: the mean gradient is its own
         losses.append(float(step(batch)))
         if i == 1:
             step.wait_for_lowering()
+            hits = counters["aot_autograd"]["autograd_cache_hit"]
     background = step.last.background
     torch.save({"losses": losses, "switched_at": background.switched_at, "error": background.error,
+                "take_over_hits": counters["aot_autograd"]["autograd_cache_hit"] - hits,
                 "params": [p.detach().clone() for p in model.parameters()]},
                Path(out) / f"rank{torch.distributed.get_rank()}.pt")
 
@@ -54,6 +58,8 @@ def test_each_rank_takes_inductor_over_from_its_child_and_trains_like_eager(tmp_
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         assert got["error"] is None and got["switched_at"] == 2, (rank, got["error"])
+        # the rank (started by multiprocessing) found what its child compiled: the keys match
+        assert got["take_over_hits"] == 1, rank
         assert got["losses"] == pytest.approx(want.losses, rel=1e-5)
         for p, q in zip(got["params"], model.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
