@@ -855,10 +855,8 @@ def floor_bytes(problem: Problem) -> int:
     """:func:`min_bytes`' bytes alone. Where nothing forces a save it is 0 without pricing the
     selection that saves nothing: that selection has every block rebuild the forward from the
     step's inputs, a walk that grows with the square of the depth (0.04 s on 80 layers)."""
-    values = problem.values
-    if not any(not values[i].kept and not values[i].recomputable for i in relevant(problem)):
-        return 0
-    return min_bytes(problem).bytes
+    idx, forced = _forced(problem)
+    return _floor_cut(problem, idx, forced).bytes if forced else 0
 
 
 def min_bytes(problem: Problem) -> Solution:
@@ -870,11 +868,19 @@ def min_bytes(problem: Problem) -> Solution:
     alone, the rest counted as available (a step without such values saves nothing at its
     floor, with no cut at all); on a 7B-shaped step the cut over every value took seconds.
     """
+    idx, forced = _forced(problem)
+    return _floor_cut(problem, idx, forced) if forced else evaluate(problem, set(), "floor")
+
+
+def _forced(problem: Problem) -> tuple[list[int], list[int]]:
+    """The values that can matter (:func:`relevant`), and those of them that force a save."""
     values = problem.values
     idx = relevant(problem)
-    forced = [i for i in idx if not values[i].kept and not values[i].recomputable]
-    if not forced:
-        return evaluate(problem, set(), "floor")
+    return idx, [i for i in idx if not values[i].kept and not values[i].recomputable]
+
+
+def _floor_cut(problem: Problem, idx: list[int], forced: list[int]) -> Solution:
+    values = problem.values
     users: dict[int, list[int]] = {}
     for i in idx:
         for d in values[i].deps:
