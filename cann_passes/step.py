@@ -303,7 +303,8 @@ class CompiledStep:
             warnings.warn("background_lowering needs inductor's on-disk caches, which let this process take over "
                           f"what a child process compiled: {why}, so the step is lowered before it first runs",
                           RuntimeWarning, stacklevel=4)
-        here = pipeline_parallel.graphs_run_here(self, program)
+        skipped = pipeline_parallel.not_run_here(self, program)
+        here = {name: graph for name, graph in program.graphs.items() if name not in skipped}
         if in_background:
             # Run at once on the eager lowering of this very program; the backend's runners take
             # over between two steps once compiled (BackgroundLowering).
@@ -321,8 +322,7 @@ class CompiledStep:
             with compile_cache.lowering_context(self.backend):
                 runners = {name: lowering.compile(graph, self._inputs(graph, batch), self.plan)
                            for name, graph in here.items()}
-        runners.update({name: pipeline_parallel.NotRunHere(self, name, program)
-                        for name in program.graphs if name not in here})
+        runners.update({name: pipeline_parallel.NotRunHere(name, why) for name, why in skipped.items()})
         compile_seconds = time.perf_counter() - t1
         ctx = program.context
         main = program.main

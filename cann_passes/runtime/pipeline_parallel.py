@@ -184,8 +184,8 @@ class _StageRunners(Mapping):
 _PART_OF_KIND = {"F": "forward", "B": "backward", "I": "backward_input", "W": "backward_weight"}
 
 
-def graphs_run_here(step, program: Program) -> dict[str, Any]:
-    """The graphs of ``program`` this process runs, to be lowered; the others are never called.
+def not_run_here(step, program: Program) -> dict[str, str]:
+    """The graphs of ``program`` this process never calls, and so does not lower: name -> why.
 
     A pipelined program cuts every stage into forward, backward, backward_input, backward_weight and
     apply graphs, and its schedule runs some of them: 1F1B a stage's backward whole, zero-bubble
@@ -194,8 +194,13 @@ def graphs_run_here(step, program: Program) -> dict[str, Any]:
     (:func:`run_local`) every stage's forward and apply, and its backward whole or split as the
     schedule splits it. Lowering the rest would cost a compile each (inductor: seconds apiece)."""
     if not is_pipelined(program):
-        return dict(program.graphs)
-    return {name: program.graphs[name] for name in program.graphs if _why_not_here(step, program, name) is None}
+        return {}
+    out = {}
+    for name in program.graphs:
+        why = _why_not_here(step, program, name)
+        if why is not None:
+            out[name] = why
+    return out
 
 
 def _why_not_here(step, program: Program, name: str) -> str | None:
@@ -232,10 +237,10 @@ def _stage_part(name: str) -> tuple[int | None, str]:
 
 
 class NotRunHere:
-    """Stands for a stage graph this process does not run, and so did not lower (:func:`graphs_run_here`)."""
+    """Stands for a stage graph this process does not run, and so did not lower (:func:`not_run_here`)."""
 
-    def __init__(self, step, name: str, program: Program):
-        self.name, self.why = name, _why_not_here(step, program, name)
+    def __init__(self, name: str, why: str):
+        self.name, self.why = name, why
 
     def __call__(self, *args):
         raise PipelineRuntimeError(f"graph '{self.name}' was not lowered in this process ({self.why})")
