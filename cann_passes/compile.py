@@ -18,6 +18,7 @@ from typing import Any
 
 from graph_ir import TrainGraph
 from graph_ir.gc_pause import gc_paused
+from graph_ir.stack_room import with_stack_room
 from graph_ir.meta import GraphAttr, GraphKind, graph_kind
 from graph_ir.mesh import MeshDesc
 from graph_ir.program import Program
@@ -94,6 +95,7 @@ def check_mesh(plan: Plan, mesh: MeshDesc) -> None:
 
 
 @gc_paused()
+@with_stack_room
 def compile_program(captured: TrainGraph, plan: Plan, mesh: MeshDesc | None = None, *,
                     backend: str | None = None, dump_dir: str | None = None,
                     inputs: list[Any] | None = None) -> Program:

@@ -37,6 +37,7 @@ from .analysis.gradients import GradientNotFound, find_gradients
 from .build import eliminate_dead_code
 from .custom_autograd import capturing_custom_autograd
 from .gc_pause import gc_paused
+from .stack_room import with_stack_room
 from .guards import GuardRecorder
 from .meta import MODULE_PATH, REGION, GraphAttr, Region
 from .meta_attention import fused_attention_on_meta
@@ -708,6 +709,7 @@ def _trace(step, flat: list, layout: StepLayout, stack_traces: bool = False) -> 
 
 
 @gc_paused()
+@with_stack_room
 def capture_train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn,
                        batch: Any, *, name: str = "step", unused: frozenset[str] = frozenset(),
                        guards: "GuardRecorder | None" = None) -> tuple[TrainGraph, StepLayout]:
