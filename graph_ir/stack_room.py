@@ -1,4 +1,4 @@
-"""Capture and compilation run with room on CPython's frame stack, whatever their caller's depth.
+"""Capture, compilation and lowering run with room on CPython's frame stack, whatever their caller's depth.
 
 CPython 3.11+ keeps a thread's Python frames in chunks of 16 KiB that it maps when a frame does not
 fit and unmaps when the first frame of a chunk returns. Tracing calls and returns through the same
@@ -6,7 +6,9 @@ few dozen frames once per op; where a chunk boundary falls inside that stretch, 
 unmaps a chunk and faults its pages in again. Where the boundary falls depends only on how deep the
 caller is: measured on a 7B-shaped 8-layer GPT, capture took 0.37-0.61 s (page faults 0-35k)
 depending on how many frames sat above the call, periodically with each 16 KiB of caller frames,
-and ``python -m`` adds enough of them to land a 32-layer capture on a slow spot.
+and ``python -m`` adds enough of them to land a 32-layer capture on a slow spot. Inductor's
+lowering of a 2-layer GPT (its caches off, its kernels built) took 2.9-4.6 s (6k-270k faults)
+the same way.
 
 So the call goes through a trampoline whose frame reserves 256 KiB of value stack it never uses:
 CPython gives it a chunk of its own, twice that size (chunk sizes are powers of two), and every frame

@@ -51,6 +51,7 @@ from graph_ir import TrainGraph
 from . import cpp_kernel_batches
 from graph_ir.meta import GraphAttr
 from graph_ir.multi_tensor_ops import FUSED_ADAM, FUSED_ADAM_IN_PLACE, IN_PLACE
+from graph_ir.stack_room import with_stack_room
 
 from .base import GuardedRunner, LoweringFailed, cxx_compiler_available, writable_inputs
 
@@ -210,7 +211,8 @@ class InductorLowering:
         inputs = _static_example_inputs(example_inputs)
         try:
             with _keep_gloo_order(graph), cpp_kernel_batches.batched(), stable_cache_keys():
-                run = compile_fx(gm, inputs)
+                # Inductor's trace and code generation run deeper than capture (see graph_ir.stack_room).
+                run = with_stack_room(compile_fx)(gm, inputs)
         except Exception as exc:
             first = str(exc).splitlines()[0] if str(exc) else ""
             raise LoweringFailed(
@@ -224,6 +226,6 @@ class InductorLowering:
         def functional():
             gm = lowered(False)[1]
             with _keep_gloo_order(graph), cpp_kernel_batches.batched(), stable_cache_keys():
-                return compile_fx(gm, inputs)
+                return with_stack_room(compile_fx)(gm, inputs)
 
         return GuardedRunner(run, copy, sorted(positions[n] for n in mutated), functional)
