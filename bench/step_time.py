@@ -21,6 +21,8 @@ with AdamW, every row from the same initial weights:
   before the eager lowering computed it as Python floats;
 - ``ours-eager-unplanned``: ``ours-eager`` without its buffer plan (``$CANN_PASSES_BUFFER_PLAN=0``:
   no ``plan_buffers``, every intermediate allocated afresh each step, as before the plan);
+  ``ours-inductor-unplanned`` the same switch on inductor (its intermediates not kept from one call
+  to the next: ``cann_passes/lowering/inductor_buffers.py``);
 - ``ours-eager-fused``: the update as torch's fused AdamW kernel on eager (``optimizer_kernel:
   fused``: one ``cann::fused_adam`` call, in place; bitwise the ``fused`` row's update);
   ``ours-inductor-fused`` / ``-foreach`` the fused kernel (inductor's default for Adam: it then
@@ -68,7 +70,7 @@ MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::
               "aten::_scaled_dot_product_flash_attention_for_cpu",
               "aten::_scaled_dot_product_flash_attention_for_cpu_backward")
 ROWS = ("eager", "foreach", "fused", "compile", "compile+opt", "ours-eager", "ours-eager-unguarded",
-        "ours-eager-foreach", "ours-eager-fused", "ours-eager-tensor-scalars", "ours-eager-unplanned", "ours-inductor", "ours-inductor-unfused", "ours-inductor-foreach", "ours-inductor-fused",
+        "ours-eager-foreach", "ours-eager-fused", "ours-eager-tensor-scalars", "ours-eager-unplanned", "ours-inductor", "ours-inductor-unplanned", "ours-inductor-unfused", "ours-inductor-foreach", "ours-inductor-fused",
         "ours-inductor+onednn")
 _KERNELS = {"-unfused": "none", "-foreach": "foreach", "-fused": "fused"}
 

@@ -53,7 +53,8 @@ from graph_ir.meta import GraphAttr
 from graph_ir.multi_tensor_ops import FUSED_ADAM, FUSED_ADAM_IN_PLACE, IN_PLACE
 from graph_ir.stack_room import with_stack_room
 
-from .base import GuardedRunner, LoweringFailed, cxx_compiler_available, writable_inputs
+from .base import GuardedRunner, LoweringFailed, buffer_plan_enabled, cxx_compiler_available, writable_inputs
+from .inductor_buffers import HoldingRunner, allocating_from_kept_buffers
 
 aten = torch.ops.aten
 
@@ -182,6 +183,12 @@ def _static_example_inputs(example_inputs) -> list:
             for x in example_inputs]
 
 
+def _holding(run):
+    """The runner keeping its intermediate buffers between calls (``inductor_buffers``), as the eager
+    backend holds its planned slots; ``$CANN_PASSES_BUFFER_PLAN=0`` turns both off."""
+    return HoldingRunner(run) if buffer_plan_enabled() else run
+
+
 class InductorLowering:
     name = "inductor"
     required_passes = ("spell_out_alpha", "tanh_gelu_as_sigmoid", "bool_collectives_as_bytes")
@@ -210,9 +217,10 @@ class InductorLowering:
         copy, gm, mutated = lowered(True)
         inputs = _static_example_inputs(example_inputs)
         try:
-            with _keep_gloo_order(graph), cpp_kernel_batches.batched(), stable_cache_keys():
+            with _keep_gloo_order(graph), cpp_kernel_batches.batched(), stable_cache_keys(), \
+                    allocating_from_kept_buffers():
                 # Inductor's trace and code generation run deeper than capture (see graph_ir.stack_room).
-                run = with_stack_room(compile_fx)(gm, inputs)
+                run = _holding(with_stack_room(compile_fx)(gm, inputs))
         except Exception as exc:
             first = str(exc).splitlines()[0] if str(exc) else ""
             raise LoweringFailed(
@@ -225,7 +233,8 @@ class InductorLowering:
 
         def functional():
             gm = lowered(False)[1]
-            with _keep_gloo_order(graph), cpp_kernel_batches.batched(), stable_cache_keys():
-                return with_stack_room(compile_fx)(gm, inputs)
+            with _keep_gloo_order(graph), cpp_kernel_batches.batched(), stable_cache_keys(), \
+                    allocating_from_kept_buffers():
+                return _holding(with_stack_room(compile_fx)(gm, inputs))
 
         return GuardedRunner(run, copy, sorted(positions[n] for n in mutated), functional)
