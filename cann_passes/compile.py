@@ -18,10 +18,10 @@ from typing import Any
 
 from graph_ir import TrainGraph
 from graph_ir.gc_pause import gc_paused
-from graph_ir.stack_room import with_stack_room
 from graph_ir.meta import GraphAttr, GraphKind, graph_kind
 from graph_ir.mesh import MeshDesc
 from graph_ir.program import Program
+from graph_ir.stack_room import with_stack_room
 
 from .dump import DumpWriter
 from .lowering import required_passes

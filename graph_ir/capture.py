@@ -37,12 +37,12 @@ from .analysis.gradients import GradientNotFound, find_gradients
 from .build import eliminate_dead_code
 from .custom_autograd import capturing_custom_autograd
 from .gc_pause import gc_paused
-from .stack_room import with_stack_room
 from .guards import GuardRecorder
 from .meta import MODULE_PATH, REGION, GraphAttr, Region
 from .meta_attention import fused_attention_on_meta
 from .optimizers import UpdateRule, fused_kernel_asked, rule_for
 from .signature import InputKind, OutputKind, Spec, StepSignature, state_name
+from .stack_room import with_stack_room
 from .train_graph import TrainGraph
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
