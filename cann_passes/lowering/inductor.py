@@ -196,6 +196,14 @@ class InductorLowering:
     def available(self) -> tuple[bool, str]:
         return cxx_compiler_available()
 
+    @staticmethod
+    def warm_up() -> None:
+        """Import inductor's compiler and hash torch's sources for its cache keys (once per process):
+        background lowering does both in a thread before its take-over."""
+        import torch._inductor.compile_fx  # noqa: F401
+        from torch._inductor.codecache import torch_key
+        torch_key()
+
     def compile(self, graph: TrainGraph, example_inputs, plan):
         from torch._inductor.compile_fx import compile_fx
 

@@ -90,6 +90,7 @@ def test_steps_run_on_eager_until_the_backend_is_lowered_then_on_its_runners(hel
     got += [float(step(b)) for b in BATCHES[3:]]
     assert background.switched_at == 3 and step.last.runners["step"] is not eager_runner
     assert background.runners["step"] is step.last.runners["step"]
+    assert background.warmed_up     # inductor's compiler imported while the child ran, not by the take-over
     # lowered from tensors of the inputs' layout, never the parameters the steps update
     live = {p.data_ptr() for p in model.parameters()} | {t.data_ptr() for s in step.optimizer.state.values()
                                                          for t in s.values() if isinstance(t, torch.Tensor)}
@@ -99,6 +100,22 @@ def test_steps_run_on_eager_until_the_backend_is_lowered_then_on_its_runners(hel
     assert got == pytest.approx(want, rel=1e-6)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_a_warm_up_that_fails_leaves_the_import_to_the_take_over(held_inductor, monkeypatch):
+    release, lowered = held_inductor
+
+    def fails():
+        raise ImportError("no inductor here")
+    monkeypatch.setattr(InductorLowering, "warm_up", staticmethod(fails))
+    step, _ = _in_the_background(mlp_step())
+    for b in BATCHES[:2]:
+        step(b)
+    background = step.last.background
+    release.set()
+    background.wait()
+    step(BATCHES[2])
+    assert background.switched_at == 2 and background.error is None and not background.warmed_up
 
 
 @pytest.mark.parametrize("where", ["child", "parent"])
