@@ -44,11 +44,11 @@ class KeptBuffers:
 
     def take(self, size, stride, dtype) -> torch.Tensor:
         kept = self._by_layout.setdefault((size, stride, dtype), [])
-        for i in range(len(kept)):     # (not enumerate: its reused tuple would hold one more reference)
-            t = kept[i]
-            if _free(t):
+        for i in range(len(kept)):
+            if _free(kept, i):
                 # To the back: those not yet taken in this call come first, so the first is free.
-                kept.append(kept.pop(i))
+                t = kept.pop(i)
+                kept.append(t)
                 return t
         t = _allocate(size, stride, dtype)
         kept.append(t)
@@ -58,7 +58,7 @@ class KeptBuffers:
         """After a call: keep only the buffers nothing else references (the call's dropped
         intermediates); what the graph returned, or anything still holds, is no longer ours."""
         for layout, kept in list(self._by_layout.items()):
-            kept[:] = [t for t in kept if _free(t)]
+            kept[:] = [kept[i] for i in range(len(kept)) if _free(kept, i)]
             if not kept:
                 del self._by_layout[layout]
 
@@ -66,10 +66,24 @@ class KeptBuffers:
         return sum(t.untyped_storage().nbytes() for kept in self._by_layout.values() for t in kept)
 
 
-def _free(t: torch.Tensor) -> bool:
-    # Python references to ``t`` when only the pool holds it: its list, the caller's variable, this
-    # parameter and getrefcount's argument; to its storage: ``t`` and the temporary ``untyped_storage()``.
-    return sys.getrefcount(t) <= 4 and t._use_count() == 1 and _storage_use_count(t.untyped_storage()._cdata) == 2
+def _python_references(kept: list, i: int) -> int:
+    t = kept[i]
+    return sys.getrefcount(t)
+
+
+# What :func:`_python_references` reads for an object only a list holds (its list, ``t`` and
+# getrefcount's argument), measured rather than assumed: interpreters count differently.
+_ONLY_KEPT = _python_references([object()], 0)
+
+
+def _free(kept: list, i: int) -> bool:
+    """Whether ``kept[i]`` is referenced by nothing but ``kept``: no other Python reference (asked
+    before the caller holds it), no other holder of the tensor (a C++ one), no other tensor on its
+    storage (a view); the storage's count includes the temporary ``untyped_storage()``."""
+    if _python_references(kept, i) > _ONLY_KEPT:
+        return False
+    t = kept[i]
+    return t._use_count() == 1 and _storage_use_count(t.untyped_storage()._cdata) == 2
 
 
 def empty_strided(size, stride, dtype, *rest) -> torch.Tensor:
