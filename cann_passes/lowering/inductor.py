@@ -224,11 +224,14 @@ class InductorLowering:
 
         copy, gm, mutated = lowered(True)
         inputs = _static_example_inputs(example_inputs)
-        try:
+
+        def compiled(gm):
             with _keep_gloo_order(graph), cpp_kernel_batches.batched(), stable_cache_keys(), \
                     allocating_from_kept_buffers():
                 # Inductor's trace and code generation run deeper than capture (see graph_ir.stack_room).
-                run = _holding(with_stack_room(compile_fx)(gm, inputs))
+                return _holding(with_stack_room(compile_fx)(gm, inputs))
+        try:
+            run = compiled(gm)
         except Exception as exc:
             first = str(exc).splitlines()[0] if str(exc) else ""
             raise LoweringFailed(
@@ -238,11 +241,5 @@ class InductorLowering:
         if not mutated:
             return run
         positions = {n: i for i, n in enumerate(copy.placeholders())}
-
-        def functional():
-            gm = lowered(False)[1]
-            with _keep_gloo_order(graph), cpp_kernel_batches.batched(), stable_cache_keys(), \
-                    allocating_from_kept_buffers():
-                return _holding(with_stack_room(compile_fx)(gm, inputs))
-
-        return GuardedRunner(run, copy, sorted(positions[n] for n in mutated), functional)
+        return GuardedRunner(run, copy, sorted(positions[n] for n in mutated),
+                             lambda: compiled(lowered(False)[1]))
