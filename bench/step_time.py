@@ -27,7 +27,10 @@ with AdamW, every row from the same initial weights:
   fused``: one ``cann::fused_adam`` call, in place; bitwise the ``fused`` row's update);
   ``ours-inductor-fused`` / ``-foreach`` the fused kernel (inductor's default for Adam: it then
   generates no code for the update) / the ``_foreach_*`` update on inductor;
-- ``ours-inductor+onednn``: inductor with the opt-in ``linear_on_onednn`` pass.
+- ``ours-inductor-aten`` / ``ours-eager-onednn``: the float32 matmuls all on ATen's kernels (MKL) on
+  inductor (``matmul_kernel: aten``; inductor's default moves each to oneDNN where a timing at compile
+  finds oneDNN faster, ``linear_on_onednn``) / all on oneDNN on eager (``matmul_kernel: onednn``;
+  eager's default stays on ATen's, bitwise eager PyTorch).
 
 Rows run in interleaved rounds (every row once per round, in a rotating
 order) so that load from other processes on the machine falls on all rows
@@ -41,10 +44,10 @@ processes changes least) and wall time. The matmul floor is eager's step
 time times the matmul share of that step measured by ``torch.profiler``
 (self time of mm / addmm / bmm / baddbmm / SDPA over the profiled window's
 wall time, the profiler's own clock): the time left if everything but the
-matmuls took nothing, with the same BLAS. The ``+onednn`` row runs its forward
-and input-gradient matmuls on oneDNN (weight gradients and ``bmm`` stay on
-MKL), so the inductor rows' own matmul time, measured the same way on their
-steps and printed beside the floor, can be below eager's. Every row's own
+matmuls took nothing, with the same BLAS. Rows whose matmuls run on oneDNN (ours
+inductor where it measured oneDNN faster, ``ours-eager-onednn``; ``bmm`` stays on
+MKL) have their own matmul time, measured the same way on their steps and printed
+beside the floor, below eager's. Every row's own
 matmul time is printed so, with the rest of its step beside it: where the
 matmuls are the same calls in every row, the rest is what a row can win.
 Compilation happens before the timed rounds and is reported separately. ``--models llama`` (or another name from
@@ -71,8 +74,9 @@ MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::
               "aten::_scaled_dot_product_flash_attention_for_cpu_backward")
 ROWS = ("eager", "foreach", "fused", "compile", "compile+opt", "ours-eager", "ours-eager-unguarded",
         "ours-eager-foreach", "ours-eager-fused", "ours-eager-tensor-scalars", "ours-eager-unplanned", "ours-inductor", "ours-inductor-unplanned", "ours-inductor-unfused", "ours-inductor-foreach", "ours-inductor-fused",
-        "ours-inductor+onednn")
+        "ours-inductor-aten", "ours-eager-onednn")
 _KERNELS = {"-unfused": "none", "-foreach": "foreach", "-fused": "fused"}
+_MATMULS = {"-aten": "aten", "-onednn": "onednn"}
 
 
 @dataclass
@@ -210,16 +214,17 @@ def make_row(name: str, case: Case) -> Row:
     model.train()
     if name.startswith("ours-"):
         opt = _adamw(model)
-        backend, _, extra = name[len("ours-"):].partition("+")
+        backend = name[len("ours-"):]
         tensor_scalars = backend.endswith("-tensor-scalars")
         unplanned = backend.endswith("-unplanned")
         backend = backend.removesuffix("-tensor-scalars").removesuffix("-unplanned")
+        matmul = next((k for k in _MATMULS if backend.endswith(k)), "")
+        backend = backend.removesuffix(matmul) if matmul else backend
         unguarded = backend.endswith("-unguarded")
+        backend = backend.removesuffix("-unguarded")
         suffix = next((k for k in _KERNELS if backend.endswith(k)), "")
-        kernel = _KERNELS.get(suffix, "auto")
-        plan = Plan(backend=backend.removesuffix("-unguarded").removesuffix(suffix) if suffix else
-                    backend.removesuffix("-unguarded"),
-                    extra_passes=("linear_on_onednn",) if extra == "onednn" else (), optimizer_kernel=kernel)
+        plan = Plan(backend=backend.removesuffix(suffix) if suffix else backend,
+                    optimizer_kernel=_KERNELS.get(suffix, "auto"), matmul_kernel=_MATMULS.get(matmul, "auto"))
         step = compile_for_npu(model, plan, optimizer=opt, loss_fn=case.loss_fn)
         t0 = time.perf_counter()
         # The eager backend's passes and lowering read these when the step compiles, in compile().

@@ -30,6 +30,8 @@
     split_grad_apply             grad / apply graphs         (accumulating plans, pp = 1)
     pipeline_split{stages,...}   pipeline stage graphs       (plan.pp > 1)
     spell_out_alpha              inductor's addmm pattern    (backend inductor)
+    linear_on_onednn{choose}     CPU matmuls on oneDNN       (plan.matmul_kernel: auto is measured on
+                                                              inductor, none on eager; float32 CPU)
 
 With pp > 1 the plan's ``microbatches`` are the pipeline's: ``grad_accumulation``
 gives every parameter its accumulator and ``pipeline_split`` (not
@@ -97,6 +99,7 @@ PLAN_FIELD_OF: dict[tuple[str, str], str] = {
     ("optimizer_shard", "stage"): "zero_stage", ("optimizer_shard", "bucket_mb"): "bucket_mb",
     ("optimizer_shard", "master"): "zero_master",
     ("grad_clip", "max_norm"): "grad_clip_norm", ("fuse_optimizer", "kernel"): "optimizer_kernel",
+    ("linear_on_onednn", "choose"): "matmul_kernel",
     ("pipeline_split", "stages"): "pp", ("pipeline_split", "pp"): "pp",
     ("pipeline_split", "schedule"): "pipeline_schedule", ("pipeline_split", "layers"): "pipeline_split",
     ("pipeline_split", "profile"): "device_profile",
@@ -181,7 +184,21 @@ def build_pipeline(plan: Plan, backend: str, *, optimizer_fused: bool = False) -
         steps.append("split_grad_apply")
     if backend == "inductor":
         steps.append("spell_out_alpha")
+    choose = matmul_choice(plan, backend)
+    if choose != "none":
+        steps.append(str(spec("linear_on_onednn", choose=choose)))
     return Pipeline.of(*steps)
+
+
+def matmul_choice(plan: Plan, backend: str) -> str:
+    """``plan.matmul_kernel`` as linear_on_onednn's ``choose`` option, ``none`` for no pass: ``auto``
+    measures on inductor (whose fusions already round otherwise than eager) and leaves the eager
+    backend on ATen's kernels, bitwise eager PyTorch."""
+    if plan.matmul_kernel == "onednn" and backend in ("eager", "inductor"):
+        return "always"
+    if plan.matmul_kernel == "auto" and backend == "inductor":
+        return "measured"
+    return "none"
 
 
 def optimizer_kernel(plan: Plan, backend: str, *, optimizer_fused: bool = False) -> str:

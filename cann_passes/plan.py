@@ -41,12 +41,14 @@ DEVICE_PROFILES = ("auto", "cpu", "ascend_910b", "ascend_a3", "a100", "h100", "h
 ALLREDUCE_ALGOS = ("auto", "ring", "tree")
 TP_STYLES = ("column", "row", "vocab", "replicate")
 OPTIMIZER_KERNELS = ("auto", "foreach", "fused", "none")
+MATMUL_KERNELS = ("auto", "aten", "onednn")
 
 _ENUMS = {"precision": PRECISIONS, "recompute": RECOMPUTE_POLICIES, "backend": BACKENDS,
           "pipeline_schedule": PIPELINE_SCHEDULES, "verify": VERIFY_LEVELS,
           "allreduce_algo": ALLREDUCE_ALGOS, "loss_scale": LOSS_SCALES,
           "device_profile": DEVICE_PROFILES, "grad_reduce_dtype": ("fp32", "bf16"),
           "zero_master": ("whole", "sharded"), "optimizer_kernel": OPTIMIZER_KERNELS,
+          "matmul_kernel": MATMUL_KERNELS,
           "cp_attention": ("gather", "ring")}
 _POSITIVE_INTS = ("dp", "ep", "cp", "tp", "pp", "microbatches", "recompute_every_n", "loss_scale_growth_interval",
                   "pipeline_virtual_stages")
@@ -106,6 +108,9 @@ class Plan:
     # foreach=True on CPU), fused (torch's fused Adam kernels: refused, see the pass), none;
     # auto: foreach on inductor and torchair, none on eager (whose in-place updates need per-tensor ops).
     optimizer_kernel: str = "auto"
+    # float32 CPU matmuls (linear_on_onednn): aten (MKL), onednn, or auto: on inductor each where a
+    # timing finds oneDNN faster, on eager aten (bitwise eager PyTorch); no effect off CPU.
+    matmul_kernel: str = "auto"
     # Inductor's lowering in a child process while the first steps run on the eager lowering of the
     # same program; its runners take over between two steps (cann_passes.background_lowering).
     background_lowering: bool = False
@@ -371,6 +376,9 @@ class Plan:
             raise PlanError("optimizer_kernel", "'fused' (torch's fused Adam kernel as cann::fused_adam) has "
                             "no GE converter; on torchair use 'foreach', which lowers to GE's Foreach* ops",
                             self.optimizer_kernel)
+        if self.matmul_kernel == "onednn" and self.backend == "torchair":
+            raise PlanError("matmul_kernel", "'onednn' applies to CPU matmuls (the inductor and eager "
+                            "backends); torchair's matmuls are GE's", self.matmul_kernel)
         if self.optimizer_kernel in ("foreach", "fused") and self.pp > 1:
             raise PlanError("optimizer_kernel", "applies only at pp = 1 (the pipeline stages' updates "
                             f"stay per parameter: a multi-tensor op would span stages; pp = {self.pp})",
@@ -495,6 +503,10 @@ class Plan:
             refuse("optimizer_kernel", "is 'none' but there is a 'fuse_optimizer' pass")
         elif self.optimizer_kernel in ("foreach", "fused"):
             agree("optimizer_kernel", "fuse_optimizer", "kernel", self.optimizer_kernel)
+        if self.matmul_kernel == "aten" and find("linear_on_onednn") is not None:
+            refuse("matmul_kernel", "is 'aten' but there is a 'linear_on_onednn' pass")
+        elif self.matmul_kernel == "onednn":
+            agree("matmul_kernel", "linear_on_onednn", "choose", "always")
         if self.tp > 1:
             agree("tp", "tensor_parallel")
         if self.cp > 1:

@@ -1,39 +1,46 @@
-"""linear_on_onednn: run the float32 CPU matmuls that oneDNN does faster than MKL through oneDNN.
+"""linear_on_onednn: float32 CPU matmuls through oneDNN where oneDNN runs them faster than MKL.
 
-On CPU, ATen hands every float32 ``mm``/``addmm`` to MKL's ``sgemm``; oneDNN's
-matmul (``mkldnn._linear_pointwise``, what inductor uses only for frozen,
-prepacked inference weights) is faster for a training step's linear
-layers: on this project's AMD EPYC machine, one thread, a GPT's shapes
-(1024 rows, K and N of 256-1024) take 0.73-0.99x of MKL's time for
-``x @ W.t() + b`` (the forward) and ``g @ W`` (the input gradient). It is
-slower where the left operand is a transposed view (the weight gradient
-``g.t() @ x``: oneDNN reorders it, 1.2x), so those stay on MKL.
+On CPU, ATen hands every float32 ``mm``/``addmm`` to MKL's ``sgemm``. oneDNN's matmul
+(``mkldnn._linear_pointwise``, which inductor itself uses only for frozen, prepacked
+inference weights) can be much faster, and by how much depends on the machine: on an
+AVX-512 AMD EPYC it ran a training step's linear layers (1024 rows, K and N of
+256-1024, one thread) in 0.43-0.49x of MKL's time, forward, input gradient and
+weight gradient alike (MKL picks a slower code path on CPUs that are not Intel's);
+on another it took 0.73-0.99x forward and 1.2x for the weight gradient, whose left
+operand is a transposed view that oneDNN reorders. So the pass measures.
 
 Rewritten, on float32 CPU tensors when oneDNN is built in:
 
 - ``addmm(b, x, m)`` with a 1-D bias ``b`` of the output's width, ``alpha = beta = 1``;
 - ``mm(x, m)``;
 
-where ``x`` is 2-D and row-major (its fake value is contiguous), as
-``cann.onednn_linear(x, m.t(), b)``: ``x @ m + b`` with oneDNN. The op is a
+where ``x`` is 2-D and dense, row-major or a transposed view (a weight gradient's
+``g.t()``), as ``cann.onednn_linear(x, m.t(), b)``: ``x @ m + b`` with oneDNN. The op is a
 ``torch.library`` custom op defined here (inductor's lowering of
-``mkldnn._linear_pointwise`` accepts only constant weights), so inductor calls
-it as an extern kernel with the operand strides the graph gives it; its fake
-implementation gives a contiguous result, as oneDNN writes it.
+``mkldnn._linear_pointwise`` accepts only constant weights), so inductor calls it as an
+extern kernel with the operand strides the graph gives it; its fake implementation gives
+a contiguous result, as oneDNN writes it.
 
-Numerics: not bitwise. oneDNN sums each dot product in another order than
-MKL, a float32 rounding difference (relative 1e-7 to 1e-6 of the result);
-tests hold steps to 1e-5 of eager PyTorch.
+Option ``choose``:
 
-Opt-in (``Plan(extra_passes=("linear_on_onednn",))``), not one of inductor's
-required passes: in a whole step it gains about 1% (the recipe GPT,
-``bench.step_time`` row ``ours-inductor+onednn``), less than the 10% the
-same matmuls gain alone, and the rounding noise it adds is what Adam turns
-into a full step on a parameter whose gradient is all cancellation: the
-inductor parity test (bias-free GPT, Adam, 10 steps, 1% of a step allowed)
-then sees 1.2% on one element.
+- ``measured`` (``Plan.matmul_kernel: auto`` on inductor): each distinct matmul (shapes,
+  layouts, bias, thread count) is timed once per process on both libraries, on random
+  operands of its layout (rows capped so that one call is about 2^27 multiply-adds), and
+  moves only where oneDNN takes at most 0.8x MKL's time. The margin keeps a near tie on
+  MKL, so that noise does not make two processes choose differently; choices are kept
+  for the process, and a compile-cache hit reuses the program the choice was made for.
+- ``always`` (``Plan.matmul_kernel: onednn``): every candidate moves.
+
+Numerics: not bitwise. oneDNN sums each dot product in another order than MKL, a
+float32 rounding difference (relative 1e-7 to 1e-6 of the result), as inductor's own
+fusions round otherwise than eager; steps stay within 1e-5 of eager PyTorch. That is
+why the eager backend, bitwise eager PyTorch by default, leaves it to
+``matmul_kernel: onednn``.
 """
 from __future__ import annotations
+
+import time
+from typing import Literal
 
 import torch
 import torch.fx
@@ -44,6 +51,16 @@ from graph_ir.meta import GRADIENT_OF
 from ..pass_manager import PassContext, register_pass
 
 aten = torch.ops.aten
+
+# oneDNN is chosen where it takes at most this share of MKL's time (see the module's doc).
+MARGIN = 0.8
+# Multiply-adds of one timed call: rows are cut to about this many (never below MIN_ROWS).
+TIMED_MACS = 1 << 27
+MIN_ROWS = 64
+_REPEATS = 3
+
+# (x shape, x layout, m shape, m layout, bias, threads) -> (MKL seconds, oneDNN seconds)
+_measured: dict[tuple, tuple[float, float]] = {}
 
 
 @torch.library.custom_op("cann::onednn_linear", mutates_args=())
@@ -62,8 +79,15 @@ def _float32_cpu(node) -> bool:
     return isinstance(val, torch.Tensor) and val.device.type == "cpu" and val.dtype == torch.float32
 
 
-def _row_major_2d(node) -> bool:
-    return _float32_cpu(node) and node.meta["val"].dim() == 2 and node.meta["val"].is_contiguous()
+def _layout(val: torch.Tensor) -> str | None:
+    """``row`` (row-major), ``col`` (a transposed row-major tensor) or None, for a 2-D value."""
+    if val.dim() != 2:
+        return None
+    if val.is_contiguous():
+        return "row"
+    if val.t().is_contiguous():
+        return "col"
+    return None
 
 
 def _operands(node: torch.fx.Node):
@@ -82,22 +106,63 @@ def _operands(node: torch.fx.Node):
             return None
     else:
         return None
-    if not _row_major_2d(x) or not _float32_cpu(m):
+    if not (_float32_cpu(x) and _float32_cpu(m)) or _layout(x.meta["val"]) is None \
+            or _layout(m.meta["val"]) is None:
         return None
     return x, m, bias
 
 
-def linear_on_onednn(graph: TrainGraph) -> int:
-    """Rewrite in place; returns the count of rewritten matmuls."""
+def _operand(shape: tuple[int, int], layout: str, generator: torch.Generator) -> torch.Tensor:
+    if layout == "row":
+        return torch.randn(shape, generator=generator)
+    return torch.randn(shape[::-1], generator=generator).t()
+
+
+def _best(fn) -> float:
+    fn()   # oneDNN builds its primitive on the first call
+    best = float("inf")
+    for _ in range(_REPEATS):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure(x: torch.Tensor, m: torch.Tensor, bias: bool) -> tuple[float, float]:
+    """Seconds of one ``x @ m (+ bias)`` by MKL (ATen's ``mm``/``addmm``) and by oneDNN, for
+    operands of ``x``'s and ``m``'s shapes and layouts (fake values do), rows cut to about
+    :data:`TIMED_MACS` multiply-adds. Kept for the process."""
+    (rows, inner), (_, width) = x.shape, m.shape
+    rows = min(rows, max(MIN_ROWS, TIMED_MACS // max(1, inner * width)))
+    key = ((rows, inner), _layout(x), tuple(m.shape), _layout(m), bias, torch.get_num_threads())
+    if key not in _measured:
+        g = torch.Generator().manual_seed(0)
+        a = _operand((rows, inner), _layout(x), g)
+        b = _operand(tuple(m.shape), _layout(m), g)
+        c = torch.randn(width, generator=g) if bias else None
+        weight = b.t()
+        mkl = _best((lambda: torch.addmm(c, a, b)) if bias else (lambda: torch.mm(a, b)))
+        dnn = _best(lambda: onednn_linear(a, weight, c))
+        _measured[key] = (mkl, dnn)
+    return _measured[key]
+
+
+def linear_on_onednn(graph: TrainGraph, choose: str = "always") -> tuple[int, int]:
+    """Rewrite in place; returns ``(rewritten, left on MKL because measured no faster there)``."""
     if not torch.backends.mkldnn.is_available():
-        return 0
+        return 0, 0
     g = graph.graph
-    count = 0
+    count = kept = 0
     for node in list(g.nodes):
         operands = _operands(node)
         if operands is None:
             continue
         x, m, bias = operands
+        if choose == "measured":
+            mkl, dnn = measure(x.meta["val"], m.meta["val"], bias is not None)
+            if dnn > MARGIN * mkl:
+                kept += 1
+                continue
         meta = {k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")}
         with g.inserting_before(node):
             weight = g.call_function(aten.t.default, (m,))
@@ -111,11 +176,15 @@ def linear_on_onednn(graph: TrainGraph) -> int:
         count += 1
     if count:
         graph.recompile()
-    return count
+    return count, kept
 
 
 @register_pass("linear_on_onednn")
-def linear_on_onednn_pass(graph: TrainGraph, ctx: PassContext) -> TrainGraph:
-    """float32 CPU ``mm``/``addmm`` with a row-major left operand through oneDNN (faster than MKL there)."""
-    ctx.stat("rewritten", linear_on_onednn(graph))
+def linear_on_onednn_pass(graph: TrainGraph, ctx: PassContext, *,
+                          choose: Literal["measured", "always"] = "always") -> TrainGraph:
+    """float32 CPU ``mm``/``addmm`` through oneDNN: every one (``always``) or where a timing of both
+    libraries on the matmul's shapes finds oneDNN faster (``measured``)."""
+    rewritten, kept = linear_on_onednn(graph, choose)
+    ctx.stat("rewritten", rewritten)
+    ctx.stat("kept_on_mkl", kept)
     return graph

@@ -49,7 +49,7 @@ INDUCTOR_TAIL = "spell_out_alpha,tanh_gelu_as_sigmoid,bool_collectives_as_bytes"
 
 def test_the_inductor_pipeline_names_its_rewrites_even_for_pipeline_text():
     assert str(with_required_passes(build_pipeline(Plan(), "inductor"), "inductor")).endswith(
-        "cleanup," + INDUCTOR_TAIL)
+        "cleanup," + INDUCTOR_TAIL.replace(",", ",linear_on_onednn{choose=measured},", 1))
     assert "spell_out_alpha" not in str(build_pipeline(Plan(), "eager"))
     text = build_pipeline(Plan(pipeline="cleanup"), "inductor")
     assert str(with_required_passes(text, "inductor")) == "cleanup," + INDUCTOR_TAIL
@@ -60,12 +60,27 @@ def test_the_inductor_pipeline_names_its_rewrites_even_for_pipeline_text():
 @pytest.mark.slow
 def test_inductor_step_of_transformers_gpt2_with_its_rewrites_matches_eager_pytorch():
     from tests.zoo import compare
-    # GPT-2's hand-written tanh GELU (sigmoid form) and, opted in, its Conv1D matmuls on oneDNN (inductor
-    # calls the custom op as an extern kernel): not bitwise, to 1e-5
-    plan = Plan(backend="inductor", compile_cache="off", extra_passes=("linear_on_onednn",))
+    # GPT-2's hand-written tanh GELU (sigmoid form) and its Conv1D matmuls on oneDNN, every one
+    # (matmul_kernel: onednn; inductor calls the custom op as an extern kernel): not bitwise, to 1e-5
+    plan = Plan(backend="inductor", compile_cache="off", matmul_kernel="onednn")
     run = compare("gpt2", plan, steps=2, layers=1)
     stats = {r.name: r.stats.get("rewritten") for r in run.step.records}
     assert stats["tanh_gelu_as_sigmoid"] == 1 and stats["linear_on_onednn"] > 0
+    torch.testing.assert_close(torch.tensor(run.compiled_losses), torch.tensor(run.eager_losses),
+                               rtol=1e-6, atol=0)
+    assert run.max_param_diff() < 1e-5
+
+
+@pytest.mark.slow
+def test_inductor_by_default_times_every_float32_matmul_and_matches_eager_pytorch():
+    from tests.zoo import compare
+    # LLaMA's bias-free linears (mm): each one moves to oneDNN or stays on MKL by a timing of both,
+    # which machine decides; either way the step trains within 1e-5 of eager PyTorch
+    run = compare("llama", Plan(backend="inductor", compile_cache="off"), steps=2, layers=1)
+    record = next(r for r in run.step.records if r.name == "linear_on_onednn")
+    assert record.spec == "linear_on_onednn{choose=measured}"
+    # one layer's 7 linears and the head: forward, input gradient and weight gradient each
+    assert record.stats["rewritten"] + record.stats["kept_on_mkl"] == 8 * 3
     torch.testing.assert_close(torch.tensor(run.compiled_losses), torch.tensor(run.eager_losses),
                                rtol=1e-6, atol=0)
     assert run.max_param_diff() < 1e-5
