@@ -44,6 +44,7 @@ from typing import Literal
 
 import torch
 import torch.fx
+from torch.utils.flop_counter import register_flop_formula
 
 from graph_ir import TrainGraph
 from graph_ir.meta import GRADIENT_OF
@@ -72,6 +73,14 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 @onednn_linear.register_fake
 def _(x, weight, bias):
     return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+# torch's FLOP counter, and the cost model that reads its formulas (graph_ir.analysis.cost), price the
+# op as the matmul it is.
+@register_flop_formula(torch.ops.cann.onednn_linear)
+def _onednn_linear_flops(x_shape, weight_shape, bias_shape=None, *args, out_shape=None, **kwargs) -> int:
+    (rows, inner), (width, _) = x_shape, weight_shape
+    return 2 * rows * inner * width
 
 
 def _float32_cpu(node) -> bool:

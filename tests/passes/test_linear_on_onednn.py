@@ -49,6 +49,15 @@ def test_forward_input_gradient_weight_gradient_and_conv1d_layouts_move():
         assert o.shape == e.shape and o.is_contiguous()
 
 
+def test_the_cost_model_prices_the_oneDNN_matmul_as_a_matmul():
+    from graph_ir.analysis.cost import node_cost
+    graph = _graph(lambda x, w: [aten.mm(x, aten.t(w))], [torch.randn(64, 48), torch.randn(40, 48)], 1)
+    before = next(node_cost(n) for n in graph.graph.nodes if n.target is aten.mm.default)
+    linear_on_onednn(graph)
+    after = next(node_cost(n) for n in graph.graph.nodes if n.target is torch.ops.cann.onednn_linear.default)
+    assert after.matmul and after.flops == before.flops == 2 * 64 * 48 * 40
+
+
 def test_other_dtypes_and_batched_matmuls_are_left_alone():
     def f(x, w, a, b):
         return [aten.mm(x, w), aten.bmm(a, b)]
