@@ -156,20 +156,30 @@ def measure(x: torch.Tensor, m: torch.Tensor, bias: bool) -> tuple[float, float]
     return _measured[key]
 
 
-def linear_on_onednn(graph: TrainGraph, choose: str = "always") -> tuple[int, int]:
-    """Rewrite in place; returns ``(rewritten, left on MKL because measured no faster there)``."""
+def linear_on_onednn(graph: TrainGraph, choose: str = "always", timings: list | None = None) -> tuple[int, int]:
+    """Rewrite in place; returns ``(rewritten, left on MKL because measured no faster there)``.
+    ``timings`` (``measured``) gets one row per distinct matmul: its operands, how many nodes,
+    both libraries' microseconds and where they run."""
     if not torch.backends.mkldnn.is_available():
         return 0, 0
     g = graph.graph
     count = kept = 0
+    rows: dict[tuple, dict] = {}
     for node in list(g.nodes):
         operands = _operands(node)
         if operands is None:
             continue
         x, m, bias = operands
         if choose == "measured":
-            mkl, dnn = measure(x.meta["val"], m.meta["val"], bias is not None)
-            if dnn > MARGIN * mkl:
+            xv, mv = x.meta["val"], m.meta["val"]
+            mkl, dnn = measure(xv, mv, bias is not None)
+            moved = dnn <= MARGIN * mkl
+            key = (tuple(xv.shape), _layout(xv), tuple(mv.shape), _layout(mv), bias is not None)
+            row = rows.setdefault(key, {"x": f"{list(key[0])} {key[1]}", "m": f"{list(key[2])} {key[3]}",
+                                        "bias": key[4], "nodes": 0, "mkl_us": round(mkl * 1e6, 1),
+                                        "onednn_us": round(dnn * 1e6, 1), "runs_on": "onednn" if moved else "mkl"})
+            row["nodes"] += 1
+            if not moved:
                 kept += 1
                 continue
         meta = {k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")}
@@ -185,6 +195,8 @@ def linear_on_onednn(graph: TrainGraph, choose: str = "always") -> tuple[int, in
         count += 1
     if count:
         graph.recompile()
+    if timings is not None:
+        timings.extend(rows.values())
     return count, kept
 
 
@@ -193,7 +205,10 @@ def linear_on_onednn_pass(graph: TrainGraph, ctx: PassContext, *,
                           choose: Literal["measured", "always"] = "always") -> TrainGraph:
     """float32 CPU ``mm``/``addmm`` through oneDNN: every one (``always``) or where a timing of both
     libraries on the matmul's shapes finds oneDNN faster (``measured``)."""
-    rewritten, kept = linear_on_onednn(graph, choose)
+    timings: list = []
+    rewritten, kept = linear_on_onednn(graph, choose, timings)
     ctx.stat("rewritten", rewritten)
     ctx.stat("kept_on_mkl", kept)
+    if timings:
+        ctx.explain({"margin": MARGIN, "matmuls": timings})
     return graph

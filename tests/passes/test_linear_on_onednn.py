@@ -83,8 +83,13 @@ def test_measured_moves_only_the_matmuls_onednn_runs_in_at_most_0_8x_mkls_time(m
         timed.append((tuple(x.shape), tuple(m.shape)))
         return (1.0, 0.5) if m.shape[1] == 40 and x.is_contiguous() else (1.0, 0.85)
     monkeypatch.setattr(pass_module, "measure", measure)
-    assert linear_on_onednn(graph, "measured") == (1, 2)
+    timings = []
+    assert linear_on_onednn(graph, "measured", timings) == (1, 2)
     assert timed == [((64, 48), (48, 40)), ((64, 48), (48, 24)), ((40, 64), (64, 48))]
+    # the dump's explanation: one row per distinct matmul, with both times and the choice
+    assert [(t["x"], t["m"], t["runs_on"], t["mkl_us"], t["onednn_us"]) for t in timings] == [
+        ("[64, 48] row", "[48, 40] col", "onednn", 1e6, 5e5), ("[64, 48] row", "[48, 24] col", "mkl", 1e6, 8.5e5),
+        ("[40, 64] col", "[64, 48] row", "mkl", 1e6, 8.5e5)]
     moved = [n for n in graph.graph.nodes if n.target is torch.ops.cann.onednn_linear.default]
     assert moved[0].args[1].args[0].meta["val"].shape == (48, 40)
     for e, o in zip(expected, graph.gm(*args)):
