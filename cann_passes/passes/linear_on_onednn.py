@@ -9,7 +9,8 @@ weight gradient alike (MKL picks a slower code path on CPUs that are not Intel's
 on another it took 0.73-0.99x forward and 1.2x for the weight gradient, whose left
 operand is a transposed view that oneDNN reorders. So the pass measures.
 
-Rewritten, on float32 CPU tensors when oneDNN is built in:
+Rewritten, on float32 CPU tensors when oneDNN is built in and not turned off
+(``torch.backends.mkldnn.enabled``):
 
 - ``addmm(b, x, m)`` with a 1-D bias ``b`` of the output's width, ``alpha = beta = 1``;
 - ``mm(x, m)``;
@@ -160,8 +161,8 @@ def linear_on_onednn(graph: TrainGraph, choose: str = "always", timings: list | 
     """Rewrite in place; returns ``(rewritten, left on MKL because measured no faster there)``.
     ``timings`` (``measured``) gets one row per distinct matmul: its operands, how many nodes,
     both libraries' microseconds and where they run."""
-    if not torch.backends.mkldnn.is_available():
-        return 0, 0
+    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+        return 0, 0     # not built in, or turned off by the user (torch.backends.mkldnn.flags)
     g = graph.graph
     count = kept = 0
     rows: dict[tuple, dict] = {}

@@ -67,6 +67,17 @@ def test_other_dtypes_and_batched_matmuls_are_left_alone():
     assert linear_on_onednn(graph) == (0, 0)
 
 
+def test_nothing_moves_while_the_user_has_turned_onednn_off():
+    args = [torch.randn(16, 8), torch.randn(4, 8)]
+    graph = _graph(lambda x, w: [aten.mm(x, aten.t(w))], args, 1)
+    torch.backends.mkldnn.enabled = False
+    try:
+        assert linear_on_onednn(graph) == (0, 0)
+    finally:
+        torch.backends.mkldnn.enabled = True
+    assert linear_on_onednn(graph) == (1, 0)
+
+
 def test_measured_moves_only_the_matmuls_onednn_runs_in_at_most_0_8x_mkls_time(monkeypatch):
     import cann_passes.passes.linear_on_onednn as pass_module
 
