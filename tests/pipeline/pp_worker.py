@@ -4,8 +4,8 @@ Each CONFIG is ``[model/]schedule:optimizer[:option...]`` (``1f1b:sgd``, ``inter
 ``llama/gpipe:adamw``: another model than MODEL); an option is the number of virtual stages per rank,
 ``clip=X`` (``plan.grad_clip_norm``), ``zeroN`` (ZeRO stage N over dp), ``fp16`` (fp16 autocast with
 dynamic loss scaling; ``scale=X`` its initial scale, ``grow=N`` its growth interval; such a config
-runs ``FP16_STEPS`` steps), ``inductor`` (the backend) or ``background`` (``plan.background_lowering``,
-waited for after the second step). All configs run in this process one after the other under
+runs ``FP16_STEPS`` steps), ``inductor`` (the backend), ``onednn`` (``plan.matmul_kernel``: every
+float32 matmul on oneDNN) or ``background`` (``plan.background_lowering``, waited for after the second step). All configs run in this process one after the other under
 one ``(pp, dp, tp)`` mesh, each from the same initial weights.
 Each rank writes OUTDIR/rank<R>.pt: per config the losses, the full parameters of the stages this
 rank holds (gathered over tp by ``model.state_dict()``), the measured per-action events of the
@@ -104,6 +104,8 @@ def plan_for(config: str, pp: int, dp: int, tp: int) -> Plan:
             fields["backend"] = "inductor"
         elif option == "background":
             fields["background_lowering"] = True
+        elif option == "onednn":
+            fields["matmul_kernel"] = "onednn"
         else:
             raise ValueError(f"unknown config option {option!r}")
     return Plan(**fields)
@@ -143,7 +145,8 @@ def main(out: str, model_name: str, pp: int, dp: int, tp: int, configs: list[str
             # ZeRO-3: the parameter shards this rank keeps between steps (its stages' parameters over dp)
             shard_numel = sum(t.numel() for t in step.param_shards.values())
             comp = step.last
-            lowering = {"lowered": sorted(n for n, r in comp.runners.items() if not isinstance(r, NotRunHere))}
+            lowering = {"lowered": sorted(n for n, r in comp.runners.items() if not isinstance(r, NotRunHere)),
+                        "onednn": sum(r.stats.get("rewritten", 0) for r in step.records if r.name == "linear_on_onednn")}
             if comp.background is not None:
                 from torch._dynamo.utils import counters
                 runtime = comp.pipeline_runtime

@@ -143,12 +143,13 @@ def test_tp2_with_gradient_accumulation_and_gqa_kv_shards_under_sequence_paralle
     # head) and LLaMA (GQA). Then LLaMA with 8 query / 4 kv heads on one unmasked row under
     # sequence parallelism: each rank's own kv heads, the weights never gathered. Phi-3: its fused
     # qkv_proj and gate_up_proj sliced apart, split per part by the built-in phi3 rules. LLaMA
-    # under sequence parallelism compiled by inductor.
+    # under sequence parallelism compiled by inductor, its matmuls' shards on oneDNN.
     scenarios = ["step:gpt:sgd:mb2", "step:llama:adamw:mb2", "step:llama8:sgd:sp:row", "step:phi3:sgd",
-                 "step:phi3:adamw", "step:llama:sgd:sp:inductor"]
+                 "step:phi3:adamw", "step:llama:sgd:sp:inductor:onednn"]
     results = launch(tmp_path, 2, scenarios)
     for scenario, got in results.items():
         assert_matches(scenario, got)
+    assert results["step:llama:sgd:sp:inductor:onednn"]["onednn"] > 0
     sp = results["step:llama8:sgd:sp:row"]
     assert sp["attrs"]["params"]["model.layers.0.self_attn.k_proj.weight"] == {
         "dim": 0, "parts": 1, "rule": "*.self_attn.k_proj=column"}

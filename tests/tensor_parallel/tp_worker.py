@@ -138,7 +138,8 @@ def run_compiled_step(out: str, scenario: str, world, verify: str = "deep"):
 
     Options: ``zeroN`` (ZeRO stage N over dp), ``ckpt`` (save a checkpoint after step 5 and go on),
     ``mbN`` (N microbatches accumulated per step), ``sp`` (sequence parallelism and the
-    vocab-parallel loss), ``row`` (one-row batches, see ``batches``), ``inductor`` (the backend).
+    vocab-parallel loss), ``row`` (one-row batches, see ``batches``), ``inductor`` (the backend), ``onednn``
+    (``plan.matmul_kernel``: every float32 matmul on oneDNN).
     """
     from cann_passes import Plan, compile_for_npu
     from cann_passes.runtime import checkpoint
@@ -149,7 +150,8 @@ def run_compiled_step(out: str, scenario: str, world, verify: str = "deep"):
     zero = next((int(o.removeprefix("zero")) for o in options if o.startswith("zero")), 0)
     sp = "sp" in options
     plan = Plan(backend="inductor" if "inductor" in options else "eager", tp=tp, dp=dp, zero_stage=zero,
-                verify=verify, microbatches=microbatches_of(options), sequence_parallel=sp, vocab_parallel_loss=sp)
+                verify=verify, microbatches=microbatches_of(options), sequence_parallel=sp, vocab_parallel_loss=sp,
+                matmul_kernel="onednn" if "onednn" in options else "auto")
     step = compile_for_npu(entry.model, plan, optimizer=optimizer, loss_fn=entry.loss_fn)
     data = batches(entry, pad=padded(dp, options), row="row" in options)
     losses = []
@@ -170,7 +172,8 @@ def run_compiled_step(out: str, scenario: str, world, verify: str = "deep"):
     collectives = {f"{r}.{c}": n for (r, c), n in count_collectives(graph).items()}
     if world.rank == 0:
         torch.save({"losses": losses, "params": params, "collectives": collectives, "optim": optim,
-                    "attrs": graph.attrs["tensor_parallel"], "zero": graph.attrs.get("zero")},
+                    "attrs": graph.attrs["tensor_parallel"], "zero": graph.attrs.get("zero"),
+                    "onednn": sum(r.stats.get("rewritten", 0) for r in step.records if r.name == "linear_on_onednn")},
                    os.path.join(out, f"{scenario}.tp{tp}{f'.dp{dp}' if dp > 1 else ''}.pt"))
 
 
