@@ -20,7 +20,7 @@ MODELS = {"gpt": (tiny_gpt, gpt_batches), "mlp": (tiny_mlp, mlp_batches),
 
 
 def _run_parity(model_name: str, opt_kind: str, backend: str, steps: int = 10,
-                param_atol: float = 1e-5):
+                param_atol: float = 1e-5, **plan):
     factory, batches_of = MODELS[model_name]
     model, loss_fn = factory()
     ref, _ = factory()
@@ -28,7 +28,7 @@ def _run_parity(model_name: str, opt_kind: str, backend: str, steps: int = 10,
     batches = batches_of(steps)
     opt = make_optimizer(opt_kind, model.parameters())
     ref_opt = make_optimizer(opt_kind, ref.parameters())
-    step = compile_for_npu(model, Plan(backend=backend, verify="deep"), optimizer=opt, loss_fn=loss_fn)
+    step = compile_for_npu(model, Plan(backend=backend, verify="deep", **plan), optimizer=opt, loss_fn=loss_fn)
     losses = [step(b).item() for b in batches]
     expected = eager_losses(ref, loss_fn, ref_opt, batches)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0)
@@ -55,15 +55,20 @@ def test_adam_family_on_the_eager_backend_is_bitwise_equal_to_torch_optim(opt_ki
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("matmuls", ["aten", "onednn"])
 @pytest.mark.parametrize("opt_kind", ["sgd", "adam", "adamw"])
 @pytest.mark.parametrize("model_name", ["gpt_nobias", "mlp"])
-def test_inductor_backend_matches_eager_pytorch(model_name, opt_kind):
+def test_inductor_backend_matches_eager_pytorch(model_name, opt_kind, matmuls):
     # Adam divides each gradient by its own running RMS, so an element whose gradient
     # is mostly cancellation (embedding rows of tokens absent from the batch) turns
     # inductor's differently ordered reductions into a visible step difference. Bound
-    # it at 1% of one step (lr = 1e-2); the losses are still held to 1e-5.
+    # it at 1% of one step (lr = 1e-2); the losses are still held to 1e-5. With the
+    # matmuls on oneDNN (each dot product summed in oneDNN's order, not MKL's, as the
+    # default does where it times oneDNN faster) one element of 4096 moves 1.3% of a
+    # step: 2% there. Both choices are pinned, so the test does not depend on the machine.
     adam_on_gpt = opt_kind != "sgd" and model_name.startswith("gpt")
-    _run_parity(model_name, opt_kind, "inductor", param_atol=1e-4 if adam_on_gpt else 1e-5)
+    atol = (2e-4 if matmuls == "onednn" else 1e-4) if adam_on_gpt else 1e-5
+    _run_parity(model_name, opt_kind, "inductor", param_atol=atol, matmul_kernel=matmuls)
 
 
 def test_optimizer_state_dict_matches_eager_after_training():
