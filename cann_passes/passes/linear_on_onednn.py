@@ -119,6 +119,8 @@ def _operands(node: torch.fx.Node):
     if not (_float32_cpu(x) and _float32_cpu(m)) or _layout(x.meta["val"]) is None \
             or _layout(m.meta["val"]) is None:
         return None
+    if 0 in x.meta["val"].shape or 0 in m.meta["val"].shape:
+        return None     # nothing to compute, and oneDNN refuses empty operands
     return x, m, bias
 
 

@@ -58,12 +58,13 @@ def test_the_cost_model_prices_the_oneDNN_matmul_as_a_matmul():
     assert after.matmul and after.flops == before.flops == 2 * 64 * 48 * 40
 
 
-def test_other_dtypes_and_batched_matmuls_are_left_alone():
-    def f(x, w, a, b):
-        return [aten.mm(x, w), aten.bmm(a, b)]
+def test_other_dtypes_batched_and_empty_matmuls_are_left_alone():
+    def f(x, w, a, b, e, v):
+        return [aten.mm(x, w), aten.bmm(a, b), aten.mm(e, v)]
     args = [torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64),
-            torch.randn(2, 8, 8), torch.randn(2, 8, 8)]
-    graph = _graph(f, args, 2)
+            torch.randn(2, 8, 8), torch.randn(2, 8, 8),
+            torch.randn(4, 0), torch.randn(0, 3)]   # an empty inner dimension: oneDNN refuses it
+    graph = _graph(f, args, 3)
     assert linear_on_onednn(graph) == (0, 0)
 
 
