@@ -241,7 +241,7 @@ def _measure_one_thread() -> dict:
     # The faster of the two libraries a compiled step runs float32 matmuls with (ATen's MKL, and
     # oneDNN where linear_on_onednn measures it faster): the rate this CPU reaches, MFU's denominator.
     seconds = _best_of(lambda: mm_a @ mm_b, 5)
-    if torch.backends.mkldnn.is_available():
+    if torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled:
         weight = mm_b.t()
         seconds = min(seconds, _best_of(
             lambda: torch.ops.mkldnn._linear_pointwise(mm_a, weight, None, "none", [], ""), 5))

@@ -135,6 +135,12 @@ def test_the_plan_chooses_the_pass_per_backend():
         Plan(backend="torchair", matmul_kernel="onednn")
     with pytest.raises(PlanError, match="matmul_kernel"):
         Plan(matmul_kernel="mkl")
+    # with pipeline text the text decides: a field that disagrees with it is refused, by name
+    assert Plan(pipeline="cleanup,linear_on_onednn", matmul_kernel="onednn").matmul_kernel == "onednn"
+    with pytest.raises(PlanError, match="matmul_kernel.*linear_on_onednn"):
+        Plan(pipeline="cleanup,linear_on_onednn{choose=measured}", matmul_kernel="onednn")
+    with pytest.raises(PlanError, match="matmul_kernel.*'aten' but there is a 'linear_on_onednn' pass"):
+        Plan(pipeline="cleanup,linear_on_onednn", matmul_kernel="aten")
 
 
 @pytest.mark.parametrize("model", ["llama", "gpt2"])
