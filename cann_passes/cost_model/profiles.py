@@ -9,7 +9,7 @@ The ``cpu`` profile is measured, not looked up: a short microbenchmark run
 once per CPU (its model and vector ISA), core and thread count and torch version, cached on disk. It runs on
 one thread and scales throughputs by the thread count (see ``_measure_cpu``).
 It times one op of each class the roofline tells apart, at the sizes of a
-small transformer's activations (a 512x256x1024 matmul, 256k-element
+small transformer's activations (a 512x256x1024 matmul, by the faster of MKL and oneDNN, 256k-element
 elementwise and RNG ops, row reductions, attention-shaped softmax, chains of
 1-element aten ops and of views for the fixed per-op and per-view costs), so
 that a recompute choice made with it is judged by what the ops cost here, not
