@@ -159,12 +159,25 @@ def measure(x: torch.Tensor, m: torch.Tensor, bias: bool) -> tuple[float, float]
     return _measured[key]
 
 
+def _faster_on_onednn(x: torch.Tensor, m: torch.Tensor, bias: bool, rows: dict) -> bool:
+    """The measured choice for ``x @ m (+ bias)``, counted in ``rows`` (the explanation's row of its
+    distinct matmul)."""
+    mkl, dnn = measure(x, m, bias)
+    moved = dnn <= MARGIN * mkl
+    key = (tuple(x.shape), _layout(x), tuple(m.shape), _layout(m), bias)
+    row = rows.setdefault(key, {"x": f"{list(key[0])} {key[1]}", "m": f"{list(key[2])} {key[3]}",
+                                "bias": bias, "nodes": 0, "mkl_us": round(mkl * 1e6, 1),
+                                "onednn_us": round(dnn * 1e6, 1), "runs_on": "onednn" if moved else "mkl"})
+    row["nodes"] += 1
+    return moved
+
+
 def linear_on_onednn(graph: TrainGraph, choose: str = "always", timings: list | None = None) -> tuple[int, int]:
     """Rewrite in place; returns ``(rewritten, left on MKL because measured no faster there)``.
     ``timings`` (``measured``) gets one row per distinct matmul: its operands, how many nodes,
     both libraries' microseconds and where they run."""
     if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
-        return 0, 0     # not built in, or turned off by the user (torch.backends.mkldnn.flags)
+        return 0, 0     # not built in, or turned off by the user
     g = graph.graph
     count = kept = 0
     rows: dict[tuple, dict] = {}
@@ -173,18 +186,9 @@ def linear_on_onednn(graph: TrainGraph, choose: str = "always", timings: list | 
         if operands is None:
             continue
         x, m, bias = operands
-        if choose == "measured":
-            xv, mv = x.meta["val"], m.meta["val"]
-            mkl, dnn = measure(xv, mv, bias is not None)
-            moved = dnn <= MARGIN * mkl
-            key = (tuple(xv.shape), _layout(xv), tuple(mv.shape), _layout(mv), bias is not None)
-            row = rows.setdefault(key, {"x": f"{list(key[0])} {key[1]}", "m": f"{list(key[2])} {key[3]}",
-                                        "bias": key[4], "nodes": 0, "mkl_us": round(mkl * 1e6, 1),
-                                        "onednn_us": round(dnn * 1e6, 1), "runs_on": "onednn" if moved else "mkl"})
-            row["nodes"] += 1
-            if not moved:
-                kept += 1
-                continue
+        if choose == "measured" and not _faster_on_onednn(x.meta["val"], m.meta["val"], bias is not None, rows):
+            kept += 1
+            continue
         meta = {k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")}
         with g.inserting_before(node):
             weight = g.call_function(aten.t.default, (m,))
