@@ -15,6 +15,8 @@ rows per rank) with AdamW from the same initial weights:
   whole step on the eager backend, parameters and state updated in place;
 - ``...-fused``: the same plan with ``optimizer_kernel: fused`` (the AdamW update, or each
   ZeRO shard's, as torch's fused kernel, in place);
+- ``...-sharded``: ZeRO-1/2 with ``zero_master: sharded`` (the fp32 parameters sharded with the
+  state, each gathered whole before its first read in the next forward instead of after the update);
 - ``...-tensor-scalars``: the same plan with the update's step-count arithmetic left as 0-dim
   tensor ops (``CANN_PASSES_HOST_SCALARS=0``: no ``scalars_on_host``);
 - ``...-unplanned``: the same plan without the eager backend's buffer plan
@@ -56,7 +58,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 ROWS = ("ddp", "ddp-fused", "fsdp2", "ours-dp", "ours-dp-functional", "ours-dp-fused", "ours-dp-tensor-scalars",
         "ours-dp-unplanned", "ours-zero1", "ours-zero1-tensor-scalars", "ours-zero1-unplanned",
-        "ours-zero1-functional", "ours-zero1-fused", "ours-zero2", "ours-zero2-functional", "ours-zero3",
+        "ours-zero1-functional", "ours-zero1-fused", "ours-zero1-sharded", "ours-zero2", "ours-zero2-functional",
+        "ours-zero2-sharded", "ours-zero3",
         "ours-zero3-functional", "ours-zero3-fused", "ours-zero3-unplanned")
 STAGES = {"dp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
 BIG = 1 << 20
@@ -123,7 +126,8 @@ def make_row(name: str, layers: int, world, batch) -> Row:
     if name.startswith("ours-"):
         strategy = name.split("-")[1]
         plan = Plan(backend="eager", dp=world.dp_size, zero_stage=STAGES[strategy], compile_cache="off",
-                    optimizer_kernel="fused" if name.endswith("-fused") else "auto")
+                    optimizer_kernel="fused" if name.endswith("-fused") else "auto",
+                    **({"zero_master": "sharded"} if name.endswith("-sharded") else {}))
         step = compile_for_npu(model, plan, optimizer=adamw(model.parameters()), loss_fn=gpt_loss)
         with env(INPLACE_UPDATES_ENV, "0" if name.endswith("-functional") else None), \
                 env(HOST_SCALARS_ENV, "0" if name.endswith("-tensor-scalars") else None), \
