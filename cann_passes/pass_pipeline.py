@@ -1,6 +1,9 @@
 """The pipeline a plan compiles with: every built-in pass, in order, in one place.
 
     cleanup                      dead code, duplicate pure ops
+    attention_masks_as_flags     constant attention masks    (always; a mask made from no input that is
+                                                              causal becomes is_causal, one that hides
+                                                              nothing goes)
     autocast{dtype,policy}       mixed precision             (plan.precision != fp32)
     loss_scale{mode,...}         fp16 loss scaling           (plan.effective_loss_scale != none; when
                                                               accumulating, after grad_accumulation:
@@ -124,7 +127,7 @@ def build_pipeline(plan: Plan, backend: str, *, optimizer_fused: bool = False) -
         return Pipeline.parse(plan.pipeline)
     if plan.pp > 1:
         _check_pipeline_plan(plan)
-    steps: list = ["cleanup"]
+    steps: list = ["cleanup", "attention_masks_as_flags"]
     if plan.precision != "fp32":
         overrides = tuple(f"{k}={v}" for k, v in plan.autocast_overrides.items())
         steps.append(spec("autocast", dtype=plan.precision, policy="npu" if backend == "torchair" else "cuda",

@@ -210,7 +210,7 @@ def test_dumps_are_written_for_every_pass(tmp_path):
                            optimizer=make_optimizer("adamw", model.parameters()), loss_fn=loss_fn)
     step(mlp_batches(1)[0])
     names = sorted(os.listdir(tmp_path))
-    for stem in ("000_capture", "001_cleanup", "002_cleanup"):
+    for stem in ("000_capture", "001_cleanup", "002_attention_masks_as_flags", "003_cleanup"):
         assert f"{stem}.py" in names and f"{stem}.json" in names
     assert {"passes.json", "pipeline.txt", "inputs.pt"} <= set(names)
     assert open(tmp_path / "pipeline.txt").read().strip() == str(step.last.pipeline)

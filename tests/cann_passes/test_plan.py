@@ -70,9 +70,9 @@ def test_built_capabilities_are_accepted(fields):
 
 
 def test_default_pipeline_is_cleanup_and_the_plan_pipeline_overrides_it():
-    assert str(build_pipeline(Plan(), "eager")) == "cleanup,cleanup"
+    assert str(build_pipeline(Plan(), "eager")) == "cleanup,attention_masks_as_flags,cleanup"
     bf16 = str(build_pipeline(Plan(precision="bf16", recompute="selective"), "eager"))
-    assert bf16.startswith("cleanup,autocast{") and ",recompute{" in bf16
+    assert bf16.startswith("cleanup,attention_masks_as_flags,autocast{") and ",recompute{" in bf16
     assert str(build_pipeline(Plan(pipeline="cleanup{cse=false}"), "eager")) == "cleanup{cse=false}"
 
 

@@ -29,8 +29,14 @@ from tests.gloo_scenarios import make, verify_level  # noqa: E402,F401  (the tes
 STEPS = 10
 
 
-def batches(entry, pad: bool):
-    return [entry.make_batch(1000 + i, pad=pad) for i in range(STEPS)]
+def batches(entry, options) -> list:
+    """The scenario's batches: ``pad``: right-padded rows; ``nomask``: no attention_mask (transformers
+    then builds its causal mask from the sequence length alone)."""
+    made = [entry.make_batch(1000 + i, pad="pad" in options) for i in range(STEPS)]
+    if "nomask" in options:
+        for batch in made:
+            del batch["attention_mask"]
+    return made
 
 
 def rescale(entry, i: int) -> None:
@@ -68,7 +74,7 @@ def main(out: str, mesh: str, *scenarios: str):
             step = compile_for_npu(entry.model, plan, optimizer=optimizer, loss_fn=entry.loss_fn)
             dp = sizes["dp"]
             losses = []
-            for i, b in enumerate(batches(entry, "pad" in options)):
+            for i, b in enumerate(batches(entry, options)):
                 if "rescale" in options:
                     rescale(entry, i)
                 losses.append(float(step(shard_batch(b, world.dp_rank, dp))))
@@ -80,6 +86,8 @@ def main(out: str, mesh: str, *scenarios: str):
                 torch.save({"losses": losses, "params": params,
                             "collectives": {f"{r}.{c}": n for (r, c), n in count_collectives(graph).items()},
                             "attrs": graph.attrs.get("context_parallel"), "stages": pipeline["stages"],
+                            "masked_attention": sum("flash_attention" in str(n.target) and
+                                                    n.kwargs.get("attn_mask") is not None for n in graph.graph.nodes),
                             "recompiles": list(step.recompile_reasons)},
                            os.path.join(out, f"{scenario}.{mesh}.pt"))
 

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 def eager_reference(name: str, opt: str, options: list[str]):
     entry, optimizer = cp_worker.make(name, opt)
-    return gloo_scenarios.eager_training(entry, optimizer, cp_worker.batches(entry, "pad" in options),
+    return gloo_scenarios.eager_training(entry, optimizer, cp_worker.batches(entry, options),
                                          lambda batch: entry.loss_fn(entry.model, batch), clip="clip" in options,
                                          before=cp_worker.rescale if "rescale" in options else None)
 
@@ -49,13 +49,17 @@ def test_cp2_matches_single_process(tmp_path):
     with two microbatches (unpadded: equal token counts, so their mean is the batch's), with full
     recompute:
     K and V are all-gathered per layer, their gradients reduce-scattered, each parameter's
-    gradient all-reduced over cp in backward."""
+    gradient all-reduced over cp in backward. Without an attention_mask transformers' causal mask
+    is made from the sequence alone (attention_masks_as_flags): the chunks attend under is_causal."""
     scenarios = ["llama:sgd:pad", "llama:adamw:pad", "llama:sgd:pad:clip", "llama:sgd:mb2", "llama:sgd:pad:full",
                  "gpt+attention=sdpa:adamw:clip", "gpt+attention=sdpa:adamw:clip:ring",
-                 "gpt+attention=sdpa:sgd:full:ring", "llama:adamw:pad:clip:ring", "llama:sgd:pad:rescale"]
+                 "gpt+attention=sdpa:sgd:full:ring", "llama:adamw:pad:clip:ring", "llama:sgd:pad:rescale",
+                 "llama:adamw:nomask", "llama:sgd:nomask:ring"]
     got = launch(tmp_path, 2, "cp=2", scenarios)
     for scenario in scenarios:
         assert_matches(scenario, got[scenario])
+    assert got["llama:sgd:pad"]["masked_attention"] > 0
+    assert got["llama:adamw:nomask"]["masked_attention"] == got["llama:sgd:nomask:ring"]["masked_attention"] == 0
     # the guards see the attention scale change on every rank: each compiles the cp step again
     assert [r.split(" changed")[0] for r in got["llama:sgd:pad:rescale"]["recompiles"]] == \
         ["attribute model.layers.0.self_attn.scaling of the model"]

@@ -42,10 +42,12 @@ def _stdout(capsys, argv) -> str:
 class TestRunArtifacts:
     def test_default_pipeline_is_dumped_pass_by_pass(self, gpt_dump):
         assert gpt_dump.pipeline == \
-            "cleanup,cleanup,wait_for_reductions_first,scalars_on_host,reuse_dead_operands,plan_buffers"
-        assert [p.stem for p in gpt_dump.passes] == ["000_capture", "001_cleanup", "002_cleanup",
-                                                     "003_wait_for_reductions_first", "004_scalars_on_host",
-                                                     "005_reuse_dead_operands", "006_plan_buffers"]
+            "cleanup,attention_masks_as_flags,cleanup,wait_for_reductions_first,scalars_on_host," \
+            "reuse_dead_operands,plan_buffers"
+        assert [p.stem for p in gpt_dump.passes] == ["000_capture", "001_cleanup", "002_attention_masks_as_flags",
+                                                     "003_cleanup", "004_wait_for_reductions_first",
+                                                     "005_scalars_on_host", "006_reuse_dead_operands",
+                                                     "007_plan_buffers"]
         for p in gpt_dump.passes:
             for suffix in (".py", ".json", ".dot"):
                 assert os.path.getsize(p.path(suffix)) > 0, p.path(suffix)
@@ -155,7 +157,8 @@ class TestCommands:
         out = _stdout(capsys, ["diff", gpt_dump.directory, str(bare)])
         table = out.split("\n\n")[1].splitlines()
         assert table[0].split()[:2] == ["pass", "(A"]
-        assert [row.split()[0] for row in table[2:]] == ["capture", "cleanup", "cleanup", "wait_for_reductions_first",
+        assert [row.split()[0] for row in table[2:]] == ["capture", "cleanup", "attention_masks_as_flags",
+                                                         "cleanup", "wait_for_reductions_first",
                                                          "scalars_on_host", "reuse_dead_operands", "plan_buffers"]
         assert table[3].split()[1:4] == ["|", "-", str(records[1]["nodes_after"])]
         # Op counts of the final graphs differ by what the cleanup removed.

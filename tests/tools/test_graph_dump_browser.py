@@ -55,7 +55,7 @@ def test_a_pass_opens_its_side_by_side_diff(page):
     assert removed >= dump.passes[1].record["nodes_before"] - dump.passes[1].record["nodes_after"]
     assert '<tr class="hunk">' in detail and '<mark class="del">' in detail
 
-    dom = _rendered(load(index, "pass=002_cleanup"))
+    dom = _rendered(load(index, "pass=003_cleanup"))
     assert 'id="diff-empty"' in dom
 
 

@@ -1,0 +1,263 @@
+"""attention_masks_as_flags: an attention mask made from no input becomes the attention kernel's
+``is_causal`` flag where it is the causal pattern, and goes where it hides nothing.
+
+transformers builds its causal mask from ``arange``s of the sequence length. Run eagerly without
+a padding mask it checks for that case and calls SDPA with ``is_causal=True`` and no mask; traced,
+the check is left out (one graph serves padded and unpadded batches), so the captured step hands
+the kernel the materialized mask: a ``[batch, 1, q, k]`` float tensor of 0 and -inf built every
+step (at sequence 4096 and batch 8, 512 MiB), which the kernel adds to every score block,
+including the blocks wholly above the diagonal that ``is_causal`` skips (about half the work at
+long sequences, and what context parallelism's balanced chunks are built for). An encoder run
+without a padding mask (BERT, BART's encoder) gets an all-zero mask the same way.
+
+The rewrite is decided by the mask's values, not by how the model spells it. A mask qualifies when
+
+- no graph input reaches it (no placeholder among its ancestors: a padding mask from the batch
+  makes it data, and it stays), and every op that makes it is a deterministic aten op;
+- evaluated on CPU (the ops run again on real tensors, whatever device the graph is on; a batch
+  ``expand`` followed only by pointwise ops is skipped, since the value is the same for every row),
+  it broadcasts to the kernel's ``[..., q, k]`` as exactly torch's ``is_causal`` pattern: query
+  ``i`` sees key ``j`` iff ``j <= i``. A boolean mask must be True there and False elsewhere; a
+  float one 0 there and ``-inf`` (or the dtype's lowest value, whose weight also rounds to exactly
+  0) elsewhere. A mask that hides no key (all True, or all 0) is simply dropped.
+
+Then each attention op reading a causal mask (the CPU flash kernel's forward and backward, the
+aten form the capture records for SDPA on CPU and on meta) gets ``is_causal=True`` and no mask,
+one reading a mask that hides nothing gets no mask, and the mask's ops, now unread, are removed.
+
+The check costs the mask's ``q x k`` elements of compute at compile time (batch rows not counted),
+not that much memory: a pointwise value larger than 2^24 elements (transformers' comparison of
+two ``arange``s and all after it) is made a block of query rows at a time (1.25 s for a
+32768-token mask on one core); another op's value is made whole up to 2^28 elements. A mask with
+more than ``max_elements`` elements, or made otherwise, is not checked and stays.
+
+Numerics: the kernel's two paths compute the same softmax (a masked score's weight is exactly 0
+either way) and the step is what eager PyTorch runs without a padding mask. The unmasked path's
+block loop ends at the diagonal, so sums can round otherwise than the masked path's; tests hold
+steps to 1e-5 of eager.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from graph_ir import TrainGraph
+from graph_ir.build import eliminate_dead_code
+
+from ..pass_manager import PassContext, register_pass
+
+aten = torch.ops.aten
+
+# op -> the position of its is_causal argument (the mask is the keyword-only attn_mask).
+_ATTENTION = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default: 4,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 7,
+}
+_MAX_ELEMENTS = 1 << 32          # a 65536 x 65536 grid: about 5 s of checking on one CPU core
+_BLOCK = 1 << 24                 # elements made at once: a block of query rows of a larger mask
+_WHOLE = 1 << 28                 # the largest value that is not pointwise made whole (1 GiB as float32)
+
+
+class _NotConstant(Exception):
+    """The mask depends on an input or on an op this pass does not run at compile time."""
+
+
+class _TooLarge(Exception):
+    """A value on the way is too large to make whole and cannot be made a block of rows at a time."""
+
+
+def _ancestors(mask: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes ``mask`` is computed from, in graph order; raises if one is an input."""
+    seen, stack = {}, [mask]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) \
+                or node.target.namespace not in ("aten", "prims") or node.target._schema.is_mutable \
+                or torch.Tag.nondeterministic_seeded in node.target.tags:
+            raise _NotConstant(node.format_node())
+        seen[node] = None
+        stack.extend(node.all_input_nodes)
+    order = {n: i for i, n in enumerate(mask.graph.nodes)}
+    return sorted(seen, key=order.__getitem__)
+
+
+def _pointwise(node: torch.fx.Node) -> bool:
+    return torch.Tag.pointwise in node.target.tags
+
+
+def _broadcast_only(node: torch.fx.Node, within: set) -> bool:
+    """Every node between ``node`` and the mask is pointwise (or another broadcast), so that the
+    value computed without ``node``'s expand broadcasts to the one computed with it."""
+    for user in node.users:
+        if user in within and not (_pointwise(user) or user.target in (aten.expand.default, aten.unsqueeze.default)):
+            return False
+        if user in within and not _broadcast_only(user, within):
+            return False
+    return True
+
+
+def _on_cpu(value):
+    return torch.device("cpu") if isinstance(value, torch.device) else value
+
+
+class _Rows:
+    """A pointwise value too large to make whole, made a block of query rows (its dim -2) at a
+    time: every operand of a pointwise op lines up with its output from the right, so a block of
+    its rows reads the same block of each operand's rows (all of an operand that broadcasts)."""
+
+    def __init__(self, node: torch.fx.Node, shape: torch.Size):
+        self.node, self.shape = node, shape
+
+
+def _values(nodes: list[torch.fx.Node]) -> dict:
+    """Each node's value on CPU, in a shape that broadcasts to its own (an expand of the batch
+    followed only by pointwise ops is skipped), or a :class:`_Rows` where it is too large."""
+    within = set(nodes)
+    values: dict = {}
+    for node in nodes:
+        inputs = [values[n] for n in node.all_input_nodes]
+        if node.target is aten.expand.default and _broadcast_only(node, within):
+            values[node] = inputs[0]
+            continue
+        if _pointwise(node) and inputs:
+            shape = torch.broadcast_shapes(*(v.shape for v in inputs))
+            if shape.numel() > _BLOCK or any(isinstance(v, _Rows) for v in inputs):
+                if len(shape) < 2:
+                    raise _TooLarge(node.format_node())
+                values[node] = _Rows(node, shape)
+                continue
+        elif any(isinstance(v, _Rows) for v in inputs) or (
+                isinstance(node.meta.get("val"), torch.Tensor) and node.meta["val"].numel() > _WHOLE
+                and node.target is not aten.unsqueeze.default):
+            raise _TooLarge(node.format_node())
+        args, kwargs = torch.fx.map_arg((node.args, node.kwargs), lambda n: values[n])
+        result = node.target(*args, **{k: _on_cpu(v) for k, v in kwargs.items()})
+        if not isinstance(result, torch.Tensor):
+            raise _NotConstant(node.format_node())
+        values[node] = result
+    return values
+
+
+def _block(value, values: dict, first: int, last: int, rows: int) -> torch.Tensor:
+    """Query rows ``[first, last)`` of ``value`` (of a mask with ``rows`` query rows)."""
+    if isinstance(value, _Rows):
+        args, kwargs = torch.fx.map_arg((value.node.args, value.node.kwargs),
+                                        lambda n: _block(values[n], values, first, last, rows))
+        return value.node.target(*args, **kwargs)
+    if value.dim() >= 2 and value.shape[-2] == rows:
+        return value[..., first:last, :]
+    return value
+
+
+def _classify(value: torch.Tensor, first: int, keys: int) -> tuple[bool, bool, bool]:
+    """(valid, hides nothing, causal) for mask rows starting at query ``first``."""
+    if value.dtype == torch.bool:
+        allowed = value
+    elif value.is_floating_point():
+        allowed = value == 0
+        if not bool((allowed | (value == float("-inf")) | (value == torch.finfo(value.dtype).min)).all()):
+            return False, False, False
+    else:
+        return False, False, False
+    causal = torch.ones(value.shape[-2], keys, dtype=torch.bool).tril(first)
+    return True, bool(allowed.all()), bool((allowed == causal).all())
+
+
+def _pattern_of(value, values: dict, shape: torch.Size, max_elements: int) -> str | None:
+    try:
+        if len(value.shape) > len(shape) or torch.broadcast_shapes(value.shape, shape) != shape:
+            return None
+    except RuntimeError:
+        return None
+    rows, keys = shape[-2], shape[-1]
+    if value.shape.numel() > max_elements:
+        raise _TooLarge(f"{value.shape.numel()} elements")
+    if not isinstance(value, _Rows):
+        blocks = [(0, value if value.dim() >= 2 else value.expand(rows, keys))]
+    elif value.shape[-2] != rows:
+        raise _TooLarge(value.node.format_node())
+    else:
+        step = max(1, _BLOCK * rows // value.shape.numel())
+        blocks = ((a, _block(value, values, a, min(a + step, rows), rows)) for a in range(0, rows, step))
+    visible = causal = True
+    for first, block in blocks:
+        if block.shape[-2] == 1 and rows > 1:      # the same for every query row
+            block = block.expand(*block.shape[:-2], rows - first, block.shape[-1])
+        ok, block_visible, block_causal = _classify(block, first, keys)
+        if not ok:
+            return None
+        visible, causal = visible and block_visible, causal and block_causal
+        if not (visible or causal):
+            return None
+        if block.shape[-2] == rows - first:
+            break
+    return "none" if visible else "causal" if causal else None
+
+
+def pattern(value: torch.Tensor, shape: torch.Size) -> str | None:
+    """What ``value``, broadcast to ``shape`` (``[..., q, k]``), is as an attention mask: ``causal``
+    (torch's ``is_causal``: query ``i`` sees key ``j`` iff ``j <= i``), ``none`` (it hides nothing),
+    or None (anything else, a float mask with any value but 0 and -inf among them)."""
+    return _pattern_of(value, {}, shape, _MAX_ELEMENTS)
+
+
+def _outcome(node: torch.fx.Node, mask: torch.fx.Node, max_elements: int) -> str:
+    try:
+        values = _values(_ancestors(mask))
+        found = _pattern_of(values[mask], values, _grid_shape(node), max_elements)
+    except _NotConstant:
+        return "kept_not_constant"
+    except _TooLarge:
+        return "kept_too_large"
+    return {"causal": "causal", "none": "dropped"}.get(found, "kept_other")
+
+
+OUTCOMES = ("causal", "dropped", "kept_not_constant", "kept_too_large", "kept_other")
+
+
+def attention_masks_as_flags(graph: torch.fx.Graph, max_elements: int = _MAX_ELEMENTS) -> dict[str, int]:
+    """Rewrite every attention op whose mask is made from no input and is the causal pattern
+    (``causal``) or hides nothing (``dropped``); returns how many attention ops had each of
+    :data:`OUTCOMES`."""
+    outcomes: dict[torch.fx.Node, str] = {}      # per mask: a forward and its backward read one
+    counts = dict.fromkeys(OUTCOMES, 0)
+    for node in list(graph.nodes):
+        position = _ATTENTION.get(node.target) if node.op == "call_function" else None
+        mask = node.kwargs.get("attn_mask") if position is not None else None
+        if not isinstance(mask, torch.fx.Node):
+            continue
+        if mask not in outcomes:
+            outcomes[mask] = _outcome(node, mask, max_elements)
+        counts[outcomes[mask]] += 1
+        if outcomes[mask] not in ("causal", "dropped"):
+            continue
+        if outcomes[mask] == "causal":
+            args = list(node.args)
+            while len(args) < position:            # the forward's dropout_p may be left out
+                args.append(0.0)
+            args[position:position + 1] = [True]
+            node.args = tuple(args)
+        node.kwargs = {k: v for k, v in node.kwargs.items() if k != "attn_mask"}
+    if counts["causal"] or counts["dropped"]:
+        eliminate_dead_code(graph)
+    return counts
+
+
+def _grid_shape(node: torch.fx.Node) -> torch.Size:
+    """The scores' ``[batch, heads, q, k]`` the mask is added to."""
+    first = 0 if node.target is aten._scaled_dot_product_flash_attention_for_cpu.default else 1
+    qv, kv = node.args[first].meta["val"], node.args[first + 1].meta["val"]
+    return torch.Size([*qv.shape[:-2], qv.shape[-2], kv.shape[-2]])
+
+
+@register_pass("attention_masks_as_flags")
+def attention_masks_as_flags_pass(graph: TrainGraph, ctx: PassContext, *,
+                                  max_elements: int = _MAX_ELEMENTS) -> TrainGraph:
+    """An attention mask made from no input becomes ``is_causal=True`` where it is exactly the causal
+    pattern and goes where it hides nothing (what eager SDPA gets from transformers without a
+    padding mask)."""
+    for key, value in attention_masks_as_flags(graph.graph, max_elements).items():
+        ctx.stat(key, value)
+    return graph
