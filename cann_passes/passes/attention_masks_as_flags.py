@@ -203,15 +203,38 @@ def pattern(value: torch.Tensor, shape: torch.Size) -> str | None:
     return _pattern_of(value, {}, shape, _MAX_ELEMENTS)
 
 
+def _spelling(nodes: list[torch.fx.Node]) -> tuple:
+    """The computation ``nodes`` spell, with node arguments as positions: equal for the same mask
+    in two copies of a graph (the planner compiles one captured step once per candidate plan)."""
+    index = {n: i for i, n in enumerate(nodes)}
+
+    def spell(a: torch.fx.Node) -> str:
+        return f"%{index[a]}"
+    return tuple((str(n.target), repr(torch.fx.map_arg((n.args, n.kwargs), spell))) for n in nodes)
+
+
+_OUTCOME_OF: dict[tuple, str] = {}    # (spelling, grid shape, max_elements) -> outcome, this process
+
+
 def _outcome(node: torch.fx.Node, mask: torch.fx.Node, max_elements: int) -> str:
     try:
-        values = _values(_ancestors(mask))
-        found = _pattern_of(values[mask], values, _grid_shape(node), max_elements)
+        nodes = _ancestors(mask)
     except _NotConstant:
         return "kept_not_constant"
-    except _TooLarge:
-        return "kept_too_large"
-    return {"causal": "causal", "none": "dropped"}.get(found, "kept_other")
+    key = (_spelling(nodes), tuple(_grid_shape(node)), max_elements)
+    if key not in _OUTCOME_OF:
+        try:
+            values = _values(nodes)
+            found = _pattern_of(values[mask], values, _grid_shape(node), max_elements)
+            outcome = {"causal": "causal", "none": "dropped"}.get(found, "kept_other")
+        except _NotConstant:
+            outcome = "kept_not_constant"
+        except _TooLarge:
+            outcome = "kept_too_large"
+        if len(_OUTCOME_OF) > 256:
+            _OUTCOME_OF.clear()
+        _OUTCOME_OF[key] = outcome
+    return _OUTCOME_OF[key]
 
 
 OUTCOMES = ("causal", "dropped", "kept_not_constant", "kept_too_large", "kept_other")

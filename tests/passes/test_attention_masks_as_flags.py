@@ -108,6 +108,7 @@ def test_a_mask_larger_than_a_block_is_checked_a_block_of_rows_at_a_time(mask, o
     graph, _ = capture_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), _loss, _batches()[0])
     made = []
     block = module._block
+    monkeypatch.setattr(module, "_OUTCOME_OF", {})
     monkeypatch.setattr(module, "_BLOCK", 2 * S)                 # two query rows at a time
     monkeypatch.setattr(module, "_WHOLE", 2 * S)
     monkeypatch.setattr(module, "_block", lambda *a: made.append(a[2:4]) or block(*a))
@@ -116,6 +117,20 @@ def test_a_mask_larger_than_a_block_is_checked_a_block_of_rows_at_a_time(mask, o
         assert {(0, 2), (2, 4), (4, 6)} <= set(made)             # every block was looked at
     elif outcome == "kept_other":
         assert (0, 2) in made and (4, 6) not in made             # the first block that differs ends it
+
+
+def test_the_outcome_is_remembered_for_the_same_mask_in_another_copy_of_the_graph(monkeypatch):
+    from cann_passes.passes import attention_masks_as_flags as module
+    model = Attention("float_causal")
+    graph, _ = capture_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), _loss, _batches()[0])
+    monkeypatch.setattr(module, "_OUTCOME_OF", {})
+    checked = []
+    values = module._values
+    monkeypatch.setattr(module, "_values", lambda nodes: checked.append(len(nodes)) or values(nodes))
+    copies = [graph.copy() for _ in range(2)]
+    assert [attention_masks_as_flags(c.graph)["causal"] for c in copies] == [2, 2]
+    assert len(checked) == 1
+    assert not [n for c in copies for n in c.graph.nodes if n.kwargs.get("attn_mask") is not None]
 
 
 def test_pattern_reads_broadcasting_values():
