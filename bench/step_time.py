@@ -30,7 +30,10 @@ with AdamW, every row from the same initial weights:
 - ``ours-inductor-aten`` / ``ours-eager-onednn``: the float32 matmuls all on ATen's kernels (MKL) on
   inductor (``matmul_kernel: aten``; inductor's default moves each to oneDNN where a timing at compile
   finds oneDNN faster, ``linear_on_onednn``) / all on oneDNN on eager (``matmul_kernel: onednn``;
-  eager's default stays on ATen's, bitwise eager PyTorch).
+  eager's default stays on ATen's, bitwise eager PyTorch);
+- ``ours-eager-masked`` / ``ours-inductor-masked``: the default pipeline without
+  ``attention_masks_as_flags`` (a transformers model's causal mask, made from the sequence alone,
+  built every step and handed to SDPA, as the step ran before that pass).
 
 Rows run in interleaved rounds (every row once per round, in a rotating
 order) so that load from other processes on the machine falls on all rows
@@ -74,7 +77,7 @@ MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::
               "aten::_scaled_dot_product_flash_attention_for_cpu_backward")
 ROWS = ("eager", "foreach", "fused", "compile", "compile+opt", "ours-eager", "ours-eager-unguarded",
         "ours-eager-foreach", "ours-eager-fused", "ours-eager-tensor-scalars", "ours-eager-unplanned", "ours-inductor", "ours-inductor-unplanned", "ours-inductor-unfused", "ours-inductor-foreach", "ours-inductor-fused",
-        "ours-inductor-aten", "ours-eager-onednn")
+        "ours-inductor-aten", "ours-eager-onednn", "ours-eager-masked", "ours-inductor-masked")
 _KERNELS = {"-unfused": "none", "-foreach": "foreach", "-fused": "fused"}
 _MATMULS = {"-aten": "aten", "-onednn": "onednn"}
 
@@ -215,6 +218,8 @@ def make_row(name: str, case: Case) -> Row:
     if name.startswith("ours-"):
         opt = _adamw(model)
         backend = name[len("ours-"):]
+        masked = backend.endswith("-masked")
+        backend = backend.removesuffix("-masked")
         tensor_scalars = backend.endswith("-tensor-scalars")
         unplanned = backend.endswith("-unplanned")
         backend = backend.removesuffix("-tensor-scalars").removesuffix("-unplanned")
@@ -225,6 +230,10 @@ def make_row(name: str, case: Case) -> Row:
         suffix = next((k for k in _KERNELS if backend.endswith(k)), "")
         plan = Plan(backend=backend.removesuffix(suffix) if suffix else backend,
                     optimizer_kernel=_KERNELS.get(suffix, "auto"), matmul_kernel=_MATMULS.get(matmul, "auto"))
+        if masked:
+            from cann_passes.pass_pipeline import build_pipeline
+            default = str(build_pipeline(plan, plan.backend))
+            plan = plan.replace(pipeline=default.replace("attention_masks_as_flags,", ""))
         step = compile_for_npu(model, plan, optimizer=opt, loss_fn=case.loss_fn)
         t0 = time.perf_counter()
         # The eager backend's passes and lowering read these when the step compiles, in compile().

@@ -87,13 +87,15 @@ def _pointwise(node: torch.fx.Node) -> bool:
     return torch.Tag.pointwise in node.target.tags
 
 
-def _broadcast_only(node: torch.fx.Node, within: set) -> bool:
+def _broadcast_only(node: torch.fx.Node, within: set, keeps_rank: bool) -> bool:
     """Every node between ``node`` and the mask is pointwise (or another broadcast), so that the
-    value computed without ``node``'s expand broadcasts to the one computed with it."""
+    value computed without ``node``'s expand broadcasts to the one computed with it. Where the
+    expand adds dims, no unsqueeze may follow: it would insert at another place of the smaller value."""
+    later = (aten.expand.default, aten.unsqueeze.default) if keeps_rank else (aten.expand.default,)
     for user in node.users:
-        if user in within and not (_pointwise(user) or user.target in (aten.expand.default, aten.unsqueeze.default)):
+        if user in within and not (_pointwise(user) or user.target in later):
             return False
-        if user in within and not _broadcast_only(user, within):
+        if user in within and not _broadcast_only(user, within, keeps_rank):
             return False
     return True
 
@@ -118,7 +120,8 @@ def _values(nodes: list[torch.fx.Node]) -> dict:
     values: dict = {}
     for node in nodes:
         inputs = [values[n] for n in node.all_input_nodes]
-        if node.target is aten.expand.default and _broadcast_only(node, within):
+        if node.target is aten.expand.default and \
+                _broadcast_only(node, within, len(node.args[1]) == len(inputs[0].shape)):
             values[node] = inputs[0]
             continue
         if _pointwise(node) and inputs:
@@ -145,14 +148,16 @@ def _block(value, values: dict, first: int, last: int, rows: int) -> torch.Tenso
     if isinstance(value, _Rows):
         args, kwargs = torch.fx.map_arg((value.node.args, value.node.kwargs),
                                         lambda n: _block(values[n], values, first, last, rows))
-        return value.node.target(*args, **kwargs)
+        return value.node.target(*args, **{k: _on_cpu(v) for k, v in kwargs.items()})
     if value.dim() >= 2 and value.shape[-2] == rows:
         return value[..., first:last, :]
     return value
 
 
-def _classify(value: torch.Tensor, first: int, keys: int) -> tuple[bool, bool, bool]:
-    """(valid, hides nothing, causal) for mask rows starting at query ``first``."""
+def _classify(value: torch.Tensor, first: int, rows: int, keys: int) -> tuple[bool, bool, bool]:
+    """(valid, hides nothing, causal) for ``rows`` mask rows from query ``first`` on, ``value``
+    broadcasting to them (a value that does not vary over rows or keys is not causal unless
+    there is one of them)."""
     if value.dtype == torch.bool:
         allowed = value
     elif value.is_floating_point():
@@ -161,8 +166,11 @@ def _classify(value: torch.Tensor, first: int, keys: int) -> tuple[bool, bool, b
             return False, False, False
     else:
         return False, False, False
-    causal = torch.ones(value.shape[-2], keys, dtype=torch.bool).tril(first)
-    return True, bool(allowed.all()), bool((allowed == causal).all())
+    if bool(allowed.all()):
+        return True, True, first == 0 and rows == 1 and keys == 1
+    if tuple(allowed.shape[-2:]) != (rows, keys):
+        return True, False, False
+    return True, False, bool((allowed == torch.ones(rows, keys, dtype=torch.bool).tril(first)).all())
 
 
 def _pattern_of(value, values: dict, shape: torch.Size, max_elements: int) -> str | None:
@@ -175,24 +183,21 @@ def _pattern_of(value, values: dict, shape: torch.Size, max_elements: int) -> st
     if value.shape.numel() > max_elements:
         raise _TooLarge(f"{value.shape.numel()} elements")
     if not isinstance(value, _Rows):
-        blocks = [(0, value if value.dim() >= 2 else value.expand(rows, keys))]
+        blocks = [(0, rows, value.reshape((1,) * (2 - value.dim()) + tuple(value.shape)))]
     elif value.shape[-2] != rows:
         raise _TooLarge(value.node.format_node())
     else:
         step = max(1, _BLOCK * rows // value.shape.numel())
-        blocks = ((a, _block(value, values, a, min(a + step, rows), rows)) for a in range(0, rows, step))
+        blocks = ((a, min(step, rows - a), _block(value, values, a, min(a + step, rows), rows))
+                  for a in range(0, rows, step))
     visible = causal = True
-    for first, block in blocks:
-        if block.shape[-2] == 1 and rows > 1:      # the same for every query row
-            block = block.expand(*block.shape[:-2], rows - first, block.shape[-1])
-        ok, block_visible, block_causal = _classify(block, first, keys)
+    for first, count, block in blocks:
+        ok, block_visible, block_causal = _classify(block, first, count, keys)
         if not ok:
             return None
         visible, causal = visible and block_visible, causal and block_causal
         if not (visible or causal):
             return None
-        if block.shape[-2] == rows - first:
-            break
     return "none" if visible else "causal" if causal else None
 
 

@@ -31,12 +31,15 @@ MASKS = {
     "lowest_causal": lambda x: torch.zeros(S, S).masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1),
                                                              torch.finfo(torch.float32).min),
     "all_visible": lambda x: torch.zeros(x.shape[0], 1, S, S),
+    # an expand that adds the batch dim, then an unsqueeze that reads the dims it added
+    "expanded_then_unsqueezed": lambda x: (_grid()[1] <= _grid()[0]).expand(x.shape[0], S, S).unsqueeze(1),
     "sliding_window": lambda x: (_grid()[1] <= _grid()[0]) & (_grid()[0] - _grid()[1] < 3),
     "one_key_ahead": lambda x: torch.ones(S, S, dtype=torch.bool).tril(1),
     "half_weighted": lambda x: torch.zeros(S, S).masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), -0.5),
     "from_the_batch": lambda x: (x[:, :, :1] > 0).unsqueeze(1).expand(-1, 1, S, S),
 }
 OUTCOME = {"float_causal": "causal", "bool_causal": "causal", "lowest_causal": "causal",
+           "expanded_then_unsqueezed": "causal",
            "all_visible": "dropped", "sliding_window": "kept_other", "one_key_ahead": "kept_other",
            "half_weighted": "kept_other", "from_the_batch": "kept_not_constant"}
 
