@@ -49,7 +49,7 @@ import torch.fx
 
 from graph_ir.analysis import memory_profile
 from graph_ir.analysis.collectives import collective_kind, group_name_of, is_communication_op
-from graph_ir.analysis.cost import node_cost
+from graph_ir.analysis.cost import ATTENTION_OPS, attention_flops, node_cost
 from graph_ir.analysis.gradients import GradientNotFound, find_gradients
 from graph_ir.analysis.memory import aliases_input, saved_activations
 from graph_ir.analysis.structure import find_blocks
@@ -125,10 +125,15 @@ def param_copy_bytes(tg: TrainGraph) -> int:
 
 
 def model_flops(captured: TrainGraph) -> float:
-    """Matrix-unit FLOPs of one captured step (forward + backward + update, no recompute)."""
+    """Matrix-unit FLOPs of one captured step (forward + backward + update, no recompute), causal
+    attention counted over its full scores as Megatron's MFU counts it (the time model prices the
+    tiles a kernel skips under ``is_causal`` as skipped)."""
     total = 0.0
     for node in captured.graph.nodes:
         if node.op == "call_function" and not is_communication_op(node):
+            if node.target in ATTENTION_OPS:
+                total += attention_flops(node, causal_skips=False)
+                continue
             cost = node_cost(node)
             if cost.matmul:
                 total += cost.flops

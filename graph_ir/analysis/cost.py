@@ -22,13 +22,44 @@ aten = torch.ops.aten
 
 # The CPU flash kernel's aten form (what the capture records for SDPA on CPU, and on meta:
 # graph_ir.meta_attention) is missing from torch's registry; its FLOPs are those of the other
-# fused kernels (full scores, no causal discount, as torch counts them).
+# fused kernels (full scores, as torch counts them). Under is_causal a flash kernel skips the
+# tiles wholly above the diagonal, so the work the cost model prices is cut to the tiles it
+# computes (causal_tile_fraction); model FLOPs (MFU's numerator) keep the full count.
 _ATTENTION_FLOPS = {
     aten._scaled_dot_product_flash_attention_for_cpu.default:
         lambda q, k, v, *_, **__: sdpa_flop_count(q.shape, k.shape, v.shape),
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
         lambda grad, q, k, v, *_, **__: sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape),
 }
+ATTENTION_OPS = frozenset(_ATTENTION_FLOPS)
+_IS_CAUSAL_AT = {aten._scaled_dot_product_flash_attention_for_cpu.default: 4,
+                 aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 7}
+_QUERY_AT = {aten._scaled_dot_product_flash_attention_for_cpu.default: 0,
+             aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 1}
+# The square tile a flash kernel skips or computes whole (the NPU's FlashAttentionScore and
+# FlashAttention-2 work in tiles of 128 query and key rows).
+ATTENTION_TILE = 128
+
+
+def causal_tile_fraction(queries: int, keys: int, tile: int = ATTENTION_TILE) -> float:
+    """The share of a ``queries x keys`` score grid's tiles a flash kernel computes under torch's
+    ``is_causal`` (query ``i`` sees keys ``j <= i``): the tiles with a key at or before their last query."""
+    q_tiles, k_tiles = -(-queries // tile), -(-keys // tile)
+    if not q_tiles or not k_tiles:
+        return 1.0
+    computed = sum(min(k_tiles, min(queries - 1, (t + 1) * tile - 1) // tile + 1) for t in range(q_tiles))
+    return computed / (q_tiles * k_tiles)
+
+
+def attention_flops(node: torch.fx.Node, *, causal_skips: bool = True) -> int:
+    """A fused attention node's FLOPs: the full scores, or (``causal_skips``) the tiles it computes."""
+    args = torch.fx.node.map_aggregate(node.args, _val)
+    flops = _ATTENTION_FLOPS[node.target](*args)
+    position = _IS_CAUSAL_AT[node.target]
+    if causal_skips and len(args) > position and args[position] is True:
+        q, k = args[_QUERY_AT[node.target]], args[_QUERY_AT[node.target] + 1]
+        flops *= causal_tile_fraction(q.shape[-2], k.shape[-2])
+    return int(flops)
 
 # A grouped matmul over experts multiplies each of its S rows by one expert's [in, out] weight:
 # 2*S*in*out forward, twice that backward (input and weight gradients). Keyed by name: the op is
@@ -91,8 +122,7 @@ def node_cost(node: torch.fx.Node) -> NodeCost:
     read = sum(nbytes(a.meta.get("val")) for a in node.all_input_nodes)
     written = nbytes(out)
     if node.target in _ATTENTION_FLOPS:
-        args = torch.fx.node.map_aggregate(node.args, _val)
-        return NodeCost(int(_ATTENTION_FLOPS[node.target](*args)), read, written, matmul=True)
+        return NodeCost(attention_flops(node), read, written, matmul=True)
     grouped = _GROUPED_MM_FLOPS.get(str(node.target))
     if grouped is not None:
         args = torch.fx.node.map_aggregate(node.args, _val)

@@ -46,3 +46,27 @@ def test_npu_legalize_keeps_meta_attention_as_the_fused_kernel_and_decomposes_it
     assert len(_attention(meta)) == 4
     cpu = npu_legalize_pass(_capture("cpu"), PassContext())
     assert not _attention(cpu)
+
+
+def test_causal_attention_is_priced_by_the_tiles_it_computes_and_mfu_counts_every_score():
+    from cann_passes.figures import model_flops
+    from cann_passes.passes.attention_masks_as_flags import attention_masks_as_flags
+    from graph_ir.analysis.cost import causal_tile_fraction
+    from tools.plan_cli import MODELS
+    assert causal_tile_fraction(128, 128) == 1.0                    # one tile: computed whole
+    assert causal_tile_fraction(4096, 4096) == 33 / 64               # 32 x 32 tiles, 528 on or below the diagonal
+    assert causal_tile_fraction(100, 300) == 1 / 3                   # no query sees past key 99
+    assert causal_tile_fraction(300, 100) == 1.0
+    seq = 1024
+    with torch.device("meta"):
+        model, loss_fn, batch = MODELS["llama-tiny"].build(1, seq, 1)
+    graph, _ = capture_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, batch)
+    fwd = _attention(graph)[0]
+    full = node_cost(fwd).flops
+    assert full == sdpa_flop_count(*(a.meta["val"].shape for a in fwd.args[:3]))   # a mask: every score
+    before = model_flops(graph)
+    assert attention_masks_as_flags(graph.graph)["causal"] == 2
+    fwd, bwd = _attention(graph)
+    assert node_cost(fwd).flops == int(full * causal_tile_fraction(seq, seq)) == int(full * 36 / 64)
+    assert node_cost(bwd).flops < sdpa_backward_flop_count(*(a.meta["val"].shape for a in bwd.args[:4]))
+    assert model_flops(graph) == before
