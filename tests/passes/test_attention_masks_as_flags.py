@@ -146,11 +146,13 @@ def test_pattern_reads_broadcasting_values():
     assert pattern(torch.ones(S, S, dtype=torch.int64).tril(), torch.Size([B, H, S, S])) is None
 
 
-@pytest.mark.parametrize("name, outcome", [("llama", "causal"), ("bert", "dropped")])
-def test_transformers_models_without_a_padding_mask_match_eager(name, outcome):
+@pytest.mark.parametrize("name, outcome, config", [("llama", "causal", {}), ("bert", "dropped", {}),
+                                                  ("mistral", "kept_other", {"sliding_window": 4})])
+def test_transformers_models_without_a_padding_mask_match_eager(name, outcome, config):
     """Without an attention_mask, LLaMA's causal mask and BERT's all-visible one are made from the
-    sequence alone; eager transformers then calls SDPA with is_causal (or no mask), and so does the step."""
-    entry = zoo.build(name, layers=2, seed=0)
+    sequence alone; eager transformers then calls SDPA with is_causal (or no mask), and so does the
+    step. Mistral's sliding window (4 keys of 12) is not causal: its mask stays."""
+    entry = zoo.build(name, layers=2, seed=0, **config)
     batches = [entry.make_batch(1000 + i, pad=False) for i in range(3)]
     for batch in batches:
         del batch["attention_mask"]
@@ -159,7 +161,8 @@ def test_transformers_models_without_a_padding_mask_match_eager(name, outcome):
     assert run.max_param_diff() <= 1e-5
     stats = _stats(run.step)
     assert stats[outcome] == 4 and sum(stats.values()) == 4              # 2 layers, forward and backward
-    assert not [n for n in run.step.last.graph.graph.nodes if n.kwargs.get("attn_mask") is not None]
+    masked = [n for n in run.step.last.graph.graph.nodes if n.kwargs.get("attn_mask") is not None]
+    assert len(masked) == (4 if outcome == "kept_other" else 0)
 
 
 def test_a_padding_mask_keeps_the_mask():
