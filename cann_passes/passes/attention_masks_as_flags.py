@@ -42,17 +42,13 @@ import torch
 import torch.fx
 
 from graph_ir import TrainGraph
+from graph_ir.analysis.cost import IS_CAUSAL_AT, QUERY_AT
 from graph_ir.build import eliminate_dead_code
 
 from ..pass_manager import PassContext, register_pass
 
 aten = torch.ops.aten
 
-# op -> the position of its is_causal argument (the mask is the keyword-only attn_mask).
-_ATTENTION = {
-    aten._scaled_dot_product_flash_attention_for_cpu.default: 4,
-    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 7,
-}
 _MAX_ELEMENTS = 1 << 32          # a 65536 x 65536 grid: about 5 s of checking on one CPU core
 _BLOCK = 1 << 24                 # elements made at once: a block of query rows of a larger mask
 _WHOLE = 1 << 28                 # the largest value that is not pointwise made whole (1 GiB as float32)
@@ -226,11 +222,12 @@ def _outcome(node: torch.fx.Node, mask: torch.fx.Node, max_elements: int) -> str
         nodes = _ancestors(mask)
     except _NotConstant:
         return "kept_not_constant"
-    key = (_spelling(nodes), tuple(_grid_shape(node)), max_elements)
+    grid = _grid_shape(node)
+    key = (_spelling(nodes), tuple(grid), max_elements)
     if key not in _OUTCOME_OF:
         try:
             values = _values(nodes)
-            found = _pattern_of(values[mask], values, _grid_shape(node), max_elements)
+            found = _pattern_of(values[mask], values, grid, max_elements)
             outcome = {"causal": "causal", "none": "dropped"}.get(found, "kept_other")
         except _NotConstant:
             outcome = "kept_not_constant"
@@ -252,7 +249,7 @@ def attention_masks_as_flags(graph: torch.fx.Graph, max_elements: int = _MAX_ELE
     outcomes: dict[torch.fx.Node, str] = {}      # per mask: a forward and its backward read one
     counts = dict.fromkeys(OUTCOMES, 0)
     for node in list(graph.nodes):
-        position = _ATTENTION.get(node.target) if node.op == "call_function" else None
+        position = IS_CAUSAL_AT.get(node.target) if node.op == "call_function" else None
         mask = node.kwargs.get("attn_mask") if position is not None else None
         if not isinstance(mask, torch.fx.Node):
             continue
@@ -275,7 +272,7 @@ def attention_masks_as_flags(graph: torch.fx.Graph, max_elements: int = _MAX_ELE
 
 def _grid_shape(node: torch.fx.Node) -> torch.Size:
     """The scores' ``[batch, heads, q, k]`` the mask is added to."""
-    first = 0 if node.target is aten._scaled_dot_product_flash_attention_for_cpu.default else 1
+    first = QUERY_AT[node.target]
     qv, kv = node.args[first].meta["val"], node.args[first + 1].meta["val"]
     return torch.Size([*qv.shape[:-2], qv.shape[-2], kv.shape[-2]])
 

@@ -32,9 +32,11 @@ _ATTENTION_FLOPS = {
         lambda grad, q, k, v, *_, **__: sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape),
 }
 ATTENTION_OPS = frozenset(_ATTENTION_FLOPS)
-_IS_CAUSAL_AT = {aten._scaled_dot_product_flash_attention_for_cpu.default: 4,
+# Where the flash op and its backward take is_causal and the query (the key follows it); the
+# mask is their keyword-only attn_mask.
+IS_CAUSAL_AT = {aten._scaled_dot_product_flash_attention_for_cpu.default: 4,
                  aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 7}
-_QUERY_AT = {aten._scaled_dot_product_flash_attention_for_cpu.default: 0,
+QUERY_AT = {aten._scaled_dot_product_flash_attention_for_cpu.default: 0,
              aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 1}
 # The square tile a flash kernel skips or computes whole (the NPU's FlashAttentionScore and
 # FlashAttention-2 work in tiles of 128 query and key rows).
@@ -55,9 +57,9 @@ def attention_flops(node: torch.fx.Node, *, causal_skips: bool = True) -> int:
     """A fused attention node's FLOPs: the full scores, or (``causal_skips``) the tiles it computes."""
     args = torch.fx.node.map_aggregate(node.args, _val)
     flops = _ATTENTION_FLOPS[node.target](*args)
-    position = _IS_CAUSAL_AT[node.target]
+    position = IS_CAUSAL_AT[node.target]
     if causal_skips and len(args) > position and args[position] is True:
-        q, k = args[_QUERY_AT[node.target]], args[_QUERY_AT[node.target] + 1]
+        q, k = args[QUERY_AT[node.target]], args[QUERY_AT[node.target] + 1]
         flops *= causal_tile_fraction(q.shape[-2], k.shape[-2])
     return int(flops)
 
